@@ -1,0 +1,308 @@
+"""Pure-JAX references: the oracle every kernel, block and benchmark is checked against.
+
+Everything here is plain `jax.numpy`, float32 math (matmuls at `Precision.HIGHEST`, so a GPU run
+does not silently drop to TF32), FLA/HF layout:
+
+    q, k   [B, T, HK, K]        v     [B, T, HV, V]
+    g      [B, T, HV] (GDN)     g     [B, T, HV, K] (KDA)      beta [B, T, HV]
+    state  [B, HV, K, V]        (K-major: S[k, v])
+
+Value head j reads key head j // (HV // HK) (grouped value heads, "GVA").
+
+Per (sequence, value head), for each token t (see DESIGN.md, "Semantics"):
+
+    S <- exp(g_t) * S                 (GDN: scalar g_t; KDA: diag(exp(g_t)), per key channel)
+    u_t = beta_t * (v_t - S^T k_t)    (the delta reads the decayed S)
+    S <- S + k_t u_t^T
+    o_t = S^T (scale * q_t)           (read after the update)
+
+The public, validated entry points (`gated_delta_rule`, `kda`) live in `gdn_jax.ops`; the functions
+here trust their inputs' shapes and are what those entry points and the tests call.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+F32 = jnp.float32
+HIGHEST = lax.Precision.HIGHEST
+L2NORM_EPS = 1e-6
+SOFTPLUS_THRESHOLD = 20.0
+
+__all__ = [
+    "softplus", "l2norm", "gdn_gate", "gdn_beta", "kda_gate", "gated_rmsnorm",
+    "causal_conv1d", "causal_conv1d_step", "conv_state_from_hf", "conv_state_to_hf",
+    "state_to_16bit", "state_to_f32", "expand_kv_heads", "recurrent_delta_rule",
+    "chunked_delta_rule", "decode_step", "verify_steps",
+]
+
+
+# --------------------------------------------------------------------------- elementwise pieces
+
+def softplus(x: jax.Array) -> jax.Array:
+    """torch.nn.functional.softplus (beta 1, threshold 20) in fp32: x itself above 20."""
+    x = x.astype(F32)
+    return jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
+
+
+def l2norm(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
+    """x * rsqrt(sum(x^2) + eps) over the last axis, in fp32 (returns fp32)."""
+    x = x.astype(F32)
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def gdn_gate(a: jax.Array, A_log: jax.Array, dt_bias: jax.Array) -> jax.Array:
+    """GDN log-space decay: g = -exp(A_log) * softplus(a + dt_bias), fp32, shape of `a` ([..., HV])."""
+    a = a.astype(F32)
+    return -jnp.exp(A_log.astype(F32)) * softplus(a + dt_bias.astype(F32))
+
+
+def gdn_beta(b: jax.Array) -> jax.Array:
+    """beta = sigmoid(b) in fp32."""
+    return jax.nn.sigmoid(b.astype(F32))
+
+
+def kda_gate(g: jax.Array, A_log: jax.Array, dt_bias: jax.Array, *,
+             lower_bound: float | None = None) -> jax.Array:
+    """KDA per-channel log decay from the raw gate projection, fp32 [..., HV, K].
+
+    g [..., HV, K] raw (f_b(f_a(x)) reshaped); A_log [HV] (any shape with HV elements);
+    dt_bias [HV, K] or [HV * K].
+
+    lower_bound None:  g = -exp(A_log[h]) * softplus(g + dt_bias[h, :])
+    lower_bound lb<0:  g = lb * sigmoid(exp(A_log[h]) * (g + dt_bias[h, :]))
+    """
+    if lower_bound is not None and not float(lower_bound) < 0.0:
+        raise ValueError(f"lower_bound must be < 0 (or None for the softplus gate), got {lower_bound}")
+    hv, kd = g.shape[-2], g.shape[-1]
+    if A_log.size != hv:
+        raise ValueError(f"A_log must hold HV={hv} values, got shape {A_log.shape}")
+    if dt_bias.size != hv * kd:
+        raise ValueError(f"dt_bias must hold HV*K={hv * kd} values, got shape {dt_bias.shape}")
+    A = jnp.exp(A_log.astype(F32).reshape(hv, 1))
+    x = g.astype(F32) + dt_bias.astype(F32).reshape(hv, kd)
+    if lower_bound is None:
+        return -A * softplus(x)
+    return jnp.float32(lower_bound) * jax.nn.sigmoid(A * x)
+
+
+def gated_rmsnorm(x: jax.Array, z: jax.Array, weight: jax.Array, *, eps: float = 1e-6,
+                  activation: str = "silu", out_dtype=None) -> jax.Array:
+    """y = x * rsqrt(mean(x^2) + eps) * weight * act(z) over the last axis (one head of size V).
+
+    fp32 math, one rounding to `out_dtype` (default: x's dtype). GDN uses act = SiLU, KDA sigmoid.
+    """
+    if activation not in ("silu", "sigmoid"):
+        raise ValueError(f"activation must be 'silu' or 'sigmoid', got {activation!r}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    xf = x.astype(F32)
+    zf = z.astype(F32)
+    act = jax.nn.silu(zf) if activation == "silu" else jax.nn.sigmoid(zf)
+    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * weight.astype(F32) * act
+    return y.astype(out_dtype)
+
+
+# --------------------------------------------------------------------------- short causal conv
+# Canonical conv state: the last W-1 *inputs* of the sequence, time-major, [B, W-1, C] (the same
+# channel order as the activations). HF keeps W columns channel-major [B, C, W] whose oldest
+# column is never read again; vLLM keeps W-1. Convert at the boundary with the helpers below.
+
+def causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,
+                  conv_state: jax.Array | None = None, activation: str | None = "silu"):
+    """Depthwise causal conv over time: y_t = act(sum_j w[c, j] x_{t-W+1+j} (+ b[c])), fp32 accumulate.
+
+    x [B, T, C]; weight [C, W]; bias [C] or None; conv_state [B, W-1, C] (the inputs before x;
+    zeros when None). Returns (y [B, T, C] in x's dtype, new conv_state [B, W-1, C] in the dtype
+    of conv_state, or of x when none was given).
+    """
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    b, t, c = x.shape
+    w = weight.shape[-1]
+    state_dtype = x.dtype if conv_state is None else conv_state.dtype
+    if conv_state is None:
+        conv_state = jnp.zeros((b, w - 1, c), x.dtype)
+    xp = jnp.concatenate([conv_state.astype(F32), x.astype(F32)], axis=1)  # [B, T+W-1, C]
+    wf = weight.astype(F32)
+    y = sum(xp[:, j:j + t, :] * wf[:, j] for j in range(w))
+    if bias is not None:
+        y = y + bias.astype(F32)
+    if activation == "silu":
+        y = jax.nn.silu(y)
+    new_state = xp[:, xp.shape[1] - (w - 1):, :].astype(state_dtype)
+    return y.astype(x.dtype), new_state
+
+
+def causal_conv1d_step(x: jax.Array, conv_state: jax.Array, weight: jax.Array,
+                       bias: jax.Array | None = None, *, activation: str | None = "silu"):
+    """One decode step: shift the window left by one, write x last, convolve. x [B, C]."""
+    y, new_state = causal_conv1d(x[:, None, :], weight, bias, conv_state=conv_state,
+                                 activation=activation)
+    return y[:, 0, :], new_state
+
+
+def conv_state_from_hf(hf_state: jax.Array) -> jax.Array:
+    """HF cache conv state [B, C, W] (last W inputs, channel-major) -> canonical [B, W-1, C]."""
+    return jnp.swapaxes(hf_state[:, :, 1:], 1, 2)
+
+
+def conv_state_to_hf(state: jax.Array) -> jax.Array:
+    """Canonical [B, W-1, C] -> HF [B, C, W]; the oldest column (never read again) is zero."""
+    s = jnp.swapaxes(state, 1, 2)
+    return jnp.concatenate([jnp.zeros_like(s[:, :, :1]), s], axis=2)
+
+
+# --------------------------------------------------------------------------- state dtype
+
+def state_to_16bit(state: jax.Array, dtype=jnp.float16) -> jax.Array:
+    """fp32 state -> fp16/bf16, round to nearest even (out of place)."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
+    return state.astype(F32).astype(dtype)
+
+
+def state_to_f32(state: jax.Array) -> jax.Array:
+    """16-bit (or fp32) state -> fp32, exact."""
+    return state.astype(F32)
+
+
+# --------------------------------------------------------------------------- delta rule
+
+def expand_kv_heads(x: jax.Array, num_v_heads: int, axis: int) -> jax.Array:
+    """[.., HK, ..] -> [.., HV, ..]: value head j reads key head j // (HV // HK)."""
+    hk = x.shape[axis]
+    return x if hk == num_v_heads else jnp.repeat(x, num_v_heads // hk, axis=axis)
+
+
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm, head_axis):
+    """fp32 casts, optional L2 norm, scale folded into q, key heads expanded to value heads."""
+    hv = v.shape[head_axis]
+    qf = l2norm(q) if use_qk_l2norm else q.astype(F32)
+    kf = l2norm(k) if use_qk_l2norm else k.astype(F32)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qf = expand_kv_heads(qf * jnp.float32(scale), hv, head_axis)
+    kf = expand_kv_heads(kf, hv, head_axis)
+    return qf, kf, v.astype(F32), g.astype(F32), beta.astype(F32)
+
+
+def _token_update(S, q, k, v, g, beta):
+    """One token of the recurrence on fp32 S [..., K, V]; q, k [..., K]; v [..., V];
+    g [...] (scalar gate) or [..., K] (per-channel gate); beta [...]. Returns (o [..., V], S)."""
+    decay = jnp.exp(g)
+    S = S * (decay[..., :, None] if g.ndim == k.ndim else decay[..., None, None])
+    u = beta[..., None] * (v - jnp.einsum("...k,...kv->...v", k, S, precision=HIGHEST))
+    S = S + k[..., :, None] * u[..., None, :]
+    o = jnp.einsum("...k,...kv->...v", q, S, precision=HIGHEST)
+    return o, S
+
+
+def _zero_state(b, hv, kd, vd):
+    return jnp.zeros((b, hv, kd, vd), F32)
+
+
+def recurrent_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
+                         use_qk_l2norm=False):
+    """Token-serial `lax.scan` reference. Returns (o fp32 [B, T, HV, V], final fp32 [B, HV, K, V])."""
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, scale, use_qk_l2norm, head_axis=2)
+    b, _, hv, kd = kf.shape
+    S0 = _zero_state(b, hv, kd, vf.shape[-1]) if initial_state is None else initial_state.astype(F32)
+
+    def body(S, xs):
+        o, S = _token_update(S, *xs)
+        return S, o
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (qf, kf, vf, gf, bf))
+    S, o = lax.scan(body, S0, xs)
+    return jnp.moveaxis(o, 0, 1), S
+
+
+def chunked_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
+                       use_qk_l2norm=False, chunk_size=64):
+    """The WY/UT chunk form, pure JAX: same function as `recurrent_delta_rule`, any T, any state.
+
+    Within a chunk of C tokens with cumulative log decay G_i (from the chunk start):
+        S_i = D(G_i) S_0 + sum_{j<=i} D(G_i - G_j) k_j u_j^T
+    so the deltas solve a unit lower-triangular system (I + A) U = beta * (V - (k * e^G) S_0)
+    with A_ij = beta_i sum_c k_ic k_jc e^{G_ic - G_jc} (j < i), and
+        O = (q * e^G) S_0 + (QK ∘ decay, j <= i) U,   S_C = D(G_C) S_0 + sum_j D(G_C - G_j) k_j u_j^T.
+    Decay differences are formed pairwise and masked before exp (every exponent used is <= 0),
+    so per-channel gates of any size cannot overflow. Chunks run in a `lax.scan`, which keeps
+    the [C, C, K] pairwise decay of the per-channel gate to one chunk at a time.
+    """
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, scale, use_qk_l2norm, head_axis=2)
+    b, t, hv, kd = kf.shape
+    vd = vf.shape[-1]
+    per_channel = gf.ndim == 4
+    c = chunk_size
+    nc = -(-t // c)
+    pad = nc * c - t
+    if pad:  # neutral tokens: g = 0 (no decay), beta = 0 (no write), q = k = v = 0
+        padt = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        qf, kf, vf, gf, bf = map(padt, (qf, kf, vf, gf, bf))
+    # [B, NC*C, H, ...] -> [NC, B, H, C, ...]
+    to_chunks = lambda a: jnp.moveaxis(a.reshape((b, nc, c) + a.shape[2:]), (1, 2), (0, 3)) \
+        if a.ndim == 3 else jnp.moveaxis(a.reshape((b, nc, c) + a.shape[2:]), (1, 2, 3), (0, 3, 2))
+    qc, kc, vc, gc, bc = map(to_chunks, (qf, kf, vf, gf, bf))
+    S0 = _zero_state(b, hv, kd, vd) if initial_state is None else initial_state.astype(F32)
+    incl = jnp.tril(jnp.ones((c, c), bool))
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    eye = jnp.eye(c, dtype=F32)
+    ein = lambda s, *a: jnp.einsum(s, *a, precision=HIGHEST)
+
+    def chunk(S, xs):
+        qx, kx, vx, gx, bx = xs  # [B,H,C,K], [B,H,C,K], [B,H,C,V], [B,H,C(,K)], [B,H,C]
+        G = jnp.cumsum(gx, axis=2)
+        if per_channel:
+            dlog = G[:, :, :, None, :] - G[:, :, None, :, :]                  # [B,H,C,C,K]
+            D = jnp.exp(jnp.where(incl[:, :, None], dlog, -jnp.inf))
+            KK = ein("bhic,bhjc,bhijc->bhij", kx, kx, D)
+            QK = ein("bhic,bhjc,bhijc->bhij", qx, kx, D)
+            eG = jnp.exp(G)
+            k_end = kx * jnp.exp(G[:, :, -1:, :] - G)
+            state_decay = eG[:, :, -1, :, None]                                # [B,H,K,1]
+        else:
+            dlog = G[:, :, :, None] - G[:, :, None, :]                          # [B,H,C,C]
+            D = jnp.exp(jnp.where(incl, dlog, -jnp.inf))
+            KK = ein("bhic,bhjc->bhij", kx, kx) * D
+            QK = ein("bhic,bhjc->bhij", qx, kx) * D
+            eG = jnp.exp(G)[..., None]
+            k_end = kx * jnp.exp(G[:, :, -1:] - G)[..., None]
+            state_decay = eG[:, :, -1, :, None]                                # [B,H,1,1]
+        A = jnp.where(strict, bx[..., :, None] * KK, 0.0)
+        rhs = bx[..., None] * (vx - ein("bhik,bhkv->bhiv", kx * eG, S))
+        U = jax.scipy.linalg.solve_triangular(eye + A, rhs, lower=True, unit_diagonal=True)
+        O = ein("bhik,bhkv->bhiv", qx * eG, S) + ein("bhij,bhjv->bhiv", QK, U)
+        S = S * state_decay + ein("bhjk,bhjv->bhkv", k_end, U)
+        return S, O
+
+    S, O = lax.scan(chunk, S0, (qc, kc, vc, gc, bc))
+    O = jnp.moveaxis(O, (0, 3), (1, 2)).reshape(b, nc * c, hv, vd)[:, :t]
+    return O, S
+
+
+def decode_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False):
+    """One token for a batch: q, k [B, HK, K]; v [B, HV, V]; g [B, HV] (GDN) or [B, HV, K] (KDA);
+    beta [B, HV]; state [B, HV, K, V] of any float dtype.
+
+    Returns (o [B, HV, V] in q's dtype, new state in state's dtype: fp32 math, one rounding)."""
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, scale, use_qk_l2norm, head_axis=1)
+    o, S = _token_update(state.astype(F32), qf, kf, vf, gf, bf)
+    return o.astype(q.dtype), S.astype(state.dtype)
+
+
+def verify_steps(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False):
+    """T draft tokens from a committed state, keeping the state after each token.
+
+    Same layout as the sequence functions ([B, T, ...]). Returns (o [B, T, HV, V] in q's dtype,
+    states [B, T, HV, K, V] in state's dtype): states[:, i] is exactly what `decode_step` run
+    i + 1 times would hold (each token's state rounded to the state dtype, as a decode store
+    would)."""
+    def body(S, xs):
+        o, S = decode_step(*xs, S, scale=scale, use_qk_l2norm=use_qk_l2norm)
+        return S, (o, S)
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+    _, (o, states) = lax.scan(body, state, xs)
+    return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)
