@@ -1,0 +1,3 @@
+from gdn_jax.cli import main
+
+raise SystemExit(main())

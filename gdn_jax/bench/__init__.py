@@ -1,0 +1,1 @@
+"""Benchmarks: one module per benchmark (`python -m gdn_jax bench <name>`); helpers in `common`."""

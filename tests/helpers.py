@@ -1,0 +1,34 @@
+"""Numeric helpers shared by the tests (imported as `from helpers import ...`)."""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b|| in float64; NaN or Inf anywhere fails loudly (returns inf)."""
+    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        return float("inf")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def delta_inputs(key, *, B=2, T=8, HK=2, HV=4, K=32, V=32, kind="gdn", dtype=jnp.float32,
+                 with_state=True, l2=True, n_states=None):
+    """Fresh random inputs for the delta rule (never zeros). Without L2 norm the keys are scaled
+    to unit-ish norm so the recurrence stays stable (beta * |k|^2 < 2)."""
+    ks = jax.random.split(key, 6)
+    q = jax.random.normal(ks[0], (B, T, HK, K), jnp.float32)
+    k = jax.random.normal(ks[1], (B, T, HK, K), jnp.float32)
+    if not l2:
+        q = q / np.sqrt(K)
+        k = k / np.sqrt(K)
+    v = jax.random.normal(ks[2], (B, T, HV, V), jnp.float32)
+    gshape = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], gshape, jnp.float32) - 1.0)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, HV), jnp.float32))
+    n = B if n_states is None else n_states
+    h0 = 0.3 * jax.random.normal(ks[5], (n, HV, K, V), jnp.float32) if with_state else None
+    cast = lambda x: x.astype(dtype)
+    return cast(q), cast(k), cast(v), g, beta, h0
