@@ -1,0 +1,1 @@
+"""Pallas kernels (GPU). Each module holds one kernel family: body, launcher, tuning table."""

@@ -1,0 +1,383 @@
+"""Single-token Gated DeltaNet / KDA decode: one Pallas kernel body, variants as static flags.
+
+Per (sequence b, value head h) the state S = state[b, h] is [K, V], K-major (S[k, v]). One
+program owns a [K, block_v] column slab of one head's state: it reads the slab once, runs the
+token through it in registers and writes it back once, in place (the state is aliased to the
+output and donated at the jit boundary). The step is bound by memory bandwidth: every byte of
+state is read and written exactly once, everything else (q, k, v, gates, output) is ~1% of it.
+
+Static flags of the one kernel body (`DecodeSpec`):
+  * gates:           precomputed (g, beta)  |  raw (a, b, A_log, dt_bias) with the gate math in
+                     the kernel: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), or
+                     the lower-bounded KDA form g = lb * sigmoid(exp(A_log) * (a + dt_bias)).
+  * per-channel g:   KDA gate g[b, h, :] of K values instead of one scalar per head.
+  * use_qk_l2norm:   q, k <- x * rsqrt(sum(x^2) + 1e-6) in the kernel.
+  * pooled:          state is a pool [slots, HV, K, V] and an int32 table names each row's slot;
+                     slot -1 (or any slot outside the pool) is padding: nothing is read or
+                     written there and the output row is zero. Slots not named are untouched.
+  * fused norm:      the output is normalised per head by the gated RMSNorm
+                     x * rsqrt(mean(x^2) + eps) * w * act(z) and stored once in the output dtype
+                     (bf16 by default): no fp32 output goes through memory. Needs block_v == V.
+  * packed input:    every per-token operand is a 2-D row array [B, width] plus a static column
+                     offset, so q, k and v can be read straight out of the packed conv output
+                     [B, conv_dim] = q | k | v and the gates out of a packed projection row
+                     (the same array passed twice with two offsets); nothing is split or copied.
+  * state dtype:     fp32, fp16 or bf16 state; math is fp32, one round-to-nearest-even per store.
+
+The per-token math lives in `token_update` (and its helpers `l2_normalize`, `gdn_gate_value`,
+`kda_gate_value`, `gated_rmsnorm_value`): plain jnp on in-register values, so any Pallas kernel
+body (the K-token verify in gdn_verify.py) can call them and get bit-identical results, provided
+it uses the same tile shape [K, block_v] and num_warps (Triton's reduction order follows the
+layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+F32 = jnp.float32
+L2NORM_EPS = 1e-6
+SOFTPLUS_THRESHOLD = 20.0
+STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+__all__ = [
+    "DecodeBlockSizes", "DecodeSpec", "TUNING_TABLE", "default_block_sizes", "unsupported_reason",
+    "index_overflow_reason",
+    "token_update", "l2_normalize", "softplus_value", "gdn_gate_value", "kda_gate_value",
+    "gated_rmsnorm_value", "gdn_decode",
+]
+
+
+# --------------------------------------------------------------------------- in-kernel math
+# Plain jnp on fp32 values already in registers: callable from any Pallas kernel body (and from
+# plain JAX). Keep the operation order fixed: the verify kernel relies on bit-identical results.
+
+def l2_normalize(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
+    """x * rsqrt(sum(x^2) + eps) over the last axis, fp32 (the reference's `l2norm`)."""
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def softplus_value(x: jax.Array) -> jax.Array:
+    """torch softplus (beta 1, threshold 20): x itself above 20, log1p(exp(x)) below."""
+    return jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
+
+
+def gdn_gate_value(a: jax.Array, A_log: jax.Array, dt_bias: jax.Array) -> jax.Array:
+    """GDN log decay g = -exp(A_log) * softplus(a + dt_bias), fp32 (any broadcastable shapes)."""
+    return -jnp.exp(A_log) * softplus_value(a + dt_bias)
+
+
+def kda_gate_value(a: jax.Array, A_log: jax.Array, dt_bias: jax.Array,
+                   lower_bound: float | None) -> jax.Array:
+    """KDA per-channel log decay: the GDN form, or lb * sigmoid(exp(A_log) * (a + dt_bias))."""
+    if lower_bound is None:
+        return gdn_gate_value(a, A_log, dt_bias)
+    return jnp.float32(lower_bound) * jax.nn.sigmoid(jnp.exp(A_log) * (a + dt_bias))
+
+
+def token_update(S: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+                 beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One token of the gated delta rule on a state tile. All fp32.
+
+    S [K, BV] (state columns c0..c0+BV of one head, K-major); q [K] (already scaled, and
+    L2-normalised if asked); k [K]; v [BV] (the same columns); g: scalar log decay (GDN) or [K]
+    (KDA, per key channel); beta: scalar. Returns (o [BV], S_new [K, BV]):
+
+        S <- exp(g) * S ;  u = beta * (v - S^T k) ;  S <- S + k u^T ;  o = S^T q
+
+    Columns are independent, so a head may be split over programs by columns. Bit-identical
+    results across kernels need the same tile shape and num_warps (reduction order)."""
+    decay = jnp.exp(g)
+    S = S * (decay[:, None] if decay.ndim == 1 else decay)
+    u = beta * (v - jnp.sum(k[:, None] * S, axis=0))
+    S = S + k[:, None] * u[None, :]
+    o = jnp.sum(q[:, None] * S, axis=0)
+    return o, S
+
+
+def gated_rmsnorm_value(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float,
+                        activation: str) -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps) * w * act(z) over one head's full V row, fp32."""
+    act = z * jax.nn.sigmoid(z) if activation == "silu" else jax.nn.sigmoid(z)
+    return o * lax.rsqrt(jnp.mean(o * o) + eps) * weight * act
+
+
+# --------------------------------------------------------------------------- tuning
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlockSizes:
+    """Launch shape. A program owns value columns [j * block_v, (j + 1) * block_v) of one
+    (sequence, head); it walks them in static tiles of `tile_v` columns (tile_v <= block_v),
+    each a [K, tile_v] register tile. Grid = (B, HV, V // block_v)."""
+    block_v: int = 32
+    tile_v: int | None = None  # None: one tile of block_v columns
+    num_warps: int = 4
+    num_stages: int = 1
+
+    @property
+    def tile(self) -> int:
+        return self.block_v if self.tile_v is None else self.tile_v
+
+
+# (largest batch, state itemsize, fused norm) -> block sizes. First match wins. Measured on the
+# H200 (BENCHMARKS.md, "GDN decode"), K = V = 128, HV = 32; see docs/decode.md for the sweep.
+TUNING_TABLE: tuple[tuple[int, int, bool, DecodeBlockSizes], ...] = (
+    (8, 4, False, DecodeBlockSizes(block_v=16, num_warps=2)),
+    (1 << 30, 4, False, DecodeBlockSizes(block_v=32, num_warps=4)),
+    (8, 2, False, DecodeBlockSizes(block_v=16, num_warps=2)),
+    (1 << 30, 2, False, DecodeBlockSizes(block_v=64, num_warps=4)),
+    (1 << 30, 4, True, DecodeBlockSizes(block_v=128, tile_v=32, num_warps=4)),
+    (1 << 30, 2, True, DecodeBlockSizes(block_v=128, tile_v=64, num_warps=4)),
+)
+
+
+def default_block_sizes(batch: int, v_dim: int, state_dtype, fused_norm: bool) -> DecodeBlockSizes:
+    """The tuning-table entry for this call, clipped to the head size."""
+    itemsize = 4 if jnp.dtype(state_dtype).itemsize == 4 else 2
+    for max_b, size, norm, bs in TUNING_TABLE:
+        if batch <= max_b and size == itemsize and norm == fused_norm:
+            break
+    block_v = v_dim if fused_norm else min(bs.block_v, v_dim)
+    tile_v = min(bs.tile, block_v)
+    return DecodeBlockSizes(block_v=block_v, tile_v=tile_v, num_warps=bs.num_warps,
+                            num_stages=bs.num_stages)
+
+
+# --------------------------------------------------------------------------- static spec
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """Static configuration of one decode launch (hashable: it is a jit static argument).
+
+    Column offsets say where each operand starts in its row array; head h of that operand then
+    sits at `col + head * size` (q, k: key head h // (HV // HK), size K; v, z, output: value head
+    h, size V; g, beta, a, b: value head h, size 1, or K for a per-channel gate)."""
+    num_k_heads: int
+    num_v_heads: int
+    k_dim: int
+    v_dim: int
+    scale: float
+    q_col: int = 0
+    k_col: int = 0
+    v_col: int = 0
+    g_col: int = 0
+    beta_col: int = 0
+    z_col: int = 0
+    raw_gates: bool = False          # g/beta operands hold a, b; A_log, dt_bias are inputs
+    per_channel_gate: bool = False   # KDA: K gate values per head
+    gate_lower_bound: float | None = None  # raw KDA gate: lb * sigmoid(...) form
+    use_qk_l2norm: bool = False
+    pooled: bool = False
+    fused_norm: bool = False
+    norm_eps: float = 1e-6
+    norm_activation: str = "silu"
+
+
+def unsupported_reason(spec: DecodeSpec, block: DecodeBlockSizes, state_dtype) -> str | None:
+    """Why this kernel cannot take the call (None when it can). Pure; no device work."""
+    if jnp.dtype(state_dtype) not in STATE_DTYPES:
+        return f"state dtype {jnp.dtype(state_dtype)} is not float32/float16/bfloat16"
+    if not (_pow2(spec.k_dim) and 16 <= spec.k_dim <= 256):
+        return f"K={spec.k_dim} must be a power of two in [16, 256] (Triton tile)"
+    if not (_pow2(spec.v_dim) and 16 <= spec.v_dim <= 256):
+        return f"V={spec.v_dim} must be a power of two in [16, 256] (Triton tile)"
+    if not (_pow2(block.block_v) and spec.v_dim % block.block_v == 0):
+        return f"block_v={block.block_v} must be a power of two dividing V={spec.v_dim}"
+    if not (_pow2(block.tile) and block.block_v % block.tile == 0):
+        return f"tile_v={block.tile} must be a power of two dividing block_v={block.block_v}"
+    if spec.fused_norm and block.block_v != spec.v_dim:
+        return f"the fused norm needs a whole head per program (block_v={block.block_v} != V={spec.v_dim})"
+    if spec.norm_activation not in ("silu", "sigmoid"):
+        return f"norm_activation must be 'silu' or 'sigmoid', got {spec.norm_activation!r}"
+    if spec.num_k_heads <= 0 or spec.num_v_heads % spec.num_k_heads:
+        return f"HV={spec.num_v_heads} must be a multiple of HK={spec.num_k_heads}"
+    if block.num_warps not in (1, 2, 4, 8, 16):
+        return f"num_warps={block.num_warps} must be 1, 2, 4, 8 or 16"
+    return None
+
+
+def index_overflow_reason(num_state_elements: int) -> str | None:
+    """The Triton lowering indexes with int32: the state (or pool) must hold < 2**31 elements."""
+    if num_state_elements >= 2**31:
+        return f"the state holds {num_state_elements} elements; the kernel indexes with int32 (< 2**31)"
+    return None
+
+
+# --------------------------------------------------------------------------- kernel body
+
+def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:5]
+    rest = refs[5:]
+    A_log_ref = dt_bias_ref = slots_ref = z_ref = w_ref = None
+    if spec.raw_gates:
+        A_log_ref, dt_bias_ref, *rest = rest
+    if spec.pooled:
+        slots_ref, *rest = rest
+    if spec.fused_norm:
+        z_ref, w_ref, *rest = rest
+    state_in_ref, o_ref, state_out_ref = rest
+
+    K, V = spec.k_dim, spec.v_dim
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    j = pl.program_id(2)
+    kh = h // (spec.num_v_heads // spec.num_k_heads)
+    col0 = j * block.block_v
+
+    if spec.pooled:
+        slot = slots_ref[b]
+        # Padding (-1) and anything outside the pool: no state traffic at all.
+        valid = (slot >= 0) & (slot < state_in_ref.shape[0])
+        row = jnp.where(valid, slot, 0)
+    else:
+        valid, row = None, b
+
+    def step():
+        q = q_ref[b, pl.ds(spec.q_col + kh * K, K)].astype(F32)
+        k = k_ref[b, pl.ds(spec.k_col + kh * K, K)].astype(F32)
+        if spec.use_qk_l2norm:
+            q, k = l2_normalize(q), l2_normalize(k)
+        q = q * jnp.float32(spec.scale)
+        if spec.per_channel_gate:
+            g_in = g_ref[b, pl.ds(spec.g_col + h * K, K)].astype(F32)
+        else:
+            g_in = g_ref[b, spec.g_col + h].astype(F32)
+        beta_in = beta_ref[b, spec.beta_col + h].astype(F32)
+        if spec.raw_gates:
+            A_log = A_log_ref[h].astype(F32)
+            if spec.per_channel_gate:
+                dt = dt_bias_ref[pl.ds(h * K, K)].astype(F32)
+                g = kda_gate_value(g_in, A_log, dt, spec.gate_lower_bound)
+            else:
+                g = gdn_gate_value(g_in, A_log, dt_bias_ref[h].astype(F32))
+            beta = jax.nn.sigmoid(beta_in)
+        else:
+            g, beta = g_in, beta_in
+
+        outs = []
+        for t in range(block.block_v // block.tile):  # static: tiles of one program's columns
+            cols = pl.ds(col0 + t * block.tile, block.tile)
+            S = state_in_ref[row, h, :, cols].astype(F32)
+            v = v_ref[b, pl.ds(spec.v_col + h * V + col0 + t * block.tile, block.tile)].astype(F32)
+            o, S = token_update(S, q, k, v, g, beta)
+            state_out_ref[row, h, :, cols] = S.astype(state_out_ref.dtype)
+            outs.append(o)
+
+        if spec.fused_norm:  # block_v == V: this program holds the whole head's output
+            sumsq = sum(jnp.sum(o * o) for o in outs)
+            inv = lax.rsqrt(sumsq / V + jnp.float32(spec.norm_eps))
+            for t, o in enumerate(outs):
+                c = t * block.tile
+                z = z_ref[b, pl.ds(spec.z_col + h * V + c, block.tile)].astype(F32)
+                w = w_ref[pl.ds(c, block.tile)].astype(F32)
+                act = z * jax.nn.sigmoid(z) if spec.norm_activation == "silu" else jax.nn.sigmoid(z)
+                o_ref[b, pl.ds(h * V + c, block.tile)] = (o * inv * w * act).astype(o_ref.dtype)
+        else:
+            for t, o in enumerate(outs):
+                o_ref[b, pl.ds(h * V + col0 + t * block.tile, block.tile)] = o.astype(o_ref.dtype)
+
+    if valid is None:
+        step()
+    else:
+        pl.when(valid)(step)
+
+        @pl.when(jnp.logical_not(valid))
+        def _():
+            o_ref[b, pl.ds(h * V + col0, block.block_v)] = jnp.zeros((block.block_v,), o_ref.dtype)
+
+
+# --------------------------------------------------------------------------- launcher
+
+def _check_rows(name, x, batch, min_width):
+    if getattr(x, "ndim", None) != 2:
+        raise ValueError(f"{name} must be a 2-D row array [B, width], got shape {getattr(x, 'shape', None)}")
+    if x.shape[0] != batch:
+        raise ValueError(f"{name} must have B={batch} rows, got shape {x.shape}")
+    if x.shape[1] < min_width:
+        raise ValueError(f"{name} is too narrow: its column offset and heads need {min_width} "
+                         f"columns, got shape {x.shape}")
+
+
+def _check_vector(name, x, size):
+    if getattr(x, "ndim", None) != 1 or x.shape[0] != size:
+        raise ValueError(f"{name} must have shape ({size},), got {getattr(x, 'shape', None)}")
+
+
+def gdn_decode(q_rows, k_rows, v_rows, g_rows, beta_rows, state, *, spec: DecodeSpec,
+               A_log=None, dt_bias=None, slots=None, z_rows=None, norm_weight=None,
+               out_dtype=None, block: DecodeBlockSizes | None = None, interpret: bool = False):
+    """Launch the decode kernel. Returns (o [B, HV * V] in out_dtype, new state).
+
+    Row arrays are [B, width]; `spec`'s column offsets place each operand in its row (pass the
+    same array several times for packed input). `state` is [B, HV, K, V] (or the pool
+    [slots, HV, K, V] with `slots` [B] int32). The state output aliases `state`: donate it at
+    the jit boundary to update it in place. Shapes are checked here, before any device work.
+    """
+    K, V, HK, HV = spec.k_dim, spec.v_dim, spec.num_k_heads, spec.num_v_heads
+    batch = q_rows.shape[0] if getattr(q_rows, "ndim", 0) >= 1 else -1
+    gk = K if spec.per_channel_gate else 1
+    _check_rows("q", q_rows, batch, spec.q_col + HK * K)
+    _check_rows("k", k_rows, batch, spec.k_col + HK * K)
+    _check_rows("v", v_rows, batch, spec.v_col + HV * V)
+    _check_rows("a" if spec.raw_gates else "g", g_rows, batch, spec.g_col + HV * gk)
+    _check_rows("b" if spec.raw_gates else "beta", beta_rows, batch, spec.beta_col + HV)
+    if spec.raw_gates:
+        _check_vector("A_log", A_log, HV)
+        _check_vector("dt_bias", dt_bias, HV * gk)
+    if getattr(state, "ndim", None) != 4 or tuple(state.shape[1:]) != (HV, K, V):
+        raise ValueError(f"state must have shape [{'slots' if spec.pooled else 'B'}, HV={HV}, K={K}, "
+                         f"V={V}], got {getattr(state, 'shape', None)}")
+    if spec.pooled:
+        if getattr(slots, "shape", None) != (batch,) or not jnp.issubdtype(slots.dtype, jnp.integer):
+            raise ValueError(f"slots must be an int32 array of shape ({batch},), got "
+                             f"{getattr(slots, 'shape', None)} {getattr(slots, 'dtype', None)}")
+    elif state.shape[0] != batch:
+        raise ValueError(f"state must have B={batch} sequences, got shape {state.shape}")
+    if spec.fused_norm:
+        _check_rows("z", z_rows, batch, spec.z_col + HV * V)
+        _check_vector("norm_weight", norm_weight, V)
+    block = block or default_block_sizes(batch, V, state.dtype, spec.fused_norm)
+    reason = unsupported_reason(spec, block, state.dtype) or index_overflow_reason(state.size)
+    if reason is not None:
+        raise ValueError(reason)
+    out_dtype = jnp.dtype(out_dtype or (jnp.bfloat16 if spec.fused_norm else q_rows.dtype))
+    return _launch(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, z_rows,
+                   norm_weight, state, spec=spec, block=block, out_dtype=out_dtype,
+                   interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "block", "out_dtype", "interpret"))
+def _launch(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, z_rows, norm_weight,
+            state, *, spec, block, out_dtype, interpret):
+    batch = q_rows.shape[0]
+    inputs = [q_rows, k_rows, v_rows, g_rows, beta_rows]
+    if spec.raw_gates:
+        inputs += [A_log, dt_bias]
+    if spec.pooled:
+        inputs += [slots.astype(jnp.int32)]
+    if spec.fused_norm:
+        inputs += [z_rows, norm_weight]
+    inputs.append(state)
+    kernel = functools.partial(_decode_kernel, spec=spec, block=block)
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, spec.num_v_heads, spec.v_dim // block.block_v),
+        out_shape=(jax.ShapeDtypeStruct((batch, spec.num_v_heads * spec.v_dim), out_dtype),
+                   jax.ShapeDtypeStruct(state.shape, state.dtype)),
+        input_output_aliases={len(inputs) - 1: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=block.num_warps, num_stages=block.num_stages),
+        interpret=interpret,
+        name="gdn_decode",
+    )(*inputs)
