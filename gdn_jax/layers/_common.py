@@ -1,0 +1,130 @@
+"""Pieces the two blocks share: HF-layout parameters, input/state checks, checkpoint filling.
+
+Parameters keep the PyTorch/HF layout and names (a linear's `weight` is [out, in]; the short
+conv's `weight` is [C, W], HF's [C, 1, W] without the singleton), so the NNX path of every
+parameter reads like the checkpoint name: `in_proj_qkvz/weight` <-> `in_proj_qkvz.weight`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+F32 = jnp.float32
+DEFAULT_PRECISION = jax.lax.Precision.HIGHEST
+
+
+def check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_eps(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < float(value) < 1.0):
+        raise ValueError(f"{name} must be a float in (0, 1), got {value!r}")
+    return float(value)
+
+
+def check_impl(impl):
+    from gdn_jax.ops import IMPLS
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+class Linear(nnx.Module):
+    """y = x W^T (+ b) with W stored [out, in] as in PyTorch; the matmul runs in `dtype`
+    (default: x's dtype), accumulation left to the backend at `precision`."""
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False,
+                 param_dtype=F32, precision=DEFAULT_PRECISION, rngs: nnx.Rngs):
+        self.in_features, self.out_features = in_features, out_features
+        self.precision = precision
+        std = 1.0 / math.sqrt(in_features)
+        self.weight = nnx.Param(std * jax.random.normal(rngs.params(), (out_features, in_features), F32)
+                                .astype(param_dtype))
+        self.bias = (nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None)
+
+    def __call__(self, x: jax.Array, dtype=None) -> jax.Array:
+        dtype = x.dtype if dtype is None else dtype
+        y = jnp.einsum("...i,oi->...o", x.astype(dtype), self.weight[...].astype(dtype),
+                       precision=self.precision)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(dtype)
+        return y
+
+
+class ShortConv(nnx.Module):
+    """Depthwise causal conv weights: weight [C, W] (HF's conv1d.weight [C, 1, W], squeezed);
+    optional bias [C]. The math is `gdn_jax.reference.causal_conv1d`."""
+
+    def __init__(self, channels: int, width: int, *, use_bias: bool = False, param_dtype=F32,
+                 rngs: nnx.Rngs):
+        self.channels, self.width = channels, width
+        self.weight = nnx.Param((jax.random.normal(rngs.params(), (channels, width), F32)
+                                 / math.sqrt(width)).astype(param_dtype))
+        self.bias = nnx.Param(jnp.zeros((channels,), param_dtype)) if use_bias else None
+
+
+class NormWeight(nnx.Module):
+    """The per-head gated RMSNorm weight [V], used as stored (no 1 + w offset)."""
+
+    def __init__(self, size: int, *, param_dtype=F32):
+        self.weight = nnx.Param(jnp.ones((size,), param_dtype))
+
+
+def check_hidden(x, hidden_size: int):
+    """x must be a float [B, T, hidden]; returns (B, T)."""
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) != 3 or shape[-1] != hidden_size or shape[0] == 0 or shape[1] == 0:
+        raise ValueError(f"x must have shape [B, T, hidden_size={hidden_size}] with B, T >= 1, got {shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"x must be a floating-point array, got dtype {x.dtype}")
+    return shape[0], shape[1]
+
+
+def check_state(state, cls, batch_size: int, recurrent_shape, conv_shape):
+    """The state given to a block call must be that block's state class with these shapes."""
+    if not isinstance(state, cls):
+        raise ValueError(f"state must be a {cls.__name__} (from init_state) or None, got {type(state).__name__}")
+    for name, arr, want in (("state.recurrent", state.recurrent, recurrent_shape),
+                            ("state.conv", state.conv, conv_shape)):
+        if tuple(getattr(arr, "shape", ())) != tuple(want):
+            raise ValueError(f"{name} must have shape {tuple(want)} for x with batch {batch_size}, "
+                             f"got {getattr(arr, 'shape', None)}")
+        if not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise ValueError(f"{name} must be floating point, got dtype {arr.dtype}")
+
+
+def _param_at(module, path: str):
+    obj = module
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise ValueError(f"parameter {path!r} does not exist in {type(module).__name__} "
+                             "with this configuration")
+    if not isinstance(obj, nnx.Variable):
+        raise ValueError(f"{path!r} is not a parameter of {type(module).__name__}")
+    return obj
+
+
+def fill_params(module, tensors: Mapping[str, np.ndarray], *, param_dtype=None, source: str = ""):
+    """Write checkpoint arrays into `module`'s parameters (path "a.b" -> module.a.b), checking that
+    each has the parameter's shape and that every parameter gets one. Arrays keep their stored
+    dtype unless `param_dtype` is given."""
+    for path, arr in tensors.items():
+        var = _param_at(module, path)
+        want = tuple(var.value.shape)
+        if tuple(arr.shape) != want:
+            raise ValueError(f"tensor {source}{path!r} has shape {tuple(arr.shape)}, the block "
+                             f"configuration needs {want}")
+        var.value = jnp.asarray(arr, dtype=param_dtype)
+    missing = [".".join(str(p) for p in path) for path, v in nnx.to_flat_state(nnx.state(module))
+               if isinstance(getattr(v, "value", v), jax.ShapeDtypeStruct)]
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors for parameters {missing} ({source})")
