@@ -1,0 +1,471 @@
+"""Speculative verify of T = 1..4 tokens for GDN / KDA on a state pool: three Pallas kernels.
+
+Per (batch row b, value head h) one program owns a [K, block_v] column slab of the state of
+slot = slots[b] (columns of the delta rule are independent). Slot -1 (or outside the pool) is
+padding: no state or stash traffic at all, output rows zero.
+
+  verify_states   read S once, run the T tokens in registers, write the T outputs and the
+                  state after every token ([B, T, HV, K, V]); the pool is only read.
+  carried_verify  read S, fold the slot's pending stash rows (S <- exp(g) S + k u^T, one row per
+                  accepted token of the previous verify), write the folded S once (only if
+                  something was pending), run the T tokens in registers, write the T outputs
+                  and stash each token's rows (k, u = beta (v - S^T k), g) in the slot's other
+                  bank. Flavours (static): exact -- T calls of the decode kernel's own
+                  `token_update` (16-bit state rounded after every token, as decode's store
+                  does), so outputs and folded states are bit-identical to T decode launches
+                  with the same tile shape and num_warps; fast -- the WY form: all 2T
+                  projections k^T S, q^T S read the folded S at once, the cross-token terms are
+                  T x T scalars (fp32 state only).
+  flush           fold the pending rows of the named slots into H (exact fold).
+
+The stash is double-banked (`bank[slot]` holds the slot's rows): a verify reads the pending
+rows of one bank and writes the new rows into the other, so its programs need no ordering
+between them (k and g rows are shared by all column programs of a head; program 0 writes them).
+Counters (pending, drafted, bank) are updated by the caller after the launch, not here: every
+program of a slot reads them.
+
+The per-token math is `gdn_decode.token_update` (imported, not copied). The delta u is
+recomputed here with the same operations on the same values (the compiler merges the two), and
+the fold replays `token_update`'s state update from the stashed u; see `fold_row` for the one
+operand order that matters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import gdn_decode as dec
+
+F32 = jnp.float32
+MAX_TOKENS = 4
+
+__all__ = ["VerifySpec", "VerifyBlockSizes", "TUNING_TABLE", "default_block_sizes",
+           "unsupported_reason", "delta_value", "fold_row", "verify_states", "carried_verify", "flush"]
+
+
+# --------------------------------------------------------------------------- in-kernel math
+
+def delta_value(S, k, v, g, beta):
+    """u = beta * (v - (exp(g) S)^T k): the delta `token_update` computes for this token, with
+    the same operations in the same order (so the compiler shares them and the bits agree)."""
+    decay = jnp.exp(g)
+    S = S * (decay[:, None] if decay.ndim == 1 else decay)
+    return beta * (v - jnp.sum(k[:, None] * S, axis=0))
+
+
+def fold_row(S, k, u, g, *, rank1_first=True):
+    """Replay one token from its stashed rows: exp(g) S + k u^T, as `token_update` updates S.
+
+    `token_update` reuses the decayed S for the delta, so of its two products only k u^T can be
+    contracted into an FMA with the add (LLVM fuses the product with fewer uses). Here the
+    decayed S has one use too; writing the rank-1 product first makes the compiler pick the
+    same FMA, fma(k, u, exp(g) S). `rank1_first=False` is the other order, kept so the GPU test
+    can show which one matches the decode kernel bit for bit."""
+    decay = jnp.exp(g)
+    S = S * (decay[:, None] if decay.ndim == 1 else decay)
+    ku = k[:, None] * u[None, :]
+    return ku + S if rank1_first else S + ku
+
+
+def _round(S, dtype):
+    """What a store to a `dtype` state and a reload give (identity for fp32)."""
+    return S if jnp.dtype(dtype) == jnp.dtype(F32) else S.astype(dtype).astype(F32)
+
+
+# --------------------------------------------------------------------------- spec and tuning
+
+@dataclasses.dataclass(frozen=True)
+class VerifySpec:
+    """Static configuration of one verify launch (a jit static argument)."""
+    num_k_heads: int
+    num_v_heads: int
+    k_dim: int
+    v_dim: int
+    num_tokens: int
+    scale: float
+    per_channel_gate: bool = False
+    use_qk_l2norm: bool = False
+    exact: bool = True
+    rank1_first: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyBlockSizes:
+    """A program owns value columns [j * block_v, (j + 1) * block_v) of one (row, head): one
+    [K, block_v] register tile. Grid = (B, HV, V // block_v). For the exact flavour to match the
+    decode kernel bit for bit, block_v and num_warps must equal the decode launch's."""
+    block_v: int = 32
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+# (largest batch, fast flavour) -> block sizes for the fast flavour; the exact flavour takes the
+# decode kernel's table (gdn_decode.TUNING_TABLE) so the reduction order matches. First match wins.
+TUNING_TABLE: tuple[tuple[int, VerifyBlockSizes], ...] = (
+    (8, VerifyBlockSizes(block_v=16, num_warps=2)),
+    (1 << 30, VerifyBlockSizes(block_v=32, num_warps=4)),
+)
+
+
+def default_block_sizes(batch: int, v_dim: int, state_dtype, exact: bool) -> VerifyBlockSizes:
+    if exact:
+        d = dec.default_block_sizes(batch, v_dim, state_dtype, False)
+        return VerifyBlockSizes(block_v=d.tile, num_warps=d.num_warps, num_stages=d.num_stages)
+    for max_b, bs in TUNING_TABLE:
+        if batch <= max_b:
+            return VerifyBlockSizes(block_v=min(bs.block_v, v_dim), num_warps=bs.num_warps,
+                                    num_stages=bs.num_stages)
+    raise AssertionError("unreachable: the last tuning row takes any batch")
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def unsupported_reason(spec: VerifySpec, block: VerifyBlockSizes, state_dtype) -> str | None:
+    """Why these kernels cannot take the call (None when they can). Pure; no device work."""
+    if jnp.dtype(state_dtype) not in dec.STATE_DTYPES:
+        return f"state dtype {jnp.dtype(state_dtype)} is not float32/float16/bfloat16"
+    if not spec.exact and jnp.dtype(state_dtype) != jnp.dtype(F32):
+        return "the fast flavour needs an fp32 state (a 16-bit state carries with exact=True)"
+    if not 1 <= spec.num_tokens <= MAX_TOKENS:
+        return f"num_tokens={spec.num_tokens} must lie in 1..{MAX_TOKENS}"
+    for name, d in (("K", spec.k_dim), ("V", spec.v_dim)):
+        if not (_pow2(d) and 16 <= d <= 256):
+            return f"{name}={d} must be a power of two in [16, 256] (Triton tile)"
+    if not (_pow2(block.block_v) and spec.v_dim % block.block_v == 0):
+        return f"block_v={block.block_v} must be a power of two dividing V={spec.v_dim}"
+    if spec.num_k_heads <= 0 or spec.num_v_heads % spec.num_k_heads:
+        return f"HV={spec.num_v_heads} must be a multiple of HK={spec.num_k_heads}"
+    if block.num_warps not in (1, 2, 4, 8, 16):
+        return f"num_warps={block.num_warps} must be 1, 2, 4, 8 or 16"
+    return None
+
+
+# --------------------------------------------------------------------------- shared kernel pieces
+
+def _program(slots_ref, pool_ref, block):
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    slot = slots_ref[b]
+    valid = (slot >= 0) & (slot < pool_ref.shape[0])
+    return b, h, j, jnp.where(valid, slot, 0), valid, pl.ds(j * block.block_v, block.block_v)
+
+
+def _load_token(q_ref, k_ref, v_ref, g_ref, beta_ref, b, t, h, cols, spec):
+    """Token t of row b for head h, prepared exactly as the decode kernel prepares it."""
+    kh = h // (spec.num_v_heads // spec.num_k_heads)
+    q = q_ref[b, t, kh, :].astype(F32)
+    k = k_ref[b, t, kh, :].astype(F32)
+    if spec.use_qk_l2norm:
+        q, k = dec.l2_normalize(q), dec.l2_normalize(k)
+    q = q * jnp.float32(spec.scale)
+    v = v_ref[b, t, h, cols].astype(F32)
+    g = (g_ref[b, t, h, :] if spec.per_channel_gate else g_ref[b, t, h]).astype(F32)
+    beta = beta_ref[b, t, h].astype(F32)
+    return q, k, v, g, beta
+
+
+def _fold_pending(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, cols, count, dtype,
+                  spec):
+    """Fold rows 0..count-1 of the slot's bank into the tile, rounding after each row."""
+    capacity = stash_k_ref.shape[3]
+
+    def body(i, S):
+        k = stash_k_ref[slot, bank, h, i, :]
+        u = stash_u_ref[slot, bank, h, i, cols]
+        g = stash_g_ref[slot, bank, h, i, :] if spec.per_channel_gate else stash_g_ref[slot, bank, h, i]
+        return _round(fold_row(S, k, u, g, rank1_first=spec.rank1_first), dtype)
+
+    return lax.fori_loop(0, jnp.minimum(count, capacity), body, S)
+
+
+def _chain_exact(S, tokens, dtype):
+    """T decode steps in registers; returns per-token (o, u)."""
+    outs = []
+    for q, k, v, g, beta in tokens:
+        u = delta_value(S, k, v, g, beta)
+        o, S = dec.token_update(S, q, k, v, g, beta)
+        S = _round(S, dtype)
+        outs.append((o, u))
+    return outs
+
+
+def _chain_wy(S, tokens):
+    """The same T tokens from one read of S in the WY form (see gdn_jax.verify._chain_wy):
+    2T independent projections of S, then T x T scalar corrections; every exponent <= 0."""
+    G, Gs = None, []
+    for _, _, _, g, _ in tokens:
+        G = g if G is None else G + g
+        Gs.append(G)
+    r = [jnp.sum((k * jnp.exp(Gi))[:, None] * S, axis=0) for (_, k, _, _, _), Gi in zip(tokens, Gs)]
+    p = [jnp.sum((q * jnp.exp(Gi))[:, None] * S, axis=0) for (q, _, _, _, _), Gi in zip(tokens, Gs)]
+    us, outs = [], []
+    for i, (q_i, k_i, v_i, _, beta_i) in enumerate(tokens):
+        acc_u, acc_o = r[i], p[i]
+        coef_o = []
+        for j in range(i + 1):
+            k_j = tokens[j][1]
+            w = jnp.exp(Gs[i] - Gs[j])
+            if w.ndim == 1:
+                c, d = jnp.sum(k_i * k_j * w), jnp.sum(q_i * k_j * w)
+            else:
+                c, d = jnp.sum(k_i * k_j) * w, jnp.sum(q_i * k_j) * w
+            coef_o.append(d)
+            if j < i:
+                acc_u = acc_u + c * us[j]
+        u_i = beta_i * (v_i - acc_u)
+        us.append(u_i)
+        for j in range(i + 1):
+            acc_o = acc_o + coef_o[j] * us[j]
+        outs.append((acc_o, u_i))
+    return outs
+
+
+# --------------------------------------------------------------------------- kernel bodies
+
+def _verify_states_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref,
+                          o_ref, states_ref, *, spec: VerifySpec, block: VerifyBlockSizes):
+    b, h, j, slot, valid, cols = _program(slots_ref, pool_ref, block)
+    T, dtype = spec.num_tokens, pool_ref.dtype
+
+    @pl.when(valid)
+    def _():
+        S = pool_ref[slot, h, :, cols].astype(F32)
+        for t in range(T):
+            q, k, v, g, beta = _load_token(q_ref, k_ref, v_ref, g_ref, beta_ref, b, t, h, cols, spec)
+            o, S = dec.token_update(S, q, k, v, g, beta)
+            states_ref[b, t, h, :, cols] = S.astype(states_ref.dtype)
+            S = _round(S, dtype)
+            o_ref[b, t, h, cols] = o.astype(o_ref.dtype)
+
+    @pl.when(jnp.logical_not(valid))
+    def _():
+        for t in range(T):
+            o_ref[b, t, h, cols] = jnp.zeros((block.block_v,), o_ref.dtype)
+            states_ref[b, t, h, :, cols] = jnp.zeros((spec.k_dim, block.block_v), states_ref.dtype)
+
+
+def _carried_verify_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
+                           pool_ref, stash_k_ref, stash_u_ref, stash_g_ref,
+                           o_ref, pool_out_ref, stash_k_out, stash_u_out, stash_g_out,
+                           *, spec: VerifySpec, block: VerifyBlockSizes):
+    b, h, j, slot, valid, cols = _program(slots_ref, pool_ref, block)
+    T, dtype = spec.num_tokens, pool_ref.dtype
+
+    @pl.when(valid)
+    def _():
+        bank = bank_ref[slot]
+        count = pending_ref[slot]
+        S = pool_ref[slot, h, :, cols].astype(F32)
+        S = _fold_pending(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, cols, count,
+                          dtype, spec)
+
+        @pl.when(count > 0)             # nothing pending: H is already what the pool holds
+        def _():
+            pool_out_ref[slot, h, :, cols] = S.astype(pool_out_ref.dtype)
+
+        tokens = [_load_token(q_ref, k_ref, v_ref, g_ref, beta_ref, b, t, h, cols, spec)
+                  for t in range(T)]
+        outs = _chain_exact(S, tokens, dtype) if spec.exact else _chain_wy(S, tokens)
+        other = 1 - bank
+        for t, ((o, u), (_, k, _, g, _)) in enumerate(zip(outs, tokens)):
+            o_ref[b, t, h, cols] = o.astype(o_ref.dtype)
+            stash_u_out[slot, other, h, t, cols] = u
+
+        @pl.when(j == 0)                # k and g rows belong to the whole head: one writer
+        def _():
+            for t, (_, k, _, g, _) in enumerate(tokens):
+                stash_k_out[slot, other, h, t, :] = k
+                if spec.per_channel_gate:
+                    stash_g_out[slot, other, h, t, :] = g
+                else:
+                    stash_g_out[slot, other, h, t] = g
+
+    @pl.when(jnp.logical_not(valid))
+    def _():
+        for t in range(T):
+            o_ref[b, t, h, cols] = jnp.zeros((block.block_v,), o_ref.dtype)
+
+
+def _flush_kernel(slots_ref, bank_ref, pending_ref, pool_ref, stash_k_ref, stash_u_ref, stash_g_ref,
+                  pool_out_ref, *, spec: VerifySpec, block: VerifyBlockSizes):
+    b, h, j, slot, valid, cols = _program(slots_ref, pool_ref, block)
+    count = jnp.where(valid, pending_ref[slot], 0)
+
+    @pl.when(count > 0)
+    def _():
+        S = pool_ref[slot, h, :, cols].astype(F32)
+        S = _fold_pending(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank_ref[slot], h, cols,
+                          count, pool_ref.dtype, spec)
+        pool_out_ref[slot, h, :, cols] = S.astype(pool_out_ref.dtype)
+
+
+# --------------------------------------------------------------------------- launchers
+
+def _need(name, x, shape):
+    if getattr(x, "shape", None) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {getattr(x, 'shape', None)}")
+
+
+def _spec_from(q, v, g, *, scale, use_qk_l2norm, exact, rank1_first=True):
+    for name, x, rank in (("q", q, 4), ("v", v, 4)):
+        if getattr(x, "ndim", None) != rank:
+            raise ValueError(f"{name} must have rank {rank}, got shape {getattr(x, 'shape', None)}")
+    b, t, hk, kd = q.shape
+    hv, vd = v.shape[2:]
+    if g.ndim not in (3, 4):
+        raise ValueError(f"g must be [B, T, HV] (GDN) or [B, T, HV, K] (KDA), got {g.shape}")
+    return VerifySpec(num_k_heads=hk, num_v_heads=hv, k_dim=kd, v_dim=vd, num_tokens=t,
+                      scale=float(kd ** -0.5 if scale is None else scale),
+                      per_channel_gate=g.ndim == 4, use_qk_l2norm=bool(use_qk_l2norm),
+                      exact=bool(exact), rank1_first=bool(rank1_first))
+
+
+def _check_tokens(spec, q, k, v, g, beta, pool, slots):
+    b, t = q.shape[:2]
+    hk, hv, kd, vd = spec.num_k_heads, spec.num_v_heads, spec.k_dim, spec.v_dim
+    _need("k", k, q.shape)
+    _need("v", v, (b, t, hv, vd))
+    _need("g", g, (b, t, hv, kd) if spec.per_channel_gate else (b, t, hv))
+    _need("beta", beta, (b, t, hv))
+    if getattr(pool, "ndim", None) != 4 or pool.shape[1:] != (hv, kd, vd):
+        raise ValueError(f"pool must be [slots, HV={hv}, K={kd}, V={vd}], got {getattr(pool, 'shape', None)}")
+    if getattr(slots, "shape", None) != (b,) or not jnp.issubdtype(slots.dtype, jnp.integer):
+        raise ValueError(f"slots must be an int32 array of shape ({b},), got "
+                         f"{getattr(slots, 'shape', None)} {getattr(slots, 'dtype', None)}")
+
+
+def _check_stash(spec, pool, stash_k, stash_u, stash_g, bank, pending):
+    s = pool.shape[0]
+    hv, kd, vd = spec.num_v_heads, spec.k_dim, spec.v_dim
+    if getattr(stash_k, "ndim", None) != 5:
+        raise ValueError(f"stash_k must be [slots, 2, HV, C, K], got {getattr(stash_k, 'shape', None)}")
+    c = stash_k.shape[3]
+    _need("stash_k", stash_k, (s, 2, hv, c, kd))
+    _need("stash_u", stash_u, (s, 2, hv, c, vd))
+    _need("stash_g", stash_g, (s, 2, hv, c, kd) if spec.per_channel_gate else (s, 2, hv, c))
+    _need("bank", bank, (s,))
+    _need("pending", pending, (s,))
+    if spec.num_tokens > c:
+        raise ValueError(f"num_tokens={spec.num_tokens} exceeds the stash capacity C={c}")
+
+
+def _reason_or_raise(spec, block, pool):
+    reason = unsupported_reason(spec, block, pool.dtype) or dec.index_overflow_reason(pool.size)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def _compiler_params(block):
+    return plgpu.CompilerParams(num_warps=block.num_warps, num_stages=block.num_stages)
+
+
+def verify_states(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=False,
+                  block: VerifyBlockSizes | None = None, interpret=False):
+    """T tokens per row from pool[slots[b]], keeping every intermediate state.
+
+    q, k [B, T, HK, K]; v [B, T, HV, V]; g [B, T, HV] or [B, T, HV, K]; beta [B, T, HV];
+    pool [slots, HV, K, V] (read only); slots [B] int32. Returns (o [B, T, HV, V] in q's dtype,
+    states [B, T, HV, K, V] in the pool's dtype). Uses the decode kernel's tile for its batch."""
+    spec = _spec_from(q, v, g, scale=scale, use_qk_l2norm=use_qk_l2norm, exact=True)
+    _check_tokens(spec, q, k, v, g, beta, pool, slots)
+    block = block or default_block_sizes(q.shape[0], spec.v_dim, pool.dtype, True)
+    _reason_or_raise(spec, block, pool)
+    return _verify_states_launch(q, k, v, g, beta, pool, slots.astype(jnp.int32), spec=spec,
+                                 block=block, interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "block", "interpret"))
+def _verify_states_launch(q, k, v, g, beta, pool, slots, *, spec, block, interpret):
+    b, t = q.shape[:2]
+    hv, kd, vd = spec.num_v_heads, spec.k_dim, spec.v_dim
+    return pl.pallas_call(
+        functools.partial(_verify_states_kernel, spec=spec, block=block),
+        grid=(b, hv, vd // block.block_v),
+        out_shape=(jax.ShapeDtypeStruct((b, t, hv, vd), q.dtype),
+                   jax.ShapeDtypeStruct((b, t, hv, kd, vd), pool.dtype)),
+        compiler_params=_compiler_params(block),
+        interpret=interpret,
+        name=f"gdn_verify_states{t}",
+    )(slots, q, k, v, g, beta, pool)
+
+
+def carried_verify(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pending, slots, *,
+                   exact=True, scale=None, use_qk_l2norm=False, rank1_first=True,
+                   block: VerifyBlockSizes | None = None, interpret=False):
+    """Carried-state verify (see the module docstring). Stash arrays as gdn_jax.verify.DeltaStash:
+    stash_k [slots, 2, HV, C, K], stash_u [slots, 2, HV, C, V], stash_g [slots, 2, HV, C(, K)],
+    bank and pending [slots] int32. Returns (o [B, T, HV, V], pool, stash_k, stash_u, stash_g);
+    the pool and stash outputs alias their inputs (donate them at the jit boundary). The caller
+    updates the counters (bank flipped, pending 0, drafted T) after the launch."""
+    spec = _spec_from(q, v, g, scale=scale, use_qk_l2norm=use_qk_l2norm, exact=exact,
+                      rank1_first=rank1_first)
+    _check_tokens(spec, q, k, v, g, beta, pool, slots)
+    _check_stash(spec, pool, stash_k, stash_u, stash_g, bank, pending)
+    block = block or default_block_sizes(q.shape[0], spec.v_dim, pool.dtype, spec.exact)
+    _reason_or_raise(spec, block, pool)
+    return _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank.astype(jnp.int32),
+                           pending.astype(jnp.int32), slots.astype(jnp.int32), spec=spec, block=block,
+                           interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "block", "interpret"))
+def _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pending, slots, *,
+                    spec, block, interpret):
+    b, t = q.shape[:2]
+    hv, vd = spec.num_v_heads, spec.v_dim
+    inputs = (slots, bank, pending, q, k, v, g, beta, pool, stash_k, stash_u, stash_g)
+    return pl.pallas_call(
+        functools.partial(_carried_verify_kernel, spec=spec, block=block),
+        grid=(b, hv, vd // block.block_v),
+        out_shape=(jax.ShapeDtypeStruct((b, t, hv, vd), q.dtype),
+                   jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+                   jax.ShapeDtypeStruct(stash_k.shape, stash_k.dtype),
+                   jax.ShapeDtypeStruct(stash_u.shape, stash_u.dtype),
+                   jax.ShapeDtypeStruct(stash_g.shape, stash_g.dtype)),
+        input_output_aliases={8: 1, 9: 2, 10: 3, 11: 4},
+        compiler_params=_compiler_params(block),
+        interpret=interpret,
+        name=f"gdn_carried_verify{t}_{'exact' if spec.exact else 'fast'}",
+    )(*inputs)
+
+
+def flush(pool, stash_k, stash_u, stash_g, bank, pending, slots, *, rank1_first=True,
+          block: VerifyBlockSizes | None = None, interpret=False):
+    """Fold the pending rows of the named slots (slots [N] int32, -1 padding) into the pool.
+    Returns the pool (aliased to its input: donate it). The caller zeroes pending after."""
+    if getattr(pool, "ndim", None) != 4:
+        raise ValueError(f"pool must be [slots, HV, K, V], got {getattr(pool, 'shape', None)}")
+    _, hv, kd, vd = pool.shape
+    if getattr(slots, "ndim", None) != 1 or not jnp.issubdtype(slots.dtype, jnp.integer):
+        raise ValueError(f"slots must be a 1-D int32 array, got {getattr(slots, 'shape', None)}")
+    per_channel = getattr(stash_g, "ndim", None) == 5
+    spec = VerifySpec(num_k_heads=hv, num_v_heads=hv, k_dim=kd, v_dim=vd, num_tokens=1, scale=1.0,
+                      per_channel_gate=per_channel, exact=True, rank1_first=bool(rank1_first))
+    _check_stash(spec, pool, stash_k, stash_u, stash_g, bank, pending)
+    block = block or default_block_sizes(slots.shape[0], vd, pool.dtype, True)
+    _reason_or_raise(spec, block, pool)
+    return _flush_launch(pool, stash_k, stash_u, stash_g, bank.astype(jnp.int32),
+                         pending.astype(jnp.int32), slots.astype(jnp.int32), spec=spec, block=block,
+                         interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "block", "interpret"))
+def _flush_launch(pool, stash_k, stash_u, stash_g, bank, pending, slots, *, spec, block, interpret):
+    n = slots.shape[0]
+    return pl.pallas_call(
+        functools.partial(_flush_kernel, spec=spec, block=block),
+        grid=(n, spec.num_v_heads, spec.v_dim // block.block_v),
+        out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        input_output_aliases={3: 0},
+        compiler_params=_compiler_params(block),
+        interpret=interpret,
+        name="gdn_carry_flush",
+    )(slots, bank, pending, pool, stash_k, stash_u, stash_g)
