@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,20 +94,17 @@ def select_impl(impl: str, *, seq_len: int, kind: str) -> str:
     return impl
 
 
+@functools.partial(jax.jit, static_argnames=("impl", "scale", "use_qk_l2norm"))
 def _run_dense(impl, q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
     fn = ref.recurrent_delta_rule if impl == "reference" else ref.chunked_delta_rule
     return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm)
 
 
-def _varlen(impl, q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu_seqlens):
+@functools.partial(jax.jit, static_argnames=("impl", "scale", "use_qk_l2norm", "tmax"))
+def _varlen(impl, q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu, tmax):
     """Packed sequences -> a padded [N, Tmax] batch (neutral padding: g = 0, beta = 0, q = k = v = 0,
-    which leaves the state untouched) -> the dense path -> packed outputs.
-
-    With concrete cu_seqlens Tmax is the longest sequence; traced cu_seqlens jit too, with Tmax = T."""
+    which leaves the state untouched) -> the dense path -> packed outputs."""
     t = q.shape[1]
-    cu = jnp.asarray(cu_seqlens, jnp.int32)
-    n = cu.shape[0] - 1
-    tmax = int(np.max(np.diff(np.asarray(cu_seqlens)))) if _is_concrete(cu_seqlens) else t
     lens = cu[1:] - cu[:-1]
     offs = jnp.arange(tmax, dtype=jnp.int32)
     valid = offs[None, :] < lens[:, None]                                   # [N, Tmax]
@@ -129,7 +128,11 @@ def _delta_rule(kind, q, k, v, g, beta, *, scale, initial_state, output_final_st
     if cu_seqlens is None:
         o, s = _run_dense(which, q, k, v, g, beta, scale, initial_state, use_qk_l2norm)
     else:
-        o, s = _varlen(which, q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu_seqlens)
+        # Concrete offsets pad to the longest sequence; traced ones (under jit) to T.
+        tmax = (int(np.max(np.diff(np.asarray(cu_seqlens)))) if _is_concrete(cu_seqlens)
+                else q.shape[1])
+        o, s = _varlen(which, q, k, v, g, beta, scale, initial_state, use_qk_l2norm,
+                       jnp.asarray(cu_seqlens, jnp.int32), tmax)
     state_dtype = jnp.float32 if initial_state is None else initial_state.dtype
     return o.astype(q.dtype), (s.astype(state_dtype) if output_final_state else None)
 

@@ -296,9 +296,9 @@ def verify_steps(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False):
     """T draft tokens from a committed state, keeping the state after each token.
 
     Same layout as the sequence functions ([B, T, ...]). Returns (o [B, T, HV, V] in q's dtype,
-    states [B, T, HV, K, V] in state's dtype): states[:, i] is exactly what `decode_step` run
-    i + 1 times would hold (each token's state rounded to the state dtype, as a decode store
-    would)."""
+    states [B, T, HV, K, V] in state's dtype): states[:, i] is what `decode_step` run i + 1
+    times holds — the same per-token math, each token's state rounded to the state dtype as a
+    decode store would. (Bitwise equality is a property of kernels, not of two XLA programs.)"""
     def body(S, xs):
         o, S = decode_step(*xs, S, scale=scale, use_qk_l2norm=use_qk_l2norm)
         return S, (o, S)
