@@ -37,17 +37,46 @@ def check_impl(impl):
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
+class ParamInit:
+    """Random parameter values for a block built from `rngs`.
+
+    With a concrete key (plain construction) the values come from NumPy's generator seeded by
+    `rngs.params()`: building a block then compiles nothing (eager jax.random would compile one
+    program per parameter shape, seconds on a CPU). Under tracing (`nnx.jit`, `nnx.eval_shape`)
+    jax.random is used, so a jitted constructor still gets random weights."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        key = rngs.params()
+        if isinstance(key, jax.core.Tracer):
+            self._key, self._np = key, None
+        else:
+            self._key, self._np = None, np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel())
+
+    def _next_key(self):
+        self._key, sub = jax.random.split(self._key)
+        return sub
+
+    def normal(self, shape, std, dtype):
+        if self._np is None:
+            return (std * jax.random.normal(self._next_key(), shape, F32)).astype(dtype)
+        return jnp.asarray((std * self._np.standard_normal(shape)).astype(np.float32), dtype)
+
+    def uniform(self, shape, low, high, dtype):
+        if self._np is None:
+            return jax.random.uniform(self._next_key(), shape, F32, low, high).astype(dtype)
+        return jnp.asarray(self._np.uniform(low, high, shape).astype(np.float32), dtype)
+
+
 class Linear(nnx.Module):
     """y = x W^T (+ b) with W stored [out, in] as in PyTorch; the matmul runs in `dtype`
     (default: x's dtype), accumulation left to the backend at `precision`."""
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False,
-                 param_dtype=F32, precision=DEFAULT_PRECISION, rngs: nnx.Rngs):
+                 param_dtype=F32, precision=DEFAULT_PRECISION, init: ParamInit):
         self.in_features, self.out_features = in_features, out_features
         self.precision = precision
-        std = 1.0 / math.sqrt(in_features)
-        self.weight = nnx.Param(std * jax.random.normal(rngs.params(), (out_features, in_features), F32)
-                                .astype(param_dtype))
+        self.weight = nnx.Param(init.normal((out_features, in_features), 1.0 / math.sqrt(in_features),
+                                            param_dtype))
         self.bias = (nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None)
 
     def __call__(self, x: jax.Array, dtype=None) -> jax.Array:
@@ -64,10 +93,9 @@ class ShortConv(nnx.Module):
     optional bias [C]. The math is `gdn_jax.reference.causal_conv1d`."""
 
     def __init__(self, channels: int, width: int, *, use_bias: bool = False, param_dtype=F32,
-                 rngs: nnx.Rngs):
+                 init: ParamInit):
         self.channels, self.width = channels, width
-        self.weight = nnx.Param((jax.random.normal(rngs.params(), (channels, width), F32)
-                                 / math.sqrt(width)).astype(param_dtype))
+        self.weight = nnx.Param(init.normal((channels, width), 1.0 / math.sqrt(width), param_dtype))
         self.bias = nnx.Param(jnp.zeros((channels,), param_dtype)) if use_bias else None
 
 
@@ -119,12 +147,12 @@ def fill_params(module, tensors: Mapping[str, np.ndarray], *, param_dtype=None, 
     dtype unless `param_dtype` is given."""
     for path, arr in tensors.items():
         var = _param_at(module, path)
-        want = tuple(var.value.shape)
+        want = tuple(var.get_value().shape)
         if tuple(arr.shape) != want:
             raise ValueError(f"tensor {source}{path!r} has shape {tuple(arr.shape)}, the block "
                              f"configuration needs {want}")
-        var.value = jnp.asarray(arr, dtype=param_dtype)
+        var.set_value(jnp.asarray(arr, dtype=param_dtype))
     missing = [".".join(str(p) for p in path) for path, v in nnx.to_flat_state(nnx.state(module))
-               if isinstance(getattr(v, "value", v), jax.ShapeDtypeStruct)]
+               if isinstance(v.get_value(), jax.ShapeDtypeStruct)]
     if missing:
         raise ValueError(f"checkpoint is missing tensors for parameters {missing} ({source})")

@@ -43,7 +43,7 @@ from flax import nnx
 
 from gdn_jax import ops
 from gdn_jax import reference as ref
-from gdn_jax.layers._common import (DEFAULT_PRECISION, F32, Linear, NormWeight, ShortConv,
+from gdn_jax.layers._common import (DEFAULT_PRECISION, F32, Linear, NormWeight, ParamInit, ShortConv,
                                     check_eps, check_hidden, check_impl, check_positive_int,
                                     check_state, fill_params)
 from gdn_jax.loading import SafetensorsCheckpoint, find_layer_prefix, read_config, text_config
@@ -183,13 +183,14 @@ class KimiDeltaAttention(nnx.Module):
         self.config = config
         self.dtype = dtype
         c, h = config, config.hidden_size
+        init = ParamInit(rngs)
         lin = lambda i, o, bias=False: Linear(i, o, use_bias=bias, param_dtype=param_dtype,
-                                              precision=precision, rngs=rngs)
+                                              precision=precision, init=init)
         self.q_proj = lin(h, c.key_dim)
         self.k_proj = lin(h, c.key_dim)
         self.v_proj = lin(h, c.value_dim)
         self.conv1d = ShortConv(c.conv_dim, c.conv_kernel_size, use_bias=c.conv_bias,
-                                param_dtype=param_dtype, rngs=rngs)
+                                param_dtype=param_dtype, init=init)
         self.f_a_proj = lin(h, c.head_dim)
         self.f_b_proj = lin(c.head_dim, c.gate_dim)
         self.b_proj = lin(h, c.num_v_heads)
@@ -197,10 +198,8 @@ class KimiDeltaAttention(nnx.Module):
         self.g_b_proj = lin(c.head_v_dim, c.value_dim, c.output_gate_bias)
         # FLA's initialisation: A uniform in [1, 16] (log stored); dt = exp(U[log 1e-3, log 1e-1])
         # stored as softplus^-1(dt), so softplus(dt_bias) starts at dt.
-        k1, k2 = jax.random.split(rngs.params())
-        self.A_log = nnx.Param(jnp.log(jax.random.uniform(k1, (c.num_v_heads,), F32, 1.0, 16.0))
-                               .astype(param_dtype))
-        dt = jnp.exp(jax.random.uniform(k2, (c.gate_dim,), F32, math.log(1e-3), math.log(1e-1)))
+        self.A_log = nnx.Param(jnp.log(init.uniform((c.num_v_heads,), 1.0, 16.0, F32)).astype(param_dtype))
+        dt = jnp.exp(init.uniform((c.gate_dim,), math.log(1e-3), math.log(1e-1), F32))
         self.dt_bias = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(param_dtype))
         self.o_norm = NormWeight(c.head_v_dim, param_dtype=param_dtype)
         self.o_proj = lin(c.value_dim, h)

@@ -37,7 +37,7 @@ from flax import nnx
 
 from gdn_jax import ops
 from gdn_jax import reference as ref
-from gdn_jax.layers._common import (DEFAULT_PRECISION, F32, Linear, NormWeight, ShortConv,
+from gdn_jax.layers._common import (DEFAULT_PRECISION, F32, Linear, NormWeight, ParamInit, ShortConv,
                                     check_eps, check_hidden, check_impl, check_positive_int,
                                     check_state, fill_params)
 from gdn_jax.loading import SafetensorsCheckpoint, find_layer_prefix, read_config, text_config
@@ -146,7 +146,8 @@ class Qwen3NextGatedDeltaNet(nnx.Module):
         self.config = config
         self.dtype = dtype
         c, h = config, config.hidden_size
-        lin = lambda i, o: Linear(i, o, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        init = ParamInit(rngs)
+        lin = lambda i, o: Linear(i, o, param_dtype=param_dtype, precision=precision, init=init)
         if c.layout == "fused":
             self.in_proj_qkvz = lin(h, 2 * c.key_dim + 2 * c.value_dim)
             self.in_proj_ba = lin(h, 2 * c.num_v_heads)
@@ -156,11 +157,10 @@ class Qwen3NextGatedDeltaNet(nnx.Module):
             self.in_proj_b = lin(h, c.num_v_heads)
             self.in_proj_a = lin(h, c.num_v_heads)
         self.conv1d = ShortConv(c.conv_dim, c.conv_kernel_size, use_bias=c.conv_bias,
-                                param_dtype=param_dtype, rngs=rngs)
+                                param_dtype=param_dtype, init=init)
         # HF initialisation: dt_bias ones, A uniform in [1, 16] (log stored), norm weight ones.
         self.dt_bias = nnx.Param(jnp.ones((c.num_v_heads,), param_dtype))
-        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (c.num_v_heads,), F32, 1.0, 16.0))
-                               .astype(param_dtype))
+        self.A_log = nnx.Param(jnp.log(init.uniform((c.num_v_heads,), 1.0, 16.0, F32)).astype(param_dtype))
         self.norm = NormWeight(c.head_v_dim, param_dtype=param_dtype)
         self.out_proj = lin(c.value_dim, h)
 
@@ -277,7 +277,7 @@ class Qwen3NextGatedDeltaNet(nnx.Module):
             config = GDNConfig.from_hf(raw, layout=layout, conv_bias="conv1d.bias" in names)
             module = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype,
                                                 precision=precision))
-            expected = {".".join(str(p) for p in path): v.value.shape
+            expected = {".".join(str(p) for p in path): v.get_value().shape
                         for path, v in nnx.to_flat_state(nnx.state(module))}
             expected["conv1d.weight"] = (config.conv_dim, 1, config.conv_kernel_size)
             unexpected = sorted(set(names) - set(expected))
