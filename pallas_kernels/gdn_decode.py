@@ -120,6 +120,7 @@ class DecodeBlockSizes:
     tile_v: int | None = None  # None: one tile of block_v columns
     num_warps: int = 4
     num_stages: int = 1
+    evict_first: bool = False  # state loads/stores marked evict-first (no reuse within a step)
 
     @property
     def tile(self) -> int:
@@ -146,8 +147,7 @@ def default_block_sizes(batch: int, v_dim: int, state_dtype, fused_norm: bool) -
             break
     block_v = v_dim if fused_norm else min(bs.block_v, v_dim)
     tile_v = min(bs.tile, block_v)
-    return DecodeBlockSizes(block_v=block_v, tile_v=tile_v, num_warps=bs.num_warps,
-                            num_stages=bs.num_stages)
+    return dataclasses.replace(bs, block_v=block_v, tile_v=None if tile_v == block_v else tile_v)
 
 
 # --------------------------------------------------------------------------- static spec
@@ -216,6 +216,17 @@ def index_overflow_reason(num_state_elements: int) -> str | None:
 
 # --------------------------------------------------------------------------- kernel body
 
+def _load(ref, evict_first: bool):
+    return plgpu.load(ref, eviction_policy="evict_first") if evict_first else ref[...]
+
+
+def _store(ref, val, evict_first: bool):
+    if evict_first:
+        plgpu.store(ref, val, eviction_policy="evict_first")
+    else:
+        ref[...] = val
+
+
 def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
     refs = list(refs)
     q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:5]
@@ -269,10 +280,10 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
         outs = []
         for t in range(block.block_v // block.tile):  # static: tiles of one program's columns
             cols = pl.ds(col0 + t * block.tile, block.tile)
-            S = state_in_ref[row, h, :, cols].astype(F32)
+            S = _load(state_in_ref.at[row, h, :, cols], block.evict_first).astype(F32)
             v = v_ref[b, pl.ds(spec.v_col + h * V + col0 + t * block.tile, block.tile)].astype(F32)
             o, S = token_update(S, q, k, v, g, beta)
-            state_out_ref[row, h, :, cols] = S.astype(state_out_ref.dtype)
+            _store(state_out_ref.at[row, h, :, cols], S.astype(state_out_ref.dtype), block.evict_first)
             outs.append(o)
 
         if spec.fused_norm:  # block_v == V: this program holds the whole head's output

@@ -1,0 +1,297 @@
+"""`python -m gdn_jax bench decode`: the Pallas GDN decode step against flash-linear-attention.
+
+HV = 32, HK = 16, K = V = 128, bf16 q/k/v, fp32 g/beta; fp32 state at B in {1, 32, 128, 256}
+and fp16 state at B = 128, plus the fused-norm and pool (packed rows, slot table) variants.
+
+Timing. JAX: one jitted program runs `--unroll` decode steps back to back (state chained and
+donated, so each step updates it in place), timed as many calls + one block_until_ready
+(common.time_jax) and divided by the steps: device time without host dispatch between steps.
+The single-call time through the Python entry point is reported too. The peer,
+`fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`, runs in a subprocess (torch and
+JAX would fight over GPU memory) and is timed with triton.testing.do_bench (CUDA events,
+median) and do_bench_cudagraph; the faster of the two counts. Bytes = state read + written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+
+HV, HK, K, V = 32, 16, 128, 128
+INTERPRET = False  # --smoke: tiny shapes in interpret mode, to check this script on a CPU
+TARGETS_US = {("float32", 32): 40.0, ("float32", 128): 140.0, ("float32", 256): 280.0,
+              ("float16", 128): 75.0}
+
+
+# --------------------------------------------------------------------------- peer (subprocess)
+
+def _peer_main(batches_dtypes, path):
+    import torch
+    import triton.testing as tt
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    res = {}
+    dev = "cuda"
+    x = torch.empty(2 * 1024**3 // 4, device=dev)
+    y = torch.empty_like(x)
+    ms = tt.do_bench(lambda: y.copy_(x), warmup=20, rep=200, return_mode="median")
+    res["copy_GBps"] = 2 * x.numel() * 4 / (ms * 1e-3) / 1e9
+    del x, y
+    for b, sdt in batches_dtypes:
+        key = f"{sdt}_B{b}"
+        try:
+            torch.manual_seed(0)
+            nrm = torch.nn.functional.normalize
+            q = nrm(torch.randn(b, 1, HK, K, device=dev), dim=-1).to(torch.bfloat16)
+            k = nrm(torch.randn(b, 1, HK, K, device=dev), dim=-1).to(torch.bfloat16)
+            v = torch.randn(b, 1, HV, V, device=dev).to(torch.bfloat16)
+            g = -torch.nn.functional.softplus(torch.randn(b, 1, HV, device=dev))
+            beta = torch.sigmoid(torch.randn(b, 1, HV, device=dev)).to(torch.bfloat16)
+            h0 = (torch.randn(b, HV, K, V, device=dev) * 0.1).to(getattr(torch, sdt))
+            fn = lambda: fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                                          output_final_state=True)
+            _, hf = fn()
+            torch.cuda.synchronize()
+            t_ev = tt.do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e3
+            try:
+                t_graph = tt.do_bench_cudagraph(fn, rep=300, return_mode="median") * 1e3
+            except Exception:  # noqa: BLE001 - the graph timing is a bonus
+                t_graph = float("inf")
+            res[key] = {"us": min(t_ev, t_graph), "us_events": t_ev, "us_graph": t_graph,
+                        "final_state_dtype": str(hf.dtype)}
+        except Exception as e:  # noqa: BLE001 - report, keep going
+            res[key] = {"error": f"{type(e).__name__}: {e}"[:400]}
+        print("peer", key, res[key], flush=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def _run_peer(batches_dtypes, path):
+    code = (f"import sys; sys.path.insert(0, {os.getcwd()!r}); from gdn_jax.bench.decode import "
+            f"_peer_main; _peer_main({batches_dtypes!r}, {path!r})")
+    try:
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=400)
+        with open(path) as f:
+            return json.load(f)
+    except Exception as e:  # noqa: BLE001
+        print(f"peer failed: {e}", flush=True)
+        return {}
+
+
+# --------------------------------------------------------------------------- ours
+
+def _inputs(b, state_dtype, seed=0):
+    import jax
+    import jax.numpy as jnp
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    nrm = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    q = nrm(jax.random.normal(ks[0], (b, HK, K))).astype(jnp.bfloat16)
+    k = nrm(jax.random.normal(ks[1], (b, HK, K))).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, HV, V)).astype(jnp.bfloat16)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (b, HV)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, HV)))
+    s = (0.1 * jax.random.normal(ks[5], (b, HV, K, V))).astype(state_dtype)
+    # committed to the device, as a step's outputs are: chaining them then hits the same executable
+    return tuple(jax.device_put(x, jax.devices()[0]) for x in (q, k, v, g, beta, s))
+
+
+def _time_steps(step, args, unroll, calls=None, repeats=None):
+    """Seconds per decode step: `unroll` chained steps in one jitted program."""
+    import jax
+    from gdn_jax.bench.common import time_jax
+
+    @functools.partial(jax.jit, donate_argnums=(len(args) - 1,))
+    def run(*a):
+        *rest, s = a
+        for _ in range(unroll):
+            o, s = step(*rest, s)
+        return o, s
+
+    chain = lambda out, a: tuple(a[:-1]) + (out[1],)
+    for _ in range(2):  # the first call can change the tracing context (one retrace): warm both
+        args = chain(jax.block_until_ready(run(*args)), args)
+    calls = calls or (2 if INTERPRET else 10)
+    repeats = repeats or (1 if INTERPRET else 5)
+    return time_jax(run, *args, calls=calls, repeats=repeats, chain=chain) / unroll
+
+
+def _check(b, state_dtype, block):
+    """Max relative L2 error of o and state vs the reference on this config (one call)."""
+    import jax.numpy as jnp
+    from gdn_jax import decode as dec, reference as ref
+    import numpy as np
+    q, k, v, g, beta, s = _inputs(b, state_dtype, seed=1)
+    ro, rs = ref.decode_step(q.astype(jnp.float32), k, v, g, beta, s)
+    o, s2 = dec.gdn_decode(q, k, v, g, beta, s.copy(), impl="pallas", block_sizes=block,
+                           interpret=INTERPRET)
+    err = lambda a, r: float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(r, np.float64))
+                             / np.linalg.norm(np.asarray(r, np.float64)))
+    return max(err(o.astype(jnp.float32), ro), err(s2.astype(jnp.float32), rs.astype(jnp.float32)))
+
+
+def _sweep_blocks(full: bool):
+    """Block shapes to time: every [K, block_v] tile whose state share per thread is 8..128
+    registers (full), or a short list around the likely winners."""
+    from pallas_kernels.gdn_decode import DecodeBlockSizes as D
+    if not full:
+        return [D(16, None, 2), D(32, None, 4), D(32, None, 8), D(64, None, 4), D(128, 32, 4)]
+    out = []
+    for bv in (16, 32, 64, 128):
+        for nw in (1, 2, 4, 8):
+            if 8 <= bv * 128 // (32 * nw) <= 128:
+                out.append(D(block_v=bv, num_warps=nw))
+    out += [D(block_v=32, num_warps=4, evict_first=True), D(block_v=64, num_warps=4, evict_first=True),
+            D(block_v=128, tile_v=32, num_warps=4), D(block_v=64, tile_v=32, num_warps=2)]
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gdn_jax bench decode", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,32,128,256")
+    p.add_argument("--sweep", action="store_true", help="time every block shape, keep the best")
+    p.add_argument("--unroll", type=int, default=20)
+    p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--md", default="BENCHMARKS.md", help="file whose section is (re)written")
+    p.add_argument("--json", default=None, help="write every number here too")
+    p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.smoke:  # check the script itself on a CPU: tiny heads, interpret mode, no peer
+        global HV, HK, K, V, INTERPRET
+        HV, HK, K, V, INTERPRET = 4, 2, 32, 32, True
+        args.no_peer, args.unroll = True, 2
+    batches = [int(x) for x in args.batches.split(",")]
+    cases = [("float32", b) for b in batches] + [("float16", 128)]
+    if args.smoke:
+        cases = [("float32", 1), ("float32", 3), ("float16", 3)]
+
+    peer = {} if args.no_peer else _run_peer(cases, os.path.abspath((args.json or "decode") + ".peer.json"))
+
+    import jax
+    import jax.numpy as jnp
+    from gdn_jax import decode as dec
+    from gdn_jax.bench import common
+    from pallas_kernels import gdn_decode as kern
+
+    copy_gbps = peer.get("copy_GBps", common.COPY_BANDWIDTH_GBPS)
+    results = {"device": common.device_name(), "date": common.today(), "copy_GBps": copy_gbps,
+               "peer": peer, "cases": []}
+    rows = []
+    for sdt, b in cases:
+        state_dtype = jnp.dtype(sdt)
+        table = kern.default_block_sizes(b, V, state_dtype, False)
+        full = (sdt, b) == ("float32", 128)
+        cands = [table] + ([c for c in _sweep_blocks(full) if c != table and c.block_v <= V]
+                           if args.sweep else [])
+        args_b = _inputs(b, state_dtype)
+        timings = []
+        for blk in cands:
+            step = functools.partial(dec.gdn_decode, impl="pallas", block_sizes=blk,
+                                     interpret=INTERPRET)
+            try:
+                a = tuple(args_b[:5]) + (args_b[5].copy(),)
+                t = _time_steps(step, a, args.unroll)
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+                print(f"  {sdt} B={b} {blk}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            timings.append((t, blk))
+            print(f"  {sdt} B={b} {blk}: {t * 1e6:.1f} us", flush=True)
+        timings.sort(key=lambda x: x[0])
+        t_best, best = timings[0]
+        t_table = next(t for t, blk in timings if blk == table)
+        err = _check(b, state_dtype, best)
+        # one step through the Python entry point, host dispatch included
+        one = functools.partial(dec.gdn_decode, impl="pallas", block_sizes=best, interpret=INTERPRET)
+        a = tuple(args_b[:5]) + (args_b[5].copy(),)
+        t_call = common.time_jax(one, *a, calls=20, repeats=3,
+                                 chain=lambda out, a: tuple(a[:-1]) + (out[1],))
+        nbytes = 2 * b * HV * K * V * state_dtype.itemsize
+        pk = peer.get(f"{sdt}_B{b}", {})
+        t_peer = pk.get("us")
+        case = {"state": sdt, "B": b, "us": t_best * 1e6, "us_table": t_table * 1e6,
+                "us_python_call": t_call * 1e6, "block": dataclasses.asdict(best),
+                "GBps": nbytes / t_best / 1e9, "pct_copy": 100 * nbytes / t_best / 1e9 / copy_gbps,
+                "rel_err": err, "peer_us": t_peer, "peer": pk,
+                "target_us": TARGETS_US.get((sdt, b)),
+                "sweep": [(t * 1e6, dataclasses.asdict(blk)) for t, blk in timings]}
+        results["cases"].append(case)
+        rows.append(case)
+
+    # Variants at B = 128, fp32 state, tuning-table block sizes: fused norm, pool + packed rows.
+    b = 128 if not args.smoke else 4
+    q, k, v, g, beta, s = _inputs(b, jnp.float32)
+    z = jnp.ones((b, HV, V), jnp.bfloat16) * 0.5
+    w = jnp.ones((V,), jnp.float32)
+    norm_step = lambda q, k, v, g, beta, s: dec.gdn_decode(q, k, v, g, beta, s, z=z, norm_weight=w,
+                                                           impl="pallas", interpret=INTERPRET)
+    t_norm = _time_steps(norm_step, (q, k, v, g, beta, s.copy()), args.unroll)
+    qkv = jnp.concatenate([q.reshape(b, -1), k.reshape(b, -1), v.reshape(b, -1)], axis=1)
+    pool = jnp.concatenate([s, s[: b // 2]], axis=0)  # 1.5 x B slots, every other one used
+    slots = jnp.arange(b, dtype=jnp.int32) * 3 // 2
+    ab = jnp.concatenate([g, beta], axis=1)  # stand-in raw projection row: a | b
+    A_log, dt_bias = jnp.zeros((HV,)), jnp.zeros((HV,))
+    pool_step = lambda qkv, ab, pool: dec.gdn_decode_pool(
+        qkv, ab, ab, pool, slots, num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=V,
+        beta_col=HV, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True, z=z.reshape(b, -1),
+        norm_weight=w, impl="pallas", interpret=INTERPRET)
+    t_pool = _time_steps(pool_step, (qkv, ab, pool), args.unroll)
+    nb = 2 * b * HV * K * V * 4
+    results["variants"] = {"fused_norm_B128_us": t_norm * 1e6, "pool_packed_raw_l2_norm_B128_us": t_pool * 1e6}
+
+    # ---------------------------------------------------------------- the section
+    lines = [
+        f"Device: {results['device']}; date {results['date']}; jax {jax.__version__}; "
+        f"copy bandwidth measured in this run {copy_gbps:.0f} GB/s (torch device-to-device, read + write).",
+        f"HV={HV}, HK={HK}, K=V={V}, bf16 q/k/v, fp32 g/beta; bytes = state read + written. Ours: "
+        f"{args.unroll} chained, donated steps per jitted call, many calls + one block_until_ready. "
+        "FLA `fused_recurrent_gated_delta_rule` in the same run: faster of do_bench (events) and "
+        "do_bench_cudagraph, median.",
+        "",
+        "| state | B | ours (us) | block (block_v/tile/warps) | FLA (us) | FLA / ours | GB/s | % copy BW | target | rel err vs ref (bf16 o) | one Python call (us) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in rows:
+        blk = c["block"]
+        tile = blk["tile_v"] or blk["block_v"]
+        ratio = f"{c['peer_us'] / c['us']:.2f}" if c["peer_us"] else "n/a"
+        peer_s = f"{c['peer_us']:.1f}" if c["peer_us"] else c["peer"].get("error", "n/a")[:40]
+        tgt = c["target_us"]
+        if tgt:
+            tgt_s = f"<= {tgt:.0f}: " + ("met" if c["us"] <= tgt else
+                                          "MISSED by %.0f%%" % (100 * (c["us"] / tgt - 1)))
+        elif c["B"] == 1:
+            tgt_s = "<= FLA: " + ("met" if c["peer_us"] and c["us"] <= c["peer_us"] else "MISSED")
+        else:
+            tgt_s = ""
+        lines.append(f"| {c['state']} | {c['B']} | {c['us']:.1f} | {blk['block_v']}/{tile}/{blk['num_warps']}"
+                     f"{' ef' if blk['evict_first'] else ''} | {peer_s} | {ratio} | {c['GBps']:.0f} | "
+                     f"{c['pct_copy']:.0f} | {tgt_s} | {c['rel_err']:.1e} | {c['us_python_call']:.1f} |")
+    lines += [
+        "",
+        f"Variants, B=128, fp32 state, tuning-table blocks: decode + fused gated RMSNorm (bf16 out) "
+        f"{t_norm * 1e6:.1f} us ({nb / t_norm / 1e9:.0f} GB/s); pool with slot table + packed qkv row "
+        f"+ raw gates + in-kernel L2 norm + fused norm {t_pool * 1e6:.1f} us ({nb / t_pool / 1e9:.0f} GB/s).",
+    ]
+    if args.sweep:
+        lines.append("")
+        lines.append("Block-shape sweep (us; block_v/tile/warps):")
+        for c in rows:
+            lines.append(f"- {c['state']} B={c['B']}: " + ", ".join(
+                f"{bk['block_v']}/{bk['tile_v'] or bk['block_v']}/{bk['num_warps']}{'ef' if bk['evict_first'] else ''} "
+                f"{t:.1f}" for t, bk in c["sweep"]))
+    md = "\n".join(lines)
+    print(md, flush=True)
+    common.write_section("GDN decode (Pallas, single token)", md, path=args.md)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
