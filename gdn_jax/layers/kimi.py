@@ -256,7 +256,7 @@ class KimiDeltaAttention(nnx.Module):
         v = mixed[..., 2 * c.key_dim:].reshape(bsz, t, c.num_v_heads, c.head_v_dim)
         g_raw = self.f_b_proj(self.f_a_proj(x, dtype), dtype).reshape(bsz, t, c.num_v_heads, c.head_dim)
         g = ref.kda_gate(g_raw, self.A_log[...], self.dt_bias[...], lower_bound=c.lower_bound)
-        beta = jax.nn.sigmoid(self.b_proj(x, dtype).astype(F32))
+        beta = ref.gdn_beta(self.b_proj(x, dtype))
         o, recurrent = ops.kda(q, k, v, g, beta, initial_state=state.recurrent,
                                output_final_state=True, use_qk_l2norm=True, impl=impl)
         gate = self.g_b_proj(self.g_a_proj(x, dtype), dtype).reshape(bsz, t, c.num_v_heads, c.head_v_dim)
