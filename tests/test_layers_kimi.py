@@ -344,3 +344,15 @@ def test_call_validation(kimi_path):
         block(x, KDAState(recurrent=s.recurrent, conv=jnp.zeros((1, 3, 191))))
     with pytest.raises(ValueError, match="state must"):
         block(x, {"recurrent": s.recurrent, "conv": s.conv})
+
+
+def test_bf16_checkpoint_keeps_or_casts_dtype(tmp_path, raw):
+    import ml_dtypes
+    bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in raw.items()}
+    path = write_ckpt(str(tmp_path / "bf16"), bf16, "model.layers.0.self_attn.", KIMI_CONFIG)
+    kept = KimiDeltaAttention.from_pretrained(path, 0)
+    assert kept.q_proj.weight[...].dtype == jnp.bfloat16 and kept.conv1d.weight[...].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(kept.conv1d.weight[...][:64], np.float32),
+                                  bf16["q_conv1d.weight"][:, 0].astype(np.float32))
+    cast = KimiDeltaAttention.from_pretrained(path, 0, param_dtype=jnp.float32)
+    assert cast.q_proj.weight[...].dtype == jnp.float32 and cast.A_log[...].dtype == jnp.float32
