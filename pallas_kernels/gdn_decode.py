@@ -113,14 +113,17 @@ def gated_rmsnorm_value(o: jax.Array, z: jax.Array, weight: jax.Array, eps: floa
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
-    """Launch shape. A program owns value columns [j * block_v, (j + 1) * block_v) of one
-    (sequence, head); it walks them in static tiles of `tile_v` columns (tile_v <= block_v),
-    each a [K, tile_v] register tile. Grid = (B, HV, V // block_v)."""
+    """Launch shape. A program owns value columns [j * block_v, (j + 1) * block_v) of `heads`
+    consecutive value heads of one sequence; it walks them in static [K, tile_v] register tiles
+    (head-major), and with `prefetch` issues the next tile's loads before the current tile's
+    math (a two-deep pipeline in registers). Grid = (B, HV // heads, V // block_v)."""
     block_v: int = 32
     tile_v: int | None = None  # None: one tile of block_v columns
     num_warps: int = 4
     num_stages: int = 1
     evict_first: bool = False  # state loads/stores marked evict-first (no reuse within a step)
+    heads: int = 1             # value heads per program
+    prefetch: bool = True      # load item n+1 before computing item n
 
     @property
     def tile(self) -> int:
@@ -196,6 +199,8 @@ def unsupported_reason(spec: DecodeSpec, block: DecodeBlockSizes, state_dtype) -
         return f"block_v={block.block_v} must be a power of two dividing V={spec.v_dim}"
     if not (_pow2(block.tile) and block.block_v % block.tile == 0):
         return f"tile_v={block.tile} must be a power of two dividing block_v={block.block_v}"
+    if block.heads < 1 or spec.num_v_heads % block.heads:
+        return f"heads={block.heads} (per program) must divide HV={spec.num_v_heads}"
     if spec.fused_norm and block.block_v != spec.v_dim:
         return f"the fused norm needs a whole head per program (block_v={block.block_v} != V={spec.v_dim})"
     if spec.norm_activation not in ("silu", "sigmoid"):
@@ -240,12 +245,14 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
         z_ref, w_ref, *rest = rest
     state_in_ref, o_ref, state_out_ref = rest
 
-    K, V = spec.k_dim, spec.v_dim
+    K, V, T = spec.k_dim, spec.v_dim, block.tile
+    group = spec.num_v_heads // spec.num_k_heads
     b = pl.program_id(0)
-    h = pl.program_id(1)
-    j = pl.program_id(2)
-    kh = h // (spec.num_v_heads // spec.num_k_heads)
-    col0 = j * block.block_v
+    h0 = pl.program_id(1) * block.heads
+    col0 = pl.program_id(2) * block.block_v
+    n_tiles = block.block_v // T
+    # Work items of this program: (head offset, column tile), head-major. Static.
+    items = [(i, t) for i in range(block.heads) for t in range(n_tiles)]
 
     if spec.pooled:
         slot = slots_ref[b]
@@ -255,49 +262,75 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
     else:
         valid, row = None, b
 
-    def step():
-        q = q_ref[b, pl.ds(spec.q_col + kh * K, K)].astype(F32)
-        k = k_ref[b, pl.ds(spec.k_col + kh * K, K)].astype(F32)
+    def fetch(i, t):
+        """Issue every load of one item together (one memory latency for all of them)."""
+        h = h0 + i
+        c = col0 + t * T
+        x = {"S": _load(state_in_ref.at[row, h, :, pl.ds(c, T)], block.evict_first),
+             "v": v_ref[b, pl.ds(spec.v_col + h * V + c, T)]}
+        if t == 0:  # per-head operands, once per head
+            kh = h // group
+            x["q"] = q_ref[b, pl.ds(spec.q_col + kh * K, K)]
+            x["k"] = k_ref[b, pl.ds(spec.k_col + kh * K, K)]
+            x["g"] = (g_ref[b, pl.ds(spec.g_col + h * K, K)] if spec.per_channel_gate
+                      else g_ref[b, spec.g_col + h])
+            x["beta"] = beta_ref[b, spec.beta_col + h]
+            if spec.raw_gates:
+                x["A_log"] = A_log_ref[h]
+                x["dt"] = dt_bias_ref[pl.ds(h * K, K)] if spec.per_channel_gate else dt_bias_ref[h]
+        if spec.fused_norm:
+            x["z"] = z_ref[b, pl.ds(spec.z_col + h * V + t * T, T)]
+        return x
+
+    def head_operands(x):
+        q, k = x["q"].astype(F32), x["k"].astype(F32)
         if spec.use_qk_l2norm:
             q, k = l2_normalize(q), l2_normalize(k)
         q = q * jnp.float32(spec.scale)
-        if spec.per_channel_gate:
-            g_in = g_ref[b, pl.ds(spec.g_col + h * K, K)].astype(F32)
-        else:
-            g_in = g_ref[b, spec.g_col + h].astype(F32)
-        beta_in = beta_ref[b, spec.beta_col + h].astype(F32)
+        g, beta = x["g"].astype(F32), x["beta"].astype(F32)
         if spec.raw_gates:
-            A_log = A_log_ref[h].astype(F32)
-            if spec.per_channel_gate:
-                dt = dt_bias_ref[pl.ds(h * K, K)].astype(F32)
-                g = kda_gate_value(g_in, A_log, dt, spec.gate_lower_bound)
-            else:
-                g = gdn_gate_value(g_in, A_log, dt_bias_ref[h].astype(F32))
-            beta = jax.nn.sigmoid(beta_in)
-        else:
-            g, beta = g_in, beta_in
+            A_log, dt = x["A_log"].astype(F32), x["dt"].astype(F32)
+            g = (kda_gate_value(g, A_log, dt, spec.gate_lower_bound) if spec.per_channel_gate
+                 else gdn_gate_value(g, A_log, dt))
+            beta = jax.nn.sigmoid(beta)
+        return q, k, g, beta
 
-        outs = []
-        for t in range(block.block_v // block.tile):  # static: tiles of one program's columns
-            cols = pl.ds(col0 + t * block.tile, block.tile)
-            S = _load(state_in_ref.at[row, h, :, cols], block.evict_first).astype(F32)
-            v = v_ref[b, pl.ds(spec.v_col + h * V + col0 + t * block.tile, block.tile)].astype(F32)
-            o, S = token_update(S, q, k, v, g, beta)
-            _store(state_out_ref.at[row, h, :, cols], S.astype(state_out_ref.dtype), block.evict_first)
-            outs.append(o)
-
+    def store_outputs(i, outs):
+        h = h0 + i
         if spec.fused_norm:  # block_v == V: this program holds the whole head's output
-            sumsq = sum(jnp.sum(o * o) for o in outs)
+            sumsq = sum(jnp.sum(o * o) for o, _ in outs)
             inv = lax.rsqrt(sumsq / V + jnp.float32(spec.norm_eps))
-            for t, o in enumerate(outs):
-                c = t * block.tile
-                z = z_ref[b, pl.ds(spec.z_col + h * V + c, block.tile)].astype(F32)
-                w = w_ref[pl.ds(c, block.tile)].astype(F32)
+            for t, (o, z) in enumerate(outs):
+                z = z.astype(F32)
+                w = w_ref[pl.ds(t * T, T)].astype(F32)
                 act = z * jax.nn.sigmoid(z) if spec.norm_activation == "silu" else jax.nn.sigmoid(z)
-                o_ref[b, pl.ds(h * V + c, block.tile)] = (o * inv * w * act).astype(o_ref.dtype)
+                o_ref[b, pl.ds(h * V + t * T, T)] = (o * inv * w * act).astype(o_ref.dtype)
         else:
-            for t, o in enumerate(outs):
-                o_ref[b, pl.ds(h * V + col0 + t * block.tile, block.tile)] = o.astype(o_ref.dtype)
+            for t, (o, _) in enumerate(outs):
+                o_ref[b, pl.ds(h * V + col0 + t * T, T)] = o.astype(o_ref.dtype)
+
+    def step():
+        # Software pipeline in registers: the next item's loads are issued before this item's
+        # math, so a program always has a tile in flight while it reduces the current one.
+        pending = fetch(*items[0])
+        head, outs = None, []
+        for n, (i, t) in enumerate(items):
+            x = pending
+            if block.prefetch and n + 1 < len(items):
+                pending = fetch(*items[n + 1])
+            if t == 0:
+                head = head_operands(x)
+            q, k, g, beta = head
+            cols = pl.ds(col0 + t * T, T)
+            o, S = token_update(x["S"].astype(F32), q, k, x["v"].astype(F32), g, beta)
+            _store(state_out_ref.at[row, h0 + i, :, cols], S.astype(state_out_ref.dtype),
+                   block.evict_first)
+            outs.append((o, x.get("z")))
+            if t == n_tiles - 1:
+                store_outputs(i, outs)
+                outs = []
+            if not block.prefetch and n + 1 < len(items):
+                pending = fetch(*items[n + 1])
 
     if valid is None:
         step()
@@ -306,7 +339,9 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
 
         @pl.when(jnp.logical_not(valid))
         def _():
-            o_ref[b, pl.ds(h * V + col0, block.block_v)] = jnp.zeros((block.block_v,), o_ref.dtype)
+            for i in range(block.heads):
+                o_ref[b, pl.ds((h0 + i) * V + col0, block.block_v)] = jnp.zeros(
+                    (block.block_v,), o_ref.dtype)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -384,7 +419,7 @@ def _launch(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, z_
     kernel = functools.partial(_decode_kernel, spec=spec, block=block)
     return pl.pallas_call(
         kernel,
-        grid=(batch, spec.num_v_heads, spec.v_dim // block.block_v),
+        grid=(batch, spec.num_v_heads // block.heads, spec.v_dim // block.block_v),
         out_shape=(jax.ShapeDtypeStruct((batch, spec.num_v_heads * spec.v_dim), out_dtype),
                    jax.ShapeDtypeStruct(state.shape, state.dtype)),
         input_output_aliases={len(inputs) - 1: 1},

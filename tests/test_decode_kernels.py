@@ -83,6 +83,8 @@ DECODE_CASES = [
     (1, 2, 2, 64, F32, True, None),
     (3, 1, 2, 64, F32, False, None),
     (7, 2, 4, 64, F32, True, kern.DecodeBlockSizes(block_v=16, tile_v=8, num_warps=2)),
+    (3, 1, 4, 64, F32, True, kern.DecodeBlockSizes(block_v=32, tile_v=16, heads=2, num_warps=2)),
+    (3, 2, 4, 64, F16, False, kern.DecodeBlockSizes(block_v=64, tile_v=32, heads=4, prefetch=False)),
     (3, 2, 4, 128, F32, True, None),
     (3, 2, 4, 64, F16, True, None),
     (7, 1, 2, 64, BF16, True, kern.DecodeBlockSizes(block_v=64, tile_v=32, num_warps=4)),
@@ -233,24 +235,27 @@ def _pool_case(seed, *, B, HK, HV, K, slots, n_slots, sdt, raw, norm, per_channe
 
 
 POOL_CASES = [
-    # B, HK, HV, K, slots, n_slots, state dtype, raw gates, fused norm, per-channel gate
-    (5, 2, 4, 64, [4, -1, 0, 7, -1], 9, F32, False, False, False),
-    (3, 1, 2, 64, [2, 6, -1], 8, F32, True, True, False),
-    (3, 2, 4, 64, [-1, 1, 3], 5, F16, True, False, False),
-    (1, 2, 2, 128, [3], 4, BF16, False, True, False),
-    (3, 1, 2, 64, [1, -1, 0], 3, F32, True, False, True),
+    # B, HK, HV, K, slots, n_slots, state dtype, raw gates, fused norm, per-channel gate, block
+    (5, 2, 4, 64, [4, -1, 0, 7, -1], 9, F32, False, False, False, None),
+    (3, 1, 2, 64, [2, 6, -1], 8, F32, True, True, False, None),
+    (3, 2, 4, 64, [-1, 1, 3], 5, F16, True, False, False, None),
+    (1, 2, 2, 128, [3], 4, BF16, False, True, False, None),
+    (3, 1, 2, 64, [1, -1, 0], 3, F32, True, False, True, None),
+    (3, 1, 4, 64, [-1, 4, 0], 6, F32, True, True, False,
+     kern.DecodeBlockSizes(block_v=64, tile_v=32, heads=2)),
 ]
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("B,HK,HV,K,slots,n_slots,sdt,raw,norm,per_channel", POOL_CASES)
-def test_pool_packed_sentinel(mode, B, HK, HV, K, slots, n_slots, sdt, raw, norm, per_channel):
+@pytest.mark.parametrize("B,HK,HV,K,slots,n_slots,sdt,raw,norm,per_channel,block", POOL_CASES)
+def test_pool_packed_sentinel(mode, B, HK, HV, K, slots, n_slots, sdt, raw, norm, per_channel,
+                              block):
     qkv, pool, slots, kw, (ro, want_pool), sentinel = _pool_case(
         B * 10 + K, B=B, HK=HK, HV=HV, K=K, slots=slots, n_slots=n_slots, sdt=sdt, raw=raw,
         norm=norm, per_channel=per_channel)
     _poison((B, HV, K), BF16)
     o, new_pool = dec.gdn_decode_pool(qkv, pool=pool.copy(), slots=slots, impl="pallas",
-                                      interpret=_interp(mode), **kw)
+                                      interpret=_interp(mode), block_sizes=block, **kw)
     assert new_pool.shape == pool.shape and new_pool.dtype == pool.dtype
     named = set(int(s) for s in np.asarray(slots) if s >= 0)
     untouched = [i for i in range(n_slots) if i not in named]

@@ -134,20 +134,34 @@ def _check(b, state_dtype, block):
     return max(err(o.astype(jnp.float32), ro), err(s2.astype(jnp.float32), rs.astype(jnp.float32)))
 
 
-def _sweep_blocks(full: bool):
-    """Block shapes to time: every [K, block_v] tile whose state share per thread is 8..128
-    registers (full), or a short list around the likely winners."""
+def _sweep_blocks(sdt, b, best_so_far=()):
+    """Block shapes to time. The first sweep (2026-11-30, BENCHMARKS.md) covered every single
+    [K, block_v] tile per program (block_v 16..128, 1..8 warps): 64/4 and 128/4 won at 152-154 us
+    for B=128, 84% of the copy bandwidth. This list adds programs that walk several tiles
+    (columns and/or heads) with the next tile's loads issued before the current tile's math."""
     from pallas_kernels.gdn_decode import DecodeBlockSizes as D
-    if not full:
-        return [D(16, None, 2), D(32, None, 4), D(32, None, 8), D(64, None, 4), D(128, 32, 4)]
-    out = []
-    for bv in (16, 32, 64, 128):
-        for nw in (1, 2, 4, 8):
-            if 8 <= bv * 128 // (32 * nw) <= 128:
-                out.append(D(block_v=bv, num_warps=nw))
-    out += [D(block_v=32, num_warps=4, evict_first=True), D(block_v=64, num_warps=4, evict_first=True),
-            D(block_v=128, tile_v=32, num_warps=4), D(block_v=64, tile_v=32, num_warps=2)]
-    return out
+    main = [D(64, None, 4), D(128, None, 4), D(128, 64, 4), D(128, 32, 4), D(64, 32, 4),
+            D(64, 32, 2), D(64, None, 4, heads=2), D(128, 64, 4, heads=2), D(32, None, 4, heads=4),
+            D(32, None, 2, heads=2), D(64, None, 8, heads=4), D(128, None, 8, heads=2),
+            D(128, 64, 8), D(64, 32, 4, heads=2), D(128, 64, 4, evict_first=True),
+            D(128, 64, 4, prefetch=False)]
+    if (sdt, b) == ("float32", 128):
+        return main
+    extra = {1: [D(16, None, 2), D(32, None, 4), D(32, None, 2)],
+             32: [D(64, None, 4), D(32, None, 4)]}.get(b, [])
+    if sdt == "float16":
+        extra = [D(128, None, 4), D(128, None, 8), D(128, 64, 4), D(128, None, 8, heads=2),
+                 D(128, 64, 4, heads=2), D(64, None, 4, heads=2)]
+    return list(dict.fromkeys(list(best_so_far)[:6] + extra + [D(64, None, 4)]))
+
+
+def _blk_str(bk: dict) -> str:
+    s = f"{bk['block_v']}/{bk['tile_v'] or bk['block_v']}/{bk['num_warps']}"
+    if bk.get("heads", 1) > 1:
+        s += f"x{bk['heads']}"
+    if not bk.get("prefetch", True) and (bk.get("heads", 1) > 1 or bk["tile_v"]):
+        s += "np"
+    return s + ("ef" if bk["evict_first"] else "")
 
 
 def main(argv=None) -> int:
@@ -166,7 +180,7 @@ def main(argv=None) -> int:
         HV, HK, K, V, INTERPRET = 4, 2, 32, 32, True
         args.no_peer, args.unroll = True, 2
     batches = [int(x) for x in args.batches.split(",")]
-    cases = [("float32", b) for b in batches] + [("float16", 128)]
+    cases = [("float32", 128)] + [("float32", b) for b in batches if b != 128] + [("float16", 128)]
     if args.smoke:
         cases = [("float32", 1), ("float32", 3), ("float16", 3)]
 
@@ -185,8 +199,9 @@ def main(argv=None) -> int:
     for sdt, b in cases:
         state_dtype = jnp.dtype(sdt)
         table = kern.default_block_sizes(b, V, state_dtype, False)
-        full = (sdt, b) == ("float32", 128)
-        cands = [table] + ([c for c in _sweep_blocks(full) if c != table and c.block_v <= V]
+        best_main = [blk for _, blk in rows[0]["_timings"]] if rows else []
+        cands = [table] + ([c for c in _sweep_blocks(sdt, b, best_main)
+                            if c != table and c.block_v <= V and HV % c.heads == 0]
                            if args.sweep else [])
         args_b = _inputs(b, state_dtype)
         timings = []
@@ -220,7 +235,7 @@ def main(argv=None) -> int:
                 "target_us": TARGETS_US.get((sdt, b)),
                 "sweep": [(t * 1e6, dataclasses.asdict(blk)) for t, blk in timings]}
         results["cases"].append(case)
-        rows.append(case)
+        rows.append(dict(case, _timings=timings))
 
     # Variants at B = 128, fp32 state, tuning-table block sizes: fused norm, pool + packed rows.
     b = 128 if not args.smoke else 4
@@ -230,6 +245,20 @@ def main(argv=None) -> int:
     norm_step = lambda q, k, v, g, beta, s: dec.gdn_decode(q, k, v, g, beta, s, z=z, norm_weight=w,
                                                            impl="pallas", interpret=INTERPRET)
     t_norm = _time_steps(norm_step, (q, k, v, g, beta, s.copy()), args.unroll)
+    norm_sweep = []
+    if args.sweep:
+        D = kern.DecodeBlockSizes
+        for blk in (D(V, None, 4), D(V, None, 8), D(V, V // 2, 4), D(V, V // 4, 4),
+                    D(V, V // 2, 4, heads=2), D(V, V // 2, 8)):
+            st = lambda q, k, v, g, beta, s, blk=blk: dec.gdn_decode(
+                q, k, v, g, beta, s, z=z, norm_weight=w, impl="pallas", interpret=INTERPRET,
+                block_sizes=blk)
+            try:
+                norm_sweep.append((_time_steps(st, (q, k, v, g, beta, s.copy()), args.unroll) * 1e6,
+                                   dataclasses.asdict(blk)))
+            except Exception as e:  # noqa: BLE001
+                print(f"  norm {blk}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+        norm_sweep.sort(key=lambda x: x[0])
     qkv = jnp.concatenate([q.reshape(b, -1), k.reshape(b, -1), v.reshape(b, -1)], axis=1)
     pool = jnp.concatenate([s, s[: b // 2]], axis=0)  # 1.5 x B slots, every other one used
     slots = jnp.arange(b, dtype=jnp.int32) * 3 // 2
@@ -241,7 +270,8 @@ def main(argv=None) -> int:
         norm_weight=w, impl="pallas", interpret=INTERPRET)
     t_pool = _time_steps(pool_step, (qkv, ab, pool), args.unroll)
     nb = 2 * b * HV * K * V * 4
-    results["variants"] = {"fused_norm_B128_us": t_norm * 1e6, "pool_packed_raw_l2_norm_B128_us": t_pool * 1e6}
+    results["variants"] = {"fused_norm_B128_us": t_norm * 1e6, "pool_packed_raw_l2_norm_B128_us": t_pool * 1e6,
+                           "fused_norm_sweep": norm_sweep}
 
     # ---------------------------------------------------------------- the section
     lines = [
@@ -255,6 +285,7 @@ def main(argv=None) -> int:
         "| state | B | ours (us) | block (block_v/tile/warps) | FLA (us) | FLA / ours | GB/s | % copy BW | target | rel err vs ref (bf16 o) | one Python call (us) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rows.sort(key=lambda c: (c["state"] != "float32", c["B"]))
     for c in rows:
         blk = c["block"]
         tile = blk["tile_v"] or blk["block_v"]
@@ -268,8 +299,7 @@ def main(argv=None) -> int:
             tgt_s = "<= FLA: " + ("met" if c["peer_us"] and c["us"] <= c["peer_us"] else "MISSED")
         else:
             tgt_s = ""
-        lines.append(f"| {c['state']} | {c['B']} | {c['us']:.1f} | {blk['block_v']}/{tile}/{blk['num_warps']}"
-                     f"{' ef' if blk['evict_first'] else ''} | {peer_s} | {ratio} | {c['GBps']:.0f} | "
+        lines.append(f"| {c['state']} | {c['B']} | {c['us']:.1f} | {_blk_str(blk)} | {peer_s} | {ratio} | {c['GBps']:.0f} | "
                      f"{c['pct_copy']:.0f} | {tgt_s} | {c['rel_err']:.1e} | {c['us_python_call']:.1f} |")
     lines += [
         "",
@@ -277,13 +307,16 @@ def main(argv=None) -> int:
         f"{t_norm * 1e6:.1f} us ({nb / t_norm / 1e9:.0f} GB/s); pool with slot table + packed qkv row "
         f"+ raw gates + in-kernel L2 norm + fused norm {t_pool * 1e6:.1f} us ({nb / t_pool / 1e9:.0f} GB/s).",
     ]
+    if norm_sweep:
+        lines.append("Fused-norm block sweep, B=128 fp32 (us): " + ", ".join(
+            f"{_blk_str(bk)} {t:.1f}" for t, bk in norm_sweep))
     if args.sweep:
         lines.append("")
-        lines.append("Block-shape sweep (us; block_v/tile/warps):")
+        lines.append("Block-shape sweep (us; block_v/tile/warps, xN = N heads per program, "
+                     "np = no prefetch, ef = evict-first):")
         for c in rows:
             lines.append(f"- {c['state']} B={c['B']}: " + ", ".join(
-                f"{bk['block_v']}/{bk['tile_v'] or bk['block_v']}/{bk['num_warps']}{'ef' if bk['evict_first'] else ''} "
-                f"{t:.1f}" for t, bk in c["sweep"]))
+                f"{_blk_str(bk)} {t:.1f}" for t, bk in c["sweep"]))
     md = "\n".join(lines)
     print(md, flush=True)
     common.write_section("GDN decode (Pallas, single token)", md, path=args.md)
