@@ -1,0 +1,547 @@
+"""Speculative verify (gdn_jax.verify, pallas_kernels/gdn_verify.py) against plain decode.
+
+The oracle is always plain sequential decode of the accepted tokens on the same pool:
+`verify.pool_decode_reference` for the pure-JAX paths, the decode *kernel*
+(`gdn_jax.decode.gdn_decode_pool`) for the Pallas paths. Randomized schedules mix verify /
+accept / decode rounds over many slots (random accepted counts, padding rows, slots touched at
+random so they differ in age and in what is pending), and must end in the same pool and produce
+the same outputs: bitwise for the exact flavour, <= 1e-6 relative for the fast one.
+
+Bitwise on the CPU: XLA contracts a product and an add into an FMA differently in different
+programs, so every schedule step is compiled with fusion disabled there (`NO_FUSION`); the
+Pallas kernels on the GPU are compiled by Triton and compared as they are.
+"""
+
+import dataclasses
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import ON_GPU
+from gdn_jax import decode as dec
+from gdn_jax import verify as vf
+from helpers import rel_err
+from pallas_kernels import gdn_verify as kv
+
+F32, F16, BF16 = jnp.float32, jnp.float16, jnp.bfloat16
+NO_FUSION = {"xla_disable_hlo_passes": "fusion", "xla_backend_optimization_level": 0}
+SENTINEL = 1e30
+MODES = [pytest.param("reference", id="reference"),
+         pytest.param("interpret", id="interpret"),
+         pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
+
+
+def _jit(f, mode="reference", **kw):
+    """Compiled Triton kernels are compared as they are; XLA programs (the references, and the
+    interpret-mode kernels) are compiled without fusion so that no FMA contraction differs."""
+    return jax.jit(f, compiler_options=None if mode == "gpu" else NO_FUSION, **kw)
+
+
+def _impl(mode):
+    return ("reference", False) if mode == "reference" else ("pallas", not ON_GPU)
+
+
+# --------------------------------------------------------------------------- random inputs
+
+def _tokens(rng, *, B, T, HK, HV, K, V, kind, dtype=F32):
+    """Fresh random verify tokens (never zeros), numpy-drawn (no per-shape compile)."""
+    n = lambda *s: rng.standard_normal(s, dtype=np.float32)
+    g = -np.logaddexp(0.0, n(*((B, T, HV) if kind == "gdn" else (B, T, HV, K))) - 1.0)
+    beta = 1.0 / (1.0 + np.exp(-n(B, T, HV)))
+    cast = lambda x: jnp.asarray(x).astype(dtype)
+    return (cast(n(B, T, HK, K)), cast(n(B, T, HK, K)), cast(n(B, T, HV, V)),
+            jnp.asarray(g, F32), jnp.asarray(beta, F32))
+
+
+def _pool(rng, *, S, HV, K, V, dtype, sentinels):
+    """Slots at different scales (different 'ages'); the last `sentinels` slots hold 1e30 and
+    are never named: they must come out bit-for-bit unchanged."""
+    scale = rng.uniform(0.05, 0.6, size=(S, 1, 1, 1)).astype(np.float32)
+    p = scale * rng.standard_normal((S, HV, K, V), dtype=np.float32)
+    p[S - sentinels:] = SENTINEL
+    return jnp.asarray(p).astype(dtype)
+
+
+def _slot_table(rng, B, used):
+    n_live = int(rng.integers(1, B + 1))
+    table = np.full(B, -1, np.int32)
+    table[:n_live] = rng.choice(used, size=min(n_live, used), replace=False)
+    rng.shuffle(table)
+    return jnp.asarray(table)
+
+
+# --------------------------------------------------------------------------- the two paths
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    kind: str = "gdn"
+    B: int = 4
+    HK: int = 1
+    HV: int = 2
+    K: int = 16
+    V: int = 16
+    S: int = 7            # pool slots; the last `sentinels` are never named
+    sentinels: int = 2
+    state_dtype: object = F32
+    in_dtype: object = F32
+    exact: bool = True
+
+    @property
+    def used(self):
+        return self.S - self.sentinels
+
+
+def _decode_fn(mode, case):
+    """Plain single-token decode on a pool: the oracle (and the carried path's consumer)."""
+    if mode == "reference":
+        return lambda q, k, v, g, b, pool, slots: vf.pool_decode_reference(
+            q, k, v, g, b, pool, slots, use_qk_l2norm=True)
+    B = case.B
+
+    def kernel_decode(q, k, v, g, b, pool, slots):
+        qkv = jnp.concatenate([q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1)], axis=1)
+        return dec.gdn_decode_pool(qkv, g.reshape(B, -1), b, pool, slots, num_k_heads=case.HK,
+                                   num_v_heads=case.HV, head_k_dim=case.K, head_v_dim=case.V,
+                                   per_channel_gate=case.kind == "kda", use_qk_l2norm=True,
+                                   impl="pallas", interpret=not ON_GPU)
+    return kernel_decode
+
+
+class Schedule:
+    """Compiled round functions for one case and mode (compiled once, reused every round)."""
+
+    def __init__(self, mode, case, path="carried"):
+        impl, interp = _impl(mode)
+        decode = _decode_fn(mode, case)
+        exact = case.exact
+
+        def carried_round(q, k, v, g, b, pool, stash, slots, accepted):
+            o, pool, stash = vf.carried_verify(q, k, v, g, b, pool, stash, slots, exact=exact,
+                                               use_qk_l2norm=True, impl=impl, interpret=interp)
+            stash, bad = vf.accept(stash, slots, accepted)
+            return o, pool, stash, bad
+
+        def states_round(q, k, v, g, b, pool, slots, accepted):
+            o, states = vf.verify_states(q, k, v, g, b, pool, slots, use_qk_l2norm=True, impl=impl,
+                                         interpret=interp)
+            pool, bad = vf.commit_states(pool, states, slots, accepted)
+            return o, pool, bad
+
+        def carried_decode(q, k, v, g, b, pool, stash, slots):
+            pool, stash = vf.flush(pool, stash, slots, impl=impl, interpret=interp)
+            o, pool = decode(q, k, v, g, b, pool, slots)
+            return o, pool, stash
+
+        def oracle_round(q, k, v, g, b, pool, slots, accepted):
+            """T decode steps (one compiled step, scanned); the pool keeps each row's state
+            after its last accepted token."""
+            def step(cur, tok):
+                o, cur = decode(*tok, cur, slots)
+                return cur, (o, cur)
+            toks = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, b))
+            _, (outs, pools) = jax.lax.scan(step, pool, toks)          # pools [T, S, HV, K, V]
+            live = slots >= 0
+            chosen = pools[jnp.clip(accepted - 1, 0, q.shape[1] - 1), jnp.where(live, slots, 0)]
+            pool = pool.at[jnp.where(live, slots, pool.shape[0])].set(chosen, mode="drop")
+            return jnp.moveaxis(outs, 0, 1), pool
+
+        # One compiled program per round kind, holding both the path under test and the oracle
+        # (compiles dominate the CPU time of these tests).
+        def verify_both(toks, pool, stash, oracle, slots, accepted):
+            want = oracle_round(*toks, oracle, slots, accepted)
+            if path == "carried":
+                o, pool, stash, bad = carried_round(*toks, pool, stash, slots, accepted)
+            else:
+                o, pool, bad = states_round(*toks, pool, slots, accepted)
+            return (o, pool, stash, bad), want
+
+        def decode_both(toks, pool, stash, oracle, slots):
+            want = decode(*toks, oracle, slots)
+            if path == "carried":
+                return carried_decode(*toks, pool, stash, slots), want
+            o, pool = decode(*toks, pool, slots)
+            return (o, pool, stash), want
+
+        def flush_all(pool, stash):
+            return vf.flush(pool, stash, impl=impl, interpret=interp)
+
+        self.verify_both = _jit(verify_both, mode)
+        self.decode_both = _jit(decode_both, mode)
+        self.flush_all = _jit(flush_all, mode)
+        self.oracle_round = _jit(oracle_round, mode)
+
+
+def _compare(got, want, exact, what):
+    if exact:
+        np.testing.assert_array_equal(np.asarray(got.astype(F32)), np.asarray(want.astype(F32)),
+                                      err_msg=f"{what}: not bit-identical to plain decode")
+    else:
+        err = rel_err(got, want)
+        assert err <= 1e-6, f"{what}: relative error {err:.3g} > 1e-6"
+
+
+def run_schedule(mode, case, *, seed, rounds, widths=(3,), path="carried", decode_every=3):
+    """Random verify/accept/decode rounds on the carried (or intermediate-state) path and on the
+    oracle; every output compared as it comes, the pools at the end (after a full flush)."""
+    rng = np.random.default_rng(seed)
+    sched = Schedule(mode, case, path)
+    pool0 = _pool(rng, S=case.S, HV=case.HV, K=case.K, V=case.V, dtype=case.state_dtype,
+                  sentinels=case.sentinels)
+    pool, oracle = jnp.array(pool0, copy=True), jnp.array(pool0, copy=True)
+    stash = vf.DeltaStash.init(case.S, num_v_heads=case.HV, head_k_dim=case.K, head_v_dim=case.V,
+                               per_channel_gate=case.kind == "kda")
+    dims = dict(HK=case.HK, HV=case.HV, K=case.K, V=case.V, kind=case.kind, dtype=case.in_dtype)
+    n_verify = 0
+    for r in range(rounds):
+        slots = _slot_table(rng, case.B, case.used)
+        if r % decode_every == decode_every - 1:
+            toks = tuple(x[:, 0] for x in _tokens(rng, B=case.B, T=1, **dims))
+            (o, pool, stash), (want_o, oracle) = sched.decode_both(toks, pool, stash, oracle, slots)
+            _compare(o, want_o, case.exact, f"round {r} decode")
+            continue
+        T = widths[n_verify % len(widths)]
+        n_verify += 1
+        toks = _tokens(rng, B=case.B, T=T, **dims)
+        accepted = jnp.asarray(np.where(np.asarray(slots) >= 0, rng.integers(1, T + 1, case.B), 0),
+                               jnp.int32)
+        (o, pool, stash, bad), (want_o, oracle) = sched.verify_both(toks, pool, stash, oracle, slots,
+                                                                   accepted)
+        assert not np.any(np.asarray(bad)), f"round {r}: valid accepted counts were flagged"
+        _compare(o, want_o, case.exact, f"round {r} verify outputs (T={T})")
+    if path == "carried":
+        assert np.any(np.asarray(stash.pending) > 0), "schedule ended with nothing pending: weak test"
+        pool, stash = sched.flush_all(pool, stash)
+        assert not np.any(np.asarray(stash.pending)), "flush left rows pending"
+    _compare(pool[:case.used], oracle[:case.used], case.exact, "final pool")
+    np.testing.assert_array_equal(np.asarray(pool[case.used:].astype(F32)),
+                                  np.asarray(pool0[case.used:].astype(F32)),
+                                  err_msg="a sentinel (never named) slot was touched")
+    assert np.all(np.asarray(pool0[case.used:].astype(F32)) > 1e29)
+    return pool
+
+
+# --------------------------------------------------------------------------- schedules
+
+SCHEDULES = [
+    # id, case, widths, modes (CPU time is compile-bound: the pure-JAX reference runs the
+    # flavour/dtype corners, interpret mode every kernel variant, the GPU all of them)
+    ("gdn-f32-exact", Case(), (2, 4), ("reference", "interpret")),
+    ("kda-f32-exact", Case(kind="kda", HK=2, HV=4), (4,), ("interpret",)),
+    ("gdn-bf16-exact", Case(state_dtype=BF16, in_dtype=BF16), (3,), ("interpret",)),
+    ("kda-f16-exact", Case(kind="kda", state_dtype=F16), (2,), ("reference", "interpret")),
+    ("gdn-f32-fast", Case(exact=False), (4,), ("interpret",)),
+    # fast: fp32 outputs (a 1e-7 difference may flip the rounding of a 16-bit output)
+    ("kda-f32-fast", Case(kind="kda", exact=False), (3,), ("reference", "interpret")),
+]
+_GPU = pytest.mark.gpu
+
+
+def _schedule_params():
+    for name, case, widths, modes in SCHEDULES:
+        for mode in (*modes, "gpu"):
+            yield pytest.param(mode, case, widths, id=f"{name}-{mode}",
+                               marks=(_GPU,) if mode == "gpu" else ())
+
+
+@pytest.mark.parametrize("mode,case,widths", list(_schedule_params()))
+def test_carried_schedule_matches_sequential_decode(mode, case, widths, request):
+    if mode == "gpu":
+        case = dataclasses.replace(case, B=12, S=19, K=64, V=64, HV=case.HV * 2)
+    run_schedule(mode, case, seed=zlib.crc32(request.node.callspec.id.encode()),
+                 rounds=10 if mode == "interpret" else 16, widths=widths)
+
+
+@pytest.mark.parametrize("mode,kind,sdt", [("reference", "gdn", F32), ("interpret", "kda", BF16),
+                                           pytest.param("gpu", "gdn", F32, marks=_GPU),
+                                           pytest.param("gpu", "kda", BF16, marks=_GPU)])
+def test_intermediate_states_schedule_matches_sequential_decode(mode, kind, sdt):
+    case = Case(kind=kind, state_dtype=sdt)
+    if mode == "gpu":
+        case = dataclasses.replace(case, B=12, S=19, K=128, V=128)
+    run_schedule(mode, case, seed=7, rounds=8, widths=(4, 2), path="intermediate")
+
+
+# --------------------------------------------------------------------------- engage decision
+
+GO = vf.CarryRequest(requested=True, num_tokens=2, state_dtype=F32, head_k_dim=128, head_v_dim=128,
+                     exact=False, kernel_available=True, stash_capacity=4)
+
+ENGAGE_TABLE = [
+    # (change to GO, engages)
+    ({}, True),
+    ({"num_tokens": 3}, True),
+    ({"num_tokens": 4}, True),
+    ({"requested": False}, False),
+    ({"num_tokens": 1}, False),
+    ({"num_tokens": 5}, False),
+    ({"state_dtype": F16}, False),                      # fast flavour cannot carry 16-bit
+    ({"state_dtype": BF16}, False),
+    ({"state_dtype": F16, "exact": True}, True),        # the exact flavour rounds like decode
+    ({"state_dtype": BF16, "exact": True}, True),
+    ({"state_dtype": jnp.float64, "exact": True}, False),
+    ({"head_k_dim": 96}, False),
+    ({"head_v_dim": 512}, False),
+    ({"head_k_dim": 64, "head_v_dim": 256}, True),
+    ({"kernel_available": False}, False),
+    ({"stash_capacity": 0}, False),                     # no stash bound
+    ({"num_tokens": 4, "stash_capacity": 3}, False),    # stash too small for this width
+    ({"num_tokens": 3, "stash_capacity": 3}, True),
+]
+
+
+@pytest.mark.parametrize("change,engages", ENGAGE_TABLE, ids=[str(c) for c, _ in ENGAGE_TABLE])
+def test_carry_engage_decision_table(change, engages):
+    assert vf.carry_engages(dataclasses.replace(GO, **change)) is engages
+
+
+def test_kernel_available_reflects_backend_and_shapes():
+    assert vf.kernel_available(4, 128, 128, F32, interpret=True)
+    assert vf.kernel_available(4, 128, 128, BF16, exact=True, interpret=True)
+    assert not vf.kernel_available(4, 128, 128, BF16, exact=False, interpret=True)
+    assert not vf.kernel_available(5, 128, 128, F32, interpret=True)
+    assert not vf.kernel_available(2, 96, 128, F32, interpret=True)
+    assert vf.kernel_available(2, 128, 128, F32) == ON_GPU
+
+
+# --------------------------------------------------------------------------- refusals
+
+def _small(seed=0, *, B=3, T=3, kind="gdn", S=5, sdt=F32):
+    rng = np.random.default_rng(seed)
+    toks = _tokens(rng, B=B, T=T, HK=1, HV=2, K=16, V=16, kind=kind)
+    pool = _pool(rng, S=S, HV=2, K=16, V=16, dtype=sdt, sentinels=0)
+    stash = vf.DeltaStash.init(S, num_v_heads=2, head_k_dim=16, head_v_dim=16,
+                               per_channel_gate=kind == "kda")
+    return toks, pool, stash
+
+
+@pytest.mark.parametrize("bad", [0, 4, -1, 9])
+def test_accept_refuses_bad_counts_on_host(bad):
+    toks, pool, stash = _small()
+    slots = jnp.asarray([2, -1, 0], jnp.int32)
+    o, pool, stash = vf.carried_verify(*toks, pool, stash, slots, impl="reference")
+    with pytest.raises(ValueError, match="accepted"):
+        vf.accept(stash, slots, jnp.asarray([bad, 0, 1], jnp.int32), num_tokens=3)
+    # the padding row's value is ignored; 1..T is fine
+    stash, invalid = vf.accept(stash, slots, jnp.asarray([3, 77, 1], jnp.int32), num_tokens=3)
+    assert not np.any(np.asarray(invalid))
+    np.testing.assert_array_equal(np.asarray(stash.pending)[[2, 0]], [3, 1])
+    np.testing.assert_array_equal(np.asarray(stash.drafted)[[2, 0]], [0, 0])
+
+
+def test_accept_traced_bad_counts_are_masked_no_ops_and_flagged():
+    toks, pool, stash = _small()
+    slots = jnp.asarray([2, 4, 0], jnp.int32)
+    o, pool, stash = vf.carried_verify(*toks, pool, stash, slots, impl="reference")
+    before = jax.tree.map(np.asarray, stash)
+    accept = jax.jit(lambda s, sl, a: vf.accept(s, sl, a))
+    # 4 > drafted (3), 0 < 1: both rows left as they were and flagged; row 1 is fine.
+    stash2, invalid = accept(jax.tree.map(jnp.asarray, before), slots, jnp.asarray([4, 2, 0], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(invalid), [True, False, True])
+    pend, drafted = np.asarray(stash2.pending), np.asarray(stash2.drafted)
+    np.testing.assert_array_equal(pend[[2, 4, 0]], [before.pending[2], 2, before.pending[0]])
+    np.testing.assert_array_equal(drafted[[2, 4, 0]], [3, 0, 3])
+    # a second verdict for slot 4 (nothing drafted any more) is refused on the device too
+    _, invalid = accept(stash2, slots, jnp.asarray([1, 1, 1], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(invalid), [False, True, False])
+
+
+def test_commit_states_refuses_bad_counts():
+    toks, pool, _ = _small()
+    slots = jnp.asarray([1, 3, -1], jnp.int32)
+    o, states = vf.verify_states(*toks, pool, slots, impl="reference")
+    with pytest.raises(ValueError, match="accepted"):
+        vf.commit_states(jnp.array(pool, copy=True), states, slots, jnp.asarray([1, 4, 0], jnp.int32))
+    commit = jax.jit(vf.commit_states)
+    kept = np.asarray(pool)
+    new, invalid = commit(jnp.array(pool, copy=True), states, slots, jnp.asarray([0, 2, 5], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(invalid), [True, False, False])
+    np.testing.assert_array_equal(np.asarray(new[1]), kept[1])           # flagged row: no-op
+    np.testing.assert_array_equal(np.asarray(new[3]), np.asarray(states[1, 1]))
+
+
+def test_bad_inputs_raise_value_error_naming_the_argument():
+    (q, k, v, g, beta), pool, stash = _small()
+    ok = jnp.asarray([0, 1, -1], jnp.int32)
+    call = lambda **kw: vf.carried_verify(**{**dict(q=q, k=k, v=v, g=g, beta=beta, pool=pool,
+                                                    stash=stash, slots=ok, impl="reference"), **kw})
+    with pytest.raises(ValueError, match="^slots must name slots"):
+        call(slots=jnp.asarray([0, 5, -1], jnp.int32))
+    with pytest.raises(ValueError, match="^slots names a slot twice"):
+        call(slots=jnp.asarray([1, 1, -1], jnp.int32))
+    with pytest.raises(ValueError, match="^slots must have shape"):
+        call(slots=jnp.asarray([0, 1], jnp.int32))
+    with pytest.raises(ValueError, match="^pool must have shape"):
+        call(pool=pool[:, :1])
+    with pytest.raises(ValueError, match="^g must have shape"):
+        call(g=g[..., :1])
+    with pytest.raises(ValueError, match="^stash holds scalar"):
+        call(g=jnp.broadcast_to(g[..., None], g.shape + (16,)))
+    with pytest.raises(ValueError, match="stash capacity"):
+        small = vf.DeltaStash.init(5, num_v_heads=2, head_k_dim=16, head_v_dim=16, capacity=2)
+        call(stash=small)
+    with pytest.raises(ValueError, match="^pool is bfloat16: the fast flavour"):
+        call(pool=pool.astype(BF16), exact=False)
+    with pytest.raises(ValueError, match="^impl must be one of"):
+        call(impl="triton")
+    if not ON_GPU:
+        with pytest.raises(ValueError, match="^impl='pallas': the verify kernels need a GPU"):
+            call(impl="pallas")
+    with pytest.raises(ValueError, match="^num_tokens must lie"):
+        vf.accept(stash, ok, jnp.asarray([1, 1, 0], jnp.int32), num_tokens=7)
+    with pytest.raises(ValueError, match="^stash must be a DeltaStash"):
+        vf.flush(pool, {"k": 1})
+    with pytest.raises(ValueError, match="^num_tokens=5 exceeds the stash capacity"):
+        q5 = jnp.concatenate([q, q[:, :2]], 1)
+        kv.carried_verify(q5, q5, jnp.concatenate([v, v[:, :2]], 1), jnp.concatenate([g, g[:, :2]], 1),
+                          jnp.concatenate([beta, beta[:, :2]], 1), pool, stash.k, stash.u, stash.g,
+                          stash.bank, stash.pending, ok, interpret=True)
+
+
+# --------------------------------------------------------------------------- conv carry
+
+@pytest.mark.parametrize("conv_dtype,x_dtype", [(F32, BF16), (BF16, BF16)])
+def test_conv_carry_schedule_matches_sequential_conv_steps(conv_dtype, x_dtype):
+    rng = np.random.default_rng(3)
+    B, S, C, W, rounds = 4, 6, 24, 4, 12
+    weight = jnp.asarray(rng.standard_normal((C, W), dtype=np.float32) / 2)
+    bias = jnp.asarray(rng.standard_normal(C, dtype=np.float32))
+    pool0 = jnp.asarray(rng.standard_normal((S, W - 1, C), dtype=np.float32)).astype(conv_dtype)
+    pool0 = pool0.at[S - 1].set(SENTINEL)
+    pool, oracle = jnp.array(pool0, copy=True), jnp.array(pool0, copy=True)
+    stash = vf.ConvStash.init(S, conv_dim=C, dtype=conv_dtype)
+    plain_step = lambda x, p, s: vf.pool_conv_step_reference(x, p, s, weight, bias)
+    step = _jit(plain_step)
+
+    def verify_fn(x, p, st, s, a):
+        y, p, st = vf.conv_carried_verify(x, p, st, s, weight, bias)
+        return y, p, vf.accept(st, s, a)[0]
+
+    def flush_then_step(x, p, st, s):
+        p, st = vf.conv_flush(p, st, s)
+        return (*plain_step(x, p, s), st)
+
+    verify, flush_then_step = _jit(verify_fn), _jit(flush_then_step)
+    for r in range(rounds):
+        slots = _slot_table(rng, B, S - 1)
+        if r % 4 == 3:
+            x = jnp.asarray(rng.standard_normal((B, C), dtype=np.float32)).astype(x_dtype)
+            want, oracle = step(x, oracle, slots)
+            got, pool, stash = flush_then_step(x, pool, stash, slots)
+            np.testing.assert_array_equal(np.asarray(got.astype(F32)), np.asarray(want.astype(F32)))
+            continue
+        T = int(rng.integers(2, 5))
+        x = jnp.asarray(rng.standard_normal((B, T, C), dtype=np.float32)).astype(x_dtype)
+        acc = np.where(np.asarray(slots) >= 0, rng.integers(1, T + 1, B), 0)
+        ys, pools = [], []
+        cur = oracle
+        for t in range(T):
+            y, cur = step(x[:, t], cur, slots)
+            ys.append(y)
+            pools.append(cur)
+        for b, s in enumerate(np.asarray(slots)):
+            if s >= 0:
+                oracle = oracle.at[s].set(pools[acc[b] - 1][s])
+        got, pool, stash = verify(x, pool, stash, slots, jnp.asarray(acc, jnp.int32))
+        np.testing.assert_array_equal(np.asarray(got.astype(F32)), np.asarray(jnp.stack(ys, 1).astype(F32)))
+    pool, stash = vf.conv_flush(pool, stash)
+    np.testing.assert_array_equal(np.asarray(pool.astype(F32)), np.asarray(oracle.astype(F32)))
+    np.testing.assert_array_equal(np.asarray(pool[S - 1].astype(F32)), np.asarray(pool0[S - 1].astype(F32)))
+    assert np.all(np.asarray(pool0[S - 1].astype(F32)) > 1e29)
+
+
+# --------------------------------------------------------------------------- jit behaviour
+
+def test_carried_loop_does_not_retrace_and_donates():
+    (q, k, v, g, beta), pool, stash = _small(T=2)
+    slots = jnp.asarray([0, 3, -1], jnp.int32)
+    acc = jnp.asarray([2, 1, 0], jnp.int32)
+    traces = []
+
+    @jax.jit
+    def step(q, k, v, g, beta, pool, stash):
+        traces.append(1)
+        o, pool, stash = vf.carried_verify(q, k, v, g, beta, pool, stash, slots, impl="reference")
+        stash, _ = vf.accept(stash, slots, acc)
+        return o, pool, stash
+
+    for _ in range(4):
+        o, pool, stash = step(q, k, v, g, beta, pool, stash)
+    assert len(traces) == 1
+    # the public entry point donates the pool and the stash
+    p2 = jnp.array(pool, copy=True)
+    vf.carried_verify(q, k, v, g, beta, p2, stash, slots, impl="reference")
+    assert p2.is_deleted() and stash.k.is_deleted()
+
+
+# --------------------------------------------------------------------------- Triton lowering
+
+@pytest.mark.parametrize("per_channel,sdt,exact", [(False, F32, True), (False, F32, False),
+                                                    (True, BF16, True), (True, F32, False)])
+def test_kernels_lower_to_triton_ir(monkeypatch, per_channel, sdt, exact):
+    """The three kernels lower to Triton IR for an H200 without a GPU (only PTX needs one)."""
+    try:
+        from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
+    except ImportError:
+        pytest.skip("this jax has no Pallas Triton lowering module")
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    B, T, HK, HV, K, S, C = 4, 4, 2, 4, 128, 6, 4
+    q, v = jnp.ones((B, T, HK, K), BF16), jnp.ones((B, T, HV, K), BF16)
+    g = jnp.ones((B, T, HV, K) if per_channel else (B, T, HV))
+    pool = jax.ShapeDtypeStruct((S, HV, K, K), sdt)
+    sk, su = jnp.ones((S, 2, HV, C, K)), jnp.ones((S, 2, HV, C, K))
+    sg = jnp.ones((S, 2, HV, C, K) if per_channel else (S, 2, HV, C))
+    ints, slots = jnp.zeros(S, jnp.int32), jnp.zeros(B, jnp.int32)
+    spec = kv._spec_from(q, v, g, scale=None, use_qk_l2norm=True, exact=exact)
+    block = kv.default_block_sizes(B, K, sdt, exact)
+    lower = lambda f, *a, **kw: f.trace(*a, block=block, interpret=False, **kw).lower(
+        lowering_platforms=("cuda",)).as_text()
+    hlo = lower(kv._carried_launch, q, q, v, g, jnp.ones((B, T, HV)), pool, sk, su, sg, ints, ints,
+                slots, spec=spec)
+    assert "__gpu$xla.gpu.triton" in hlo and "output_operand_aliases" in hlo
+    hlo = lower(kv._verify_states_launch, q, q, v, g, jnp.ones((B, T, HV)), pool, slots, spec=spec)
+    assert "__gpu$xla.gpu.triton" in hlo
+    fspec = dataclasses.replace(spec, num_k_heads=HV, num_tokens=1)
+    hlo = lower(kv._flush_launch, pool, sk, su, sg, ints, ints, slots, spec=fspec)
+    assert "__gpu$xla.gpu.triton" in hlo and "output_operand_aliases" in hlo
+
+
+# --------------------------------------------------------------------------- GPU only
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,sdt", [("gdn", F32), ("kda", F32), ("gdn", F16), ("kda", BF16)])
+def test_gpu_exact_carry_bitwise_at_bench_shape(kind, sdt):
+    """The bench's shape class (B > 8: block_v 32 / 4 warps for fp32), K = V = 128: two carried
+    rounds then a flush equal four decode-kernel launches bit for bit; the pool is updated in
+    place."""
+    case = Case(kind=kind, B=24, S=40, sentinels=3, HK=4, HV=8, K=128, V=128, state_dtype=sdt,
+                in_dtype=BF16)
+    run_schedule("gpu", case, seed=11, rounds=6, widths=(4, 2))
+
+
+@pytest.mark.gpu
+def test_gpu_fold_operand_order_report(capsys):
+    """Which operand order of the fold matches the decode kernel bitwise (the default must)."""
+    rng = np.random.default_rng(5)
+    case = Case(B=16, S=20, sentinels=0, HK=2, HV=4, K=128, V=128)
+    sched = Schedule("gpu", case)
+    results = {}
+    for rank1_first in (True, False):
+        pool = _pool(rng, S=case.S, HV=4, K=128, V=128, dtype=F32, sentinels=0)
+        oracle = jnp.array(pool, copy=True)
+        stash = vf.DeltaStash.init(case.S, num_v_heads=4, head_k_dim=128, head_v_dim=128)
+        slots = jnp.arange(case.B, dtype=jnp.int32)
+        toks = _tokens(rng, B=case.B, T=4, HK=2, HV=4, K=128, V=128, kind="gdn")
+        acc = jnp.full((case.B,), 4, jnp.int32)
+        _, oracle = sched.oracle_round(*toks, oracle, slots, acc)
+        _, pool, sk, su, sg = kv.carried_verify(*toks, pool, stash.k, stash.u, stash.g, stash.bank,
+                                                stash.pending, slots, use_qk_l2norm=True)
+        pending = jnp.full((case.S,), 4, jnp.int32)
+        pool = kv.flush(pool, sk, su, sg, 1 - stash.bank, pending, slots, rank1_first=rank1_first)
+        results[rank1_first] = bool(np.array_equal(np.asarray(pool[:case.B]), np.asarray(oracle[:case.B])))
+    with capsys.disabled():
+        print(f"\nfold bitwise vs decode kernel: rank1_first=True {results[True]}, False {results[False]}")
+    assert results[True]
