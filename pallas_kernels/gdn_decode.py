@@ -122,6 +122,7 @@ class DecodeBlockSizes:
     num_warps: int = 4
     num_stages: int = 1
     evict_first: bool = False  # state loads/stores marked evict-first (no reuse within a step)
+    load_cg: bool = False      # state loads cached in L2 only (ld.global.cg), not in L1
     heads: int = 1             # value heads per program
     prefetch: bool = True      # load item n+1 before computing item n
 
@@ -130,15 +131,18 @@ class DecodeBlockSizes:
         return self.block_v if self.tile_v is None else self.tile_v
 
 
-# (largest batch, state itemsize, fused norm) -> block sizes. First match wins. Measured on the
-# H200 (BENCHMARKS.md, "GDN decode"), K = V = 128, HV = 32; see docs/decode.md for the sweep.
+# (largest batch, state itemsize, fused norm) -> block sizes. First match wins. From the sweeps
+# on the H200 of 2026-11-30 (K = V = 128, HV = 32; BENCHMARKS.md, docs/decode.md): past a few
+# sequences every shape with >= 64 columns per program and 4 warps lands within 2% (a [K, 64]
+# register tile, the next one prefetched, is the best fp32 shape; a whole [K, 128] head in one
+# tile is best for 16-bit states); tiny batches want more, smaller programs to fill the chip.
 TUNING_TABLE: tuple[tuple[int, int, bool, DecodeBlockSizes], ...] = (
-    (8, 4, False, DecodeBlockSizes(block_v=16, num_warps=2)),
-    (1 << 30, 4, False, DecodeBlockSizes(block_v=32, num_warps=4)),
-    (8, 2, False, DecodeBlockSizes(block_v=16, num_warps=2)),
-    (1 << 30, 2, False, DecodeBlockSizes(block_v=64, num_warps=4)),
-    (1 << 30, 4, True, DecodeBlockSizes(block_v=128, tile_v=32, num_warps=4)),
-    (1 << 30, 2, True, DecodeBlockSizes(block_v=128, tile_v=64, num_warps=4)),
+    (8, 4, False, DecodeBlockSizes(block_v=32, num_warps=4)),
+    (1 << 30, 4, False, DecodeBlockSizes(block_v=128, tile_v=64, num_warps=4)),
+    (8, 2, False, DecodeBlockSizes(block_v=32, num_warps=4)),
+    (1 << 30, 2, False, DecodeBlockSizes(block_v=128, num_warps=4)),
+    (1 << 30, 4, True, DecodeBlockSizes(block_v=128, tile_v=64, num_warps=4)),
+    (1 << 30, 2, True, DecodeBlockSizes(block_v=128, num_warps=4)),
 )
 
 
@@ -221,8 +225,11 @@ def index_overflow_reason(num_state_elements: int) -> str | None:
 
 # --------------------------------------------------------------------------- kernel body
 
-def _load(ref, evict_first: bool):
-    return plgpu.load(ref, eviction_policy="evict_first") if evict_first else ref[...]
+def _load(ref, block: DecodeBlockSizes):
+    if not (block.evict_first or block.load_cg):
+        return ref[...]
+    return plgpu.load(ref, eviction_policy="evict_first" if block.evict_first else None,
+                      cache_modifier=".cg" if block.load_cg else None)
 
 
 def _store(ref, val, evict_first: bool):
@@ -266,7 +273,7 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
         """Issue every load of one item together (one memory latency for all of them)."""
         h = h0 + i
         c = col0 + t * T
-        x = {"S": _load(state_in_ref.at[row, h, :, pl.ds(c, T)], block.evict_first),
+        x = {"S": _load(state_in_ref.at[row, h, :, pl.ds(c, T)], block),
              "v": v_ref[b, pl.ds(spec.v_col + h * V + c, T)]}
         if t == 0:  # per-head operands, once per head
             kh = h // group

@@ -82,7 +82,7 @@ DECODE_CASES = [
     # B, HK, HV, K, state dtype, l2, block sizes (None: tuning table)
     (1, 2, 2, 64, F32, True, None),
     (3, 1, 2, 64, F32, False, None),
-    (7, 2, 4, 64, F32, True, kern.DecodeBlockSizes(block_v=16, tile_v=8, num_warps=2)),
+    (7, 2, 4, 64, F32, True, kern.DecodeBlockSizes(block_v=16, tile_v=8, num_warps=2, load_cg=True)),
     (3, 1, 4, 64, F32, True, kern.DecodeBlockSizes(block_v=32, tile_v=16, heads=2, num_warps=2)),
     (3, 2, 4, 64, F16, False, kern.DecodeBlockSizes(block_v=64, tile_v=32, heads=4, prefetch=False)),
     (3, 2, 4, 128, F32, True, None),
@@ -428,7 +428,7 @@ def test_bad_inputs_raise_value_error():
 # --------------------------------------------------------------------------- Triton lowering on CPU
 
 LOWER_CASES = [  # raw gates, per-channel gate, l2, pooled, fused norm, state dtype
-    (False, False, True, False, False, F32), (True, False, True, True, True, F32),
+    (False, False, True, False, False, F32), (True, False, True, True, True, F32),  # noqa: E501
     (True, True, False, True, False, F16), (False, True, True, False, True, BF16),
     (True, False, False, False, False, BF16), (False, False, True, True, False, F16),
 ]

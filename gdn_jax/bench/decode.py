@@ -42,7 +42,12 @@ def _peer_main(batches_dtypes, path):
     ms = tt.do_bench(lambda: y.copy_(x), warmup=20, rep=200, return_mode="median")
     res["copy_GBps"] = 2 * x.numel() * 4 / (ms * 1e-3) / 1e9
     del x, y
-    for b, sdt in batches_dtypes:
+    # In-place read-modify-write of one B=128 fp32 state: the ceiling for an in-place update.
+    h = torch.randn(128, HV, K, V, device=dev)
+    ms = tt.do_bench(lambda: h.mul_(0.999), warmup=20, rep=200, return_mode="median")
+    res["inplace_mul_B128_GBps"] = 2 * h.numel() * 4 / (ms * 1e-3) / 1e9
+    del h
+    for sdt, b in batches_dtypes:
         key = f"{sdt}_B{b}"
         try:
             torch.manual_seed(0)
@@ -135,24 +140,51 @@ def _check(b, state_dtype, block):
 
 
 def _sweep_blocks(sdt, b, best_so_far=()):
-    """Block shapes to time. The first sweep (2026-11-30, BENCHMARKS.md) covered every single
-    [K, block_v] tile per program (block_v 16..128, 1..8 warps): 64/4 and 128/4 won at 152-154 us
-    for B=128, 84% of the copy bandwidth. This list adds programs that walk several tiles
-    (columns and/or heads) with the next tile's loads issued before the current tile's math."""
+    """Block shapes to time besides the tuning-table entry. Sweeps of 2026-11-30
+    (BENCHMARKS.md, docs/decode.md): single tiles of 16..128 columns with 1..8 warps, then programs
+    walking several tiles or heads with a register prefetch; the spread among the best five was
+    under 2%, and the table holds the winners. This list re-times the runners-up."""
     from pallas_kernels.gdn_decode import DecodeBlockSizes as D
-    main = [D(64, None, 4), D(128, None, 4), D(128, 64, 4), D(128, 32, 4), D(64, 32, 4),
-            D(64, 32, 2), D(64, None, 4, heads=2), D(128, 64, 4, heads=2), D(32, None, 4, heads=4),
-            D(32, None, 2, heads=2), D(64, None, 8, heads=4), D(128, None, 8, heads=2),
-            D(128, 64, 8), D(64, 32, 4, heads=2), D(128, 64, 4, evict_first=True),
-            D(128, 64, 4, prefetch=False)]
-    if (sdt, b) == ("float32", 128):
-        return main
-    extra = {1: [D(16, None, 2), D(32, None, 4), D(32, None, 2)],
-             32: [D(64, None, 4), D(32, None, 4)]}.get(b, [])
     if sdt == "float16":
-        extra = [D(128, None, 4), D(128, None, 8), D(128, 64, 4), D(128, None, 8, heads=2),
-                 D(128, 64, 4, heads=2), D(64, None, 4, heads=2)]
-    return list(dict.fromkeys(list(best_so_far)[:6] + extra + [D(64, None, 4)]))
+        return [D(128, None, 8), D(64, None, 4), D(128, 64, 4, prefetch=False)]
+    if b <= 8:
+        return [D(128, 64, 4), D(16, None, 2), D(64, None, 4)]
+    return [D(128, None, 4), D(64, None, 4), D(128, 64, 8), D(128, 64, 4, heads=2),
+            D(128, 64, 4, load_cg=True)]
+
+
+def _probes(args):
+    """What bounds the step: the same tiles with no math (Pallas), XLA's in-place scale, and
+    the per-step time against the number of steps per jitted call (a per-call cost would show)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+    from gdn_jax import decode as dec
+    from gdn_jax.bench.common import time_jax
+    from pallas_kernels import gdn_decode as kern
+
+    b, bv, tile = (2, V, V // 2) if INTERPRET else (128, 128, 64)
+    s = _inputs(b, jnp.float32)[5]
+    nbytes = 2 * s.size * 4
+
+    def rmw_kernel(s_ref, o_ref):
+        i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        for t in range(bv // tile):
+            cols = pl.ds(j * bv + t * tile, tile)
+            o_ref[i, h, :, cols] = s_ref[i, h, :, cols] * jnp.float32(0.999)
+
+    rmw = pl.pallas_call(rmw_kernel, grid=(b, HV, V // bv), out_shape=jax.ShapeDtypeStruct(s.shape, s.dtype),
+                         input_output_aliases={0: 0},
+                         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+                         interpret=INTERPRET)
+    t_pallas = _time_steps(lambda s: (s, rmw(s)), (s.copy(),), args.unroll)
+    t_xla = _time_steps(lambda s: (s, s * jnp.float32(0.999)), (s.copy(),), args.unroll)
+    q, k, v, g, beta, s = _inputs(b, jnp.float32)
+    step = functools.partial(dec.gdn_decode, impl="pallas", interpret=INTERPRET)
+    unroll_us = [(u, _time_steps(step, (q, k, v, g, beta, s.copy()), u) * 1e6) for u in (1, 5, 20, 60)]
+    return {"pallas_rmw_us": t_pallas * 1e6, "pallas_rmw_GBps": nbytes / t_pallas / 1e9,
+            "xla_rmw_us": t_xla * 1e6, "xla_rmw_GBps": nbytes / t_xla / 1e9, "unroll_us": unroll_us}
 
 
 def _blk_str(bk: dict) -> str:
@@ -161,7 +193,7 @@ def _blk_str(bk: dict) -> str:
         s += f"x{bk['heads']}"
     if not bk.get("prefetch", True) and (bk.get("heads", 1) > 1 or bk["tile_v"]):
         s += "np"
-    return s + ("ef" if bk["evict_first"] else "")
+    return s + ("ef" if bk["evict_first"] else "") + ("cg" if bk.get("load_cg") else "")
 
 
 def main(argv=None) -> int:
@@ -199,8 +231,7 @@ def main(argv=None) -> int:
     for sdt, b in cases:
         state_dtype = jnp.dtype(sdt)
         table = kern.default_block_sizes(b, V, state_dtype, False)
-        best_main = [blk for _, blk in rows[0]["_timings"]] if rows else []
-        cands = [table] + ([c for c in _sweep_blocks(sdt, b, best_main)
+        cands = [table] + ([c for c in _sweep_blocks(sdt, b)
                             if c != table and c.block_v <= V and HV % c.heads == 0]
                            if args.sweep else [])
         args_b = _inputs(b, state_dtype)
@@ -270,6 +301,8 @@ def main(argv=None) -> int:
         norm_weight=w, impl="pallas", interpret=INTERPRET)
     t_pool = _time_steps(pool_step, (qkv, ab, pool), args.unroll)
     nb = 2 * b * HV * K * V * 4
+    probes = _probes(args)
+    results["probes"] = probes
     results["variants"] = {"fused_norm_B128_us": t_norm * 1e6, "pool_packed_raw_l2_norm_B128_us": t_pool * 1e6,
                            "fused_norm_sweep": norm_sweep}
 
@@ -307,13 +340,22 @@ def main(argv=None) -> int:
         f"{t_norm * 1e6:.1f} us ({nb / t_norm / 1e9:.0f} GB/s); pool with slot table + packed qkv row "
         f"+ raw gates + in-kernel L2 norm + fused norm {t_pool * 1e6:.1f} us ({nb / t_pool / 1e9:.0f} GB/s).",
     ]
+    if probes:
+        lines.append("")
+        lines.append(
+            "Ceiling probes, B=128 fp32 state (256 MiB, read + written in place): "
+            f"Pallas load/scale/store of the same [K, 64] tiles {probes['pallas_rmw_us']:.1f} us "
+            f"({probes['pallas_rmw_GBps']:.0f} GB/s); XLA `s * 0.999` donated "
+            f"{probes['xla_rmw_us']:.1f} us ({probes['xla_rmw_GBps']:.0f} GB/s); torch `mul_` "
+            f"{peer.get('inplace_mul_B128_GBps', float('nan')):.0f} GB/s. Decode steps per jitted "
+            "call vs us per step: " + ", ".join(f"{u}: {t:.1f}" for u, t in probes["unroll_us"]) + ".")
     if norm_sweep:
         lines.append("Fused-norm block sweep, B=128 fp32 (us): " + ", ".join(
             f"{_blk_str(bk)} {t:.1f}" for t, bk in norm_sweep))
     if args.sweep:
         lines.append("")
         lines.append("Block-shape sweep (us; block_v/tile/warps, xN = N heads per program, "
-                     "np = no prefetch, ef = evict-first):")
+                     "np = no prefetch, ef = evict-first, cg = L2-only loads):")
         for c in rows:
             lines.append(f"- {c['state']} B={c['B']}: " + ", ".join(
                 f"{_blk_str(bk)} {t:.1f}" for t, bk in c["sweep"]))
