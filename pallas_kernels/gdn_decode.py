@@ -122,7 +122,6 @@ class DecodeBlockSizes:
     num_warps: int = 4
     num_stages: int = 1
     evict_first: bool = False  # state loads/stores marked evict-first (no reuse within a step)
-    load_cg: bool = False      # state loads cached in L2 only (ld.global.cg), not in L1
     heads: int = 1             # value heads per program
     prefetch: bool = True      # load item n+1 before computing item n
 
@@ -226,10 +225,9 @@ def index_overflow_reason(num_state_elements: int) -> str | None:
 # --------------------------------------------------------------------------- kernel body
 
 def _load(ref, block: DecodeBlockSizes):
-    if not (block.evict_first or block.load_cg):
-        return ref[...]
-    return plgpu.load(ref, eviction_policy="evict_first" if block.evict_first else None,
-                      cache_modifier=".cg" if block.load_cg else None)
+    # (Cache modifiers such as .cg cannot be asked for: jax 0.11.2's Triton lowering looks up
+    # ".cg" in a table keyed "cg" and fails.)
+    return plgpu.load(ref, eviction_policy="evict_first") if block.evict_first else ref[...]
 
 
 def _store(ref, val, evict_first: bool):

@@ -150,7 +150,7 @@ def _sweep_blocks(sdt, b, best_so_far=()):
     if b <= 8:
         return [D(128, 64, 4), D(16, None, 2), D(64, None, 4)]
     return [D(128, None, 4), D(64, None, 4), D(128, 64, 8), D(128, 64, 4, heads=2),
-            D(128, 64, 4, load_cg=True)]
+            D(128, 64, 4, evict_first=True)]
 
 
 def _probes(args):
@@ -193,7 +193,7 @@ def _blk_str(bk: dict) -> str:
         s += f"x{bk['heads']}"
     if not bk.get("prefetch", True) and (bk.get("heads", 1) > 1 or bk["tile_v"]):
         s += "np"
-    return s + ("ef" if bk["evict_first"] else "") + ("cg" if bk.get("load_cg") else "")
+    return s + ("ef" if bk["evict_first"] else "")
 
 
 def main(argv=None) -> int:
@@ -355,7 +355,7 @@ def main(argv=None) -> int:
     if args.sweep:
         lines.append("")
         lines.append("Block-shape sweep (us; block_v/tile/warps, xN = N heads per program, "
-                     "np = no prefetch, ef = evict-first, cg = L2-only loads):")
+                     "np = no prefetch, ef = evict-first):")
         for c in rows:
             lines.append(f"- {c['state']} B={c['B']}: " + ", ".join(
                 f"{_blk_str(bk)} {t:.1f}" for t, bk in c["sweep"]))
