@@ -37,7 +37,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -174,16 +173,20 @@ def _load_token(q_ref, k_ref, v_ref, g_ref, beta_ref, b, t, h, cols, spec):
 
 def _fold_pending(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, cols, count, dtype,
                   spec):
-    """Fold rows 0..count-1 of the slot's bank into the tile, rounding after each row."""
-    capacity = stash_k_ref.shape[3]
+    """Fold rows 0..count-1 of the slot's bank into the tile, rounding after each row.
 
-    def body(i, S):
+    Every row of the bank is loaded up front (one memory latency for all of them, instead of a
+    dependent load per loop trip) and folded under a select, so rows past `count` leave the
+    tile bit-for-bit as it was whatever they hold."""
+    rows = []
+    for i in range(stash_k_ref.shape[3]):       # static: the stash capacity
         k = stash_k_ref[slot, bank, h, i, :]
         u = stash_u_ref[slot, bank, h, i, cols]
         g = stash_g_ref[slot, bank, h, i, :] if spec.per_channel_gate else stash_g_ref[slot, bank, h, i]
-        return _round(fold_row(S, k, u, g, rank1_first=spec.rank1_first), dtype)
-
-    return lax.fori_loop(0, jnp.minimum(count, capacity), body, S)
+        rows.append((k, u, g))
+    for i, (k, u, g) in enumerate(rows):
+        S = jnp.where(i < count, _round(fold_row(S, k, u, g, rank1_first=spec.rank1_first), dtype), S)
+    return S
 
 
 def _chain_exact(S, tokens, dtype):
@@ -264,6 +267,8 @@ def _carried_verify_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref
         bank = bank_ref[slot]
         count = pending_ref[slot]
         S = pool_ref[slot, h, :, cols].astype(F32)
+        tokens = [_load_token(q_ref, k_ref, v_ref, g_ref, beta_ref, b, t, h, cols, spec)
+                  for t in range(T)]
         S = _fold_pending(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, cols, count,
                           dtype, spec)
 
@@ -271,8 +276,6 @@ def _carried_verify_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref
         def _():
             pool_out_ref[slot, h, :, cols] = S.astype(pool_out_ref.dtype)
 
-        tokens = [_load_token(q_ref, k_ref, v_ref, g_ref, beta_ref, b, t, h, cols, spec)
-                  for t in range(T)]
         outs = _chain_exact(S, tokens, dtype) if spec.exact else _chain_wy(S, tokens)
         other = 1 - bank
         for t, ((o, u), (_, k, _, g, _)) in enumerate(zip(outs, tokens)):

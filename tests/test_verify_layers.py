@@ -73,6 +73,7 @@ def _seed_pool(rng, state):
     ("kda", True, False, "reference"),
     ("gdn", False, True, "reference"),      # declines: intermediate states + commit
     ("kda", True, True, "pallas"),          # kernels (interpret on CPU) through the block
+    pytest.param("gdn", True, True, "pallas", marks=pytest.mark.gpu, id="gdn-pallas-gpu"),
 ])
 def test_block_schedule_matches_token_by_token(kind, carry, exact, impl):
     rng = np.random.default_rng(21)

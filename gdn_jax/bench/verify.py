@@ -1,0 +1,225 @@
+"""`python -m gdn_jax bench verify`: speculative verify vs the plain decode step on an H200.
+
+B = 128 sequences in a pool of 128 slots (slot table = a permutation), HV = 32, HK = 16,
+K = V = 128, fp32 state, bf16 q/k/v, T = 2 and 4 draft tokens. Timed, each as a jitted program
+of `--unroll` chained rounds with the pool (and stash) donated, divided by the rounds:
+
+  decode        the decode kernel on the pool (gdn_jax.decode.gdn_decode_pool, packed q|k|v)
+  states        verify with intermediate states (T outputs, T states written) + commit_states
+  carried-exact carried verify (fold pending rows, write H once, T outputs, stash) + accept,
+                every row accepting all T tokens (the most rows to fold next round)
+  carried-fast  the same with the WY-form outputs (a few block shapes)
+  flush         folding T pending rows into H (what a decode that follows a verify pays)
+
+Bytes per round: the state read + written once (+ the T states for `states`), plus the stash
+rows, tokens and outputs; reported as achieved GB/s against the measured device copy rate.
+Target: carried-exact <= 1.3x decode at T = 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+
+B, HV, HK, K, V = 128, 32, 16, 128, 128
+
+
+def _inputs(b, t, slots_n, seed=0):
+    import jax
+    import jax.numpy as jnp
+    ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+    nrm = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    q = nrm(jax.random.normal(ks[0], (b, t, HK, K))).astype(jnp.bfloat16)
+    k = nrm(jax.random.normal(ks[1], (b, t, HK, K))).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, t, HV, V)).astype(jnp.bfloat16)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (b, t, HV)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, HV)))
+    pool = 0.1 * jax.random.normal(ks[5], (slots_n, HV, K, V), jnp.float32)
+    slots = jax.random.permutation(ks[6], slots_n)[:b].astype(jnp.int32)
+    dev = jax.devices()[0]
+    return tuple(jax.device_put(x, dev) for x in (q, k, v, g, beta, pool, slots))
+
+
+def _time(round_fn, carry, consts, unroll, calls, repeats):
+    """Seconds per round: `unroll` chained rounds in one jitted program, carry donated."""
+    import jax
+    from gdn_jax.bench.common import time_jax
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def run(carry, consts):
+        for _ in range(unroll):
+            carry = round_fn(carry, consts)
+        return carry
+
+    chain = lambda out, a: (out, a[1])
+    args = (carry, consts)
+    for _ in range(2):
+        args = chain(jax.block_until_ready(run(*args)), args)
+    return time_jax(run, *args, calls=calls, repeats=repeats, chain=chain) / unroll
+
+
+def _copy_gbps():
+    import jax
+    import jax.numpy as jnp
+    from gdn_jax.bench.common import time_jax
+    x = jnp.ones((512 * 1024 * 1024 // 4,), jnp.float32)
+    f = jax.jit(lambda x: x + 1.0)
+    s = time_jax(f, x, calls=20, repeats=3)
+    return 2 * x.size * 4 / s / 1e9
+
+
+def _check_exact(interp) -> bool:
+    """One carried round (T = 4, every token accepted) and a flush against four launches of the
+    decode kernel at the bench shape: outputs and pools must be bit-identical."""
+    import jax.numpy as jnp
+    import numpy as np
+    from gdn_jax import decode as dec
+    from gdn_jax import verify as vf
+    T = 4
+    q, k, v, g, beta, pool, slots = _inputs(B, T, B, seed=99)
+    st = vf.DeltaStash.init(B, num_v_heads=HV, head_k_dim=K, head_v_dim=V)
+    o, pc, st = vf.carried_verify(q, k, v, g, beta, jnp.array(pool, copy=True), st, slots,
+                                  use_qk_l2norm=True, impl="pallas", interpret=interp)
+    st, _ = vf.accept(st, slots, jnp.full((B,), T, jnp.int32))
+    pc, st = vf.flush(pc, st, slots, impl="pallas", interpret=interp)
+    pd, outs = jnp.array(pool, copy=True), []
+    for t in range(T):
+        qkv = jnp.concatenate([q[:, t].reshape(B, -1), k[:, t].reshape(B, -1), v[:, t].reshape(B, -1)], 1)
+        od, pd = dec.gdn_decode_pool(qkv, g[:, t], beta[:, t], pd, slots, num_k_heads=HK,
+                                     num_v_heads=HV, head_k_dim=K, head_v_dim=V, use_qk_l2norm=True,
+                                     impl="pallas", interpret=interp)
+        outs.append(od)
+    return bool(np.array_equal(np.asarray(o), np.asarray(jnp.stack(outs, 1)))
+                and np.array_equal(np.asarray(pc), np.asarray(pd)))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gdn_jax bench verify")
+    p.add_argument("--unroll", type=int, default=8, help="rounds chained in one jitted program")
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check)")
+    p.add_argument("--md-out", default=None, help="also write the markdown section to this file")
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    from gdn_jax import decode as dec
+    from gdn_jax import verify as vf
+    from gdn_jax.bench.common import device_name, today, write_section
+    from pallas_kernels import gdn_verify as kv
+
+    global B, HV, HK, K, V
+    interp = args.smoke
+    if args.smoke:
+        B, HV, HK, K, V = 4, 2, 1, 16, 16
+        args.unroll, args.calls, args.repeats = 1, 1, 1
+    S = B
+    state_bytes = S * HV * K * V * 4
+    rows = []        # (name, T, seconds, bytes)
+
+    def add(name, t, sec, nbytes):
+        rows.append((name, t, sec, nbytes))
+        print(f"{name:34s} T={t}  {sec * 1e6:9.1f} us  {nbytes / sec / 1e9:7.0f} GB/s", flush=True)
+
+    # ------------------------------------------------------------------ decode (T = 1)
+    q, k, v, g, beta, pool, slots = _inputs(B, 1, S)
+    qkv = jnp.concatenate([q[:, 0].reshape(B, -1), k[:, 0].reshape(B, -1), v[:, 0].reshape(B, -1)], 1)
+
+    def decode_round(pool, c):
+        qkv, g, beta, slots = c
+        return dec.gdn_decode_pool(qkv, g, beta, pool, slots, num_k_heads=HK, num_v_heads=HV,
+                                   head_k_dim=K, head_v_dim=V, use_qk_l2norm=True, impl="pallas",
+                                   interpret=interp)[1]
+
+    tok_bytes = lambda t: B * t * (2 * HK * K * 2 + HV * V * 2 + HV * 8 + HV * V * 2)
+    t_decode = _time(decode_round, pool, (qkv, g[:, 0], beta[:, 0], slots), args.unroll, args.calls,
+                     args.repeats)
+    add("decode (pool, packed)", 1, t_decode, 2 * state_bytes + tok_bytes(1))
+
+    results = {}
+    for T in (2, 4):
+        q, k, v, g, beta, pool, slots = _inputs(B, T, S, seed=T)
+        toks = (q, k, v, g, beta, slots)
+        accepted = jnp.full((B,), T, jnp.int32)
+
+        def states_round(pool, c):
+            q, k, v, g, beta, slots, acc = c
+            o, states = vf.verify_states(q, k, v, g, beta, pool, slots, use_qk_l2norm=True,
+                                         impl="pallas", interpret=interp)
+            return vf.commit_states(pool, states, slots, acc)[0]
+
+        sec = _time(states_round, jnp.array(pool, copy=True), (*toks, accepted), args.unroll, args.calls, args.repeats)
+        add("states verify + commit", T, sec, (2 + T) * state_bytes + state_bytes + tok_bytes(T))
+        results[("states", T)] = sec
+
+        stash_rw = lambda t: B * HV * t * (2 * (K + V + 1)) * 4
+
+        def carried_round(carry, c, exact=True, block=None):
+            pool, stash = carry
+            q, k, v, g, beta, slots, acc = c
+            o, pool, stash = vf.carried_verify(q, k, v, g, beta, pool, stash, slots, exact=exact,
+                                               use_qk_l2norm=True, impl="pallas", interpret=interp,
+                                               block_sizes=block)
+            return pool, vf.accept(stash, slots, acc)[0]
+
+        def fresh_carry():
+            st = vf.DeltaStash.init(S, num_v_heads=HV, head_k_dim=K, head_v_dim=V)
+            return (jnp.array(pool, copy=True), st)
+
+        sec = _time(carried_round, fresh_carry(), (*toks, accepted), args.unroll, args.calls, args.repeats)
+        add("carried verify exact + accept", T, sec, 2 * state_bytes + stash_rw(T) + tok_bytes(T))
+        results[("exact", T)] = sec
+
+        fast_blocks = [None] if args.smoke else [None, kv.VerifyBlockSizes(64, 4)]
+        best = None
+        for blk in fast_blocks:
+            fn = functools.partial(carried_round, exact=False, block=blk)
+            sec = _time(fn, fresh_carry(), (*toks, accepted), args.unroll, args.calls, args.repeats)
+            label = "default" if blk is None else f"bv{blk.block_v}w{blk.num_warps}"
+            add(f"carried verify fast + accept [{label}]", T, sec, 2 * state_bytes + stash_rw(T) + tok_bytes(T))
+            best = sec if best is None else min(best, sec)
+        results[("fast", T)] = best
+
+        # flush: T pending rows per slot folded into H (then nothing pending: re-arm each round)
+        def flush_round(carry, c):
+            pool, stash = carry
+            slots, pend = c
+            stash = dataclasses.replace(stash, pending=pend)
+            return vf.flush(pool, stash, slots, impl="pallas", interpret=interp)
+
+        pool_s, st = fresh_carry()
+        st = dataclasses.replace(st, k=st.k + 0.01, u=st.u + 0.01, g=st.g - 0.01)
+        sec = _time(flush_round, (pool_s, st), (slots, jnp.full((S,), T, jnp.int32)), args.unroll,
+                    args.calls, args.repeats)
+        add("flush (T pending rows)", T, sec, 2 * state_bytes + stash_rw(T) // 2)
+
+    bitwise = _check_exact(interp)
+    print(f"exact carried verify == 4 decode launches, bitwise at the bench shape: {bitwise}", flush=True)
+    copy = 0.0 if args.smoke else _copy_gbps()
+    lines = [f"{device_name()}, {today()}; B={B}, HV={HV}, HK={HK}, K=V={K}, fp32 state in a pool "
+             f"of {S} slots, bf16 q/k/v; each time = one round in a jitted program of {args.unroll} "
+             f"chained rounds (pool/stash donated), median of {args.repeats}x{args.calls} calls. "
+             f"Device copy rate measured now: {copy:.0f} GB/s (read + write).", "",
+             "| path | T | us / round | vs decode | achieved GB/s |", "|---|---|---|---|---|"]
+    for name, t, sec, nb in rows:
+        lines.append(f"| {name} | {t} | {sec * 1e6:.1f} | {sec / t_decode:.2f}x | {nb / sec / 1e9:.0f} |")
+    r4 = results[("exact", 4)] / t_decode
+    lines += ["", f"Carried verify (exact) at T=4: {r4:.2f}x the decode step "
+              f"(target <= 1.3x: {'met' if r4 <= 1.3 else 'NOT met'}); fast: "
+              f"{results[('fast', 4)] / t_decode:.2f}x; intermediate states: "
+              f"{results[('states', 4)] / t_decode:.2f}x.",
+              f"Exact flavour at this shape (T=4, all accepted, then a flush) vs 4 decode-kernel "
+              f"launches: {'bit-identical' if bitwise else 'NOT bit-identical'} (outputs and pool).",
+              "Bytes counted: state read + written once (intermediate: + T states written and the "
+              "commit's copy), the stash rows read and written, tokens and outputs."]
+    md = "\n".join(lines)
+    print("\n" + md, flush=True)
+    if args.md_out:
+        with open(args.md_out, "w") as f:
+            f.write(md + "\n")
+    if not args.no_write and not args.smoke:
+        write_section("Speculative verify (GDN, carried vs intermediate states vs decode)", md)
+    return 0
