@@ -66,7 +66,8 @@ def fold_row(S, k, u, g, *, rank1_first=True):
     contracted into an FMA with the add (LLVM fuses the product with fewer uses). Here the
     decayed S has one use too; writing the rank-1 product first makes the compiler pick the
     same FMA, fma(k, u, exp(g) S). `rank1_first=False` is the other order, kept so the GPU test
-    can show which one matches the decode kernel bit for bit."""
+    can show which one matches the decode kernel bit for bit (on the H200, 2026-11-30, both
+    did: tests/test_verify.py::test_gpu_fold_operand_order_report)."""
     decay = jnp.exp(g)
     S = S * (decay[:, None] if decay.ndim == 1 else decay)
     ku = k[:, None] * u[None, :]
