@@ -81,14 +81,20 @@ def validate_delta_inputs(kind, q, k, v, g, beta, initial_state=None, cu_seqlens
     return n
 
 
-def select_impl(impl: str, *, seq_len: int, kind: str) -> str:
+def select_impl(impl: str, *, seq_len: int, kind: str, varlen: bool = False) -> str:
     """Which implementation runs a sequence call. Pure: testable without a device.
 
-    There is no Pallas prefill kernel yet, so "pallas" is refused for sequences and "auto"
-    takes the reference scan for short sequences, the chunk form for long ones."""
+    A single token (not packed varlen) with impl "pallas" or "auto" goes to the decode dispatch
+    ("decode"), which runs the Pallas decode kernel when it can take the call (and, for "auto",
+    the reference step otherwise). There is no Pallas prefill kernel yet, so "pallas" is refused
+    for longer sequences and "auto" takes the reference scan for short sequences, the chunk form
+    for long ones."""
+    if impl in ("pallas", "auto") and seq_len == 1 and not varlen:
+        return "decode"
     if impl == "pallas":
-        raise ValueError(f"impl='pallas': no Pallas {kind.upper()} sequence (prefill) kernel exists; "
-                         "use impl='chunked' or 'auto' (single-token decode kernels are in gdn_jax.decode)")
+        raise ValueError(f"impl='pallas': no Pallas {kind.upper()} sequence (prefill) kernel exists "
+                         f"(T={seq_len}); use impl='chunked' or 'auto' (the single-token decode kernel "
+                         "takes T = 1)")
     if impl == "auto":
         return "chunked" if seq_len >= AUTO_CHUNKED_MIN_T else "reference"
     return impl
@@ -124,7 +130,18 @@ def _varlen(impl, q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu, tma
 def _delta_rule(kind, q, k, v, g, beta, *, scale, initial_state, output_final_state,
                 use_qk_l2norm, cu_seqlens, impl):
     validate_delta_inputs(kind, q, k, v, g, beta, initial_state, cu_seqlens, impl)
-    which = select_impl(impl, seq_len=q.shape[1], kind=kind)
+    which = select_impl(impl, seq_len=q.shape[1], kind=kind, varlen=cu_seqlens is not None)
+    if which == "decode":
+        from gdn_jax.decode import gdn_decode  # the decode dispatch imports the kernels: load lazily
+        b, _, hk, kd = q.shape
+        hv, vd = v.shape[2:]
+        # The decode kernel updates its state argument in place (donated): give it a buffer of its
+        # own so the caller's initial_state stays valid, as for every other impl.
+        state = (jnp.zeros((b, hv, kd, vd), jnp.float32) if initial_state is None
+                 else jnp.copy(initial_state))
+        o, s = gdn_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, scale=scale,
+                          use_qk_l2norm=use_qk_l2norm, impl=impl)
+        return o[:, None].astype(q.dtype), (s if output_final_state else None)
     if cu_seqlens is None:
         o, s = _run_dense(which, q, k, v, g, beta, scale, initial_state, use_qk_l2norm)
     else:

@@ -307,10 +307,14 @@ def test_state_pytrees_jit_with_donation():
 
 
 def test_select_impl_is_a_table():
-    assert select_impl("auto", seq_len=1, kind="gdn") == "reference"
     assert select_impl("auto", seq_len=4096, kind="kda") == "chunked"
     assert select_impl("reference", seq_len=4096, kind="gdn") == "reference"
     assert select_impl("chunked", seq_len=1, kind="gdn") == "chunked"
+    assert select_impl("auto", seq_len=1, kind="gdn") == "decode"
+    assert select_impl("pallas", seq_len=1, kind="kda") == "decode"
+    assert select_impl("auto", seq_len=1, kind="gdn", varlen=True) == "reference"
+    with pytest.raises(ValueError, match="pallas"):
+        select_impl("pallas", seq_len=2, kind="gdn")
 
 
 # ------------------------------------------------------------------ bad input
@@ -363,3 +367,27 @@ def test_bad_kda_gate_and_cu_seqlens():
         gdn_jax.kda(q1, k1, v1, g1, b1, cu_seqlens=np.array([0, 2, 5], np.int32), initial_state=h0[:1])
     with pytest.raises(ValueError, match="pallas"):
         gdn_jax.kda(q, k, v, g, beta, impl="pallas")
+    if not any(d.platform == "gpu" for d in jax.devices()):  # one token: the decode kernel says why not
+        with pytest.raises(ValueError, match="needs a GPU"):
+            gdn_jax.kda(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], impl="pallas")
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_single_token_auto_goes_through_decode_and_keeps_the_callers_state(kind):
+    q, k, v, g, beta, h0 = delta_inputs(_key("t1", kind), B=3, T=1, kind=kind)
+    fn = gdn_jax.gated_delta_rule if kind == "gdn" else gdn_jax.kda
+    o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+    o_ref, s_ref = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm=True,
+                      impl="reference")
+    assert o.shape == o_ref.shape and rel_err(o, o_ref) <= 1e-6 and rel_err(s, s_ref) <= 1e-6
+    assert np.isfinite(np.asarray(h0)).all()  # still readable: not donated away
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_single_token_pallas_matches_reference_on_gpu(kind):
+    q, k, v, g, beta, h0 = delta_inputs(_key("t1gpu", kind), B=7, T=1, HK=2, HV=4, K=128, V=128, kind=kind)
+    fn = gdn_jax.gated_delta_rule if kind == "gdn" else gdn_jax.kda
+    o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm=True, impl="pallas")
+    on, sn = numpy_delta_rule(q, k, v, g, beta, h0, l2=True)
+    assert rel_err(o, on) <= 1e-5 and rel_err(s, sn) <= 1e-5
