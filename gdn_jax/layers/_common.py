@@ -156,3 +156,37 @@ def fill_params(module, tensors: Mapping[str, np.ndarray], *, param_dtype=None, 
                if isinstance(v.get_value(), jax.ShapeDtypeStruct)]
     if missing:
         raise ValueError(f"checkpoint is missing tensors for parameters {missing} ({source})")
+
+
+class DeltaStateMixin:
+    """`init_state`, `state_from_hf`, `state_to_hf` of a block whose state class is `STATE_CLS`
+    (GDNState / KDAState) and whose `config` names num_v_heads, head_k_dim, head_v_dim, conv_dim
+    and conv_kernel_size."""
+
+    STATE_CLS: type
+
+    def init_state(self, batch_size: int, dtype=jnp.float32, conv_dtype=jnp.float32):
+        """A fresh (zero) state for `batch_size` sequences; `dtype` is the recurrent state's
+        storage dtype (float32, float16 or bfloat16), `conv_dtype` the conv window's."""
+        c = self.config
+        return self.STATE_CLS.init(check_positive_int("batch_size", batch_size), num_v_heads=c.num_v_heads,
+                                   head_k_dim=c.head_k_dim, head_v_dim=c.head_v_dim, conv_dim=c.conv_dim,
+                                   conv_width=c.conv_kernel_size, dtype=dtype, conv_dtype=conv_dtype)
+
+    @classmethod
+    def state_from_hf(cls, conv_state, recurrent_state):
+        """HF cache tensors (conv_states [B, C, W], recurrent_states [B, HV, K, V]) -> the state."""
+        from gdn_jax import reference as ref
+        conv = jnp.asarray(conv_state)
+        rec = jnp.asarray(recurrent_state)
+        if conv.ndim != 3 or rec.ndim != 4 or conv.shape[0] != rec.shape[0]:
+            raise ValueError(f"conv_state must be [B, C, W] and recurrent_state [B, HV, K, V], got "
+                             f"{conv.shape} and {rec.shape}")
+        return cls.STATE_CLS(recurrent=rec, conv=ref.conv_state_from_hf(conv))
+
+    @staticmethod
+    def state_to_hf(state):
+        """The state -> (conv_states [B, C, W], recurrent_states [B, HV, K, V]) as HF's cache keeps
+        them; the oldest conv column, which HF never reads again, is zero."""
+        from gdn_jax import reference as ref
+        return ref.conv_state_to_hf(state.conv), state.recurrent

@@ -43,7 +43,7 @@ from flax import nnx
 
 from gdn_jax import ops
 from gdn_jax import reference as ref
-from gdn_jax.layers._common import (DEFAULT_PRECISION, F32, Linear, NormWeight, ParamInit, ShortConv,
+from gdn_jax.layers._common import (DEFAULT_PRECISION, DeltaStateMixin, F32, Linear, NormWeight, ParamInit, ShortConv,
                                     check_eps, check_hidden, check_impl, check_positive_int,
                                     check_state, fill_params)
 from gdn_jax.loading import SafetensorsCheckpoint, find_layer_prefix, read_config, text_config
@@ -89,6 +89,10 @@ class KDAConfig:
                 raise ValueError(f"lower_bound must be a finite float < 0 (or None for the softplus "
                                  f"gate), got {lb!r}")
             object.__setattr__(self, "lower_bound", float(lb))
+
+    @property
+    def head_k_dim(self) -> int:
+        return self.head_dim
 
     @property
     def key_dim(self) -> int:
@@ -167,7 +171,7 @@ def _check_kda_layer(c: dict, layer_idx: int):
                              f"(1-indexed) is {lac['kda_layers']}")
 
 
-class KimiDeltaAttention(nnx.Module):
+class KimiDeltaAttention(DeltaStateMixin, nnx.Module):
     """Kimi Delta Attention block (see the module docstring for layout, state and names).
 
     `KimiDeltaAttention(config, rngs=nnx.Rngs(0))` makes random weights;
@@ -175,6 +179,8 @@ class KimiDeltaAttention(nnx.Module):
     `dtype` is the projections' compute dtype (None: the input's); gate, beta, norm and state
     math are fp32 regardless.
     """
+
+    STATE_CLS = KDAState
 
     def __init__(self, config: KDAConfig, *, rngs: nnx.Rngs, dtype=None, param_dtype=F32,
                  precision=DEFAULT_PRECISION):
@@ -204,31 +210,7 @@ class KimiDeltaAttention(nnx.Module):
         self.o_norm = NormWeight(c.head_v_dim, param_dtype=param_dtype)
         self.o_proj = lin(c.value_dim, h)
 
-    # ------------------------------------------------------------------ state
-
-    def init_state(self, batch_size: int, dtype=jnp.float32, conv_dtype=jnp.float32) -> KDAState:
-        """A fresh (zero) state for `batch_size` sequences; `dtype` is the recurrent state's
-        storage dtype (float32, float16 or bfloat16), `conv_dtype` the conv window's."""
-        c = self.config
-        return KDAState.init(check_positive_int("batch_size", batch_size), num_v_heads=c.num_v_heads,
-                             head_k_dim=c.head_dim, head_v_dim=c.head_v_dim, conv_dim=c.conv_dim,
-                             conv_width=c.conv_kernel_size, dtype=dtype, conv_dtype=conv_dtype)
-
-    @staticmethod
-    def state_from_hf(conv_state, recurrent_state) -> KDAState:
-        """HF cache tensors (conv_states [B, C, W], recurrent_states [B, HV, K, V]) -> KDAState."""
-        conv = jnp.asarray(conv_state)
-        rec = jnp.asarray(recurrent_state)
-        if conv.ndim != 3 or rec.ndim != 4 or conv.shape[0] != rec.shape[0]:
-            raise ValueError(f"conv_state must be [B, C, W] and recurrent_state [B, HV, K, V], got "
-                             f"{conv.shape} and {rec.shape}")
-        return KDAState(recurrent=rec, conv=ref.conv_state_from_hf(conv))
-
-    @staticmethod
-    def state_to_hf(state: KDAState):
-        """KDAState -> (conv_states [B, C, W], recurrent_states [B, HV, K, V]) as HF's cache keeps
-        them; the oldest conv column, which HF never reads again, is zero."""
-        return ref.conv_state_to_hf(state.conv), state.recurrent
+    # init_state / state_from_hf / state_to_hf come from DeltaStateMixin.
 
     # ------------------------------------------------------------------ forward
 

@@ -37,7 +37,7 @@ from flax import nnx
 
 from gdn_jax import ops
 from gdn_jax import reference as ref
-from gdn_jax.layers._common import (DEFAULT_PRECISION, F32, Linear, NormWeight, ParamInit, ShortConv,
+from gdn_jax.layers._common import (DEFAULT_PRECISION, DeltaStateMixin, F32, Linear, NormWeight, ParamInit, ShortConv,
                                     check_eps, check_hidden, check_impl, check_positive_int,
                                     check_state, fill_params)
 from gdn_jax.loading import SafetensorsCheckpoint, find_layer_prefix, read_config, text_config
@@ -130,7 +130,7 @@ def _check_linear_layer(c: dict, layer_idx: int):
                          "linear_attention (Gated DeltaNet) layer")
 
 
-class Qwen3NextGatedDeltaNet(nnx.Module):
+class Qwen3NextGatedDeltaNet(DeltaStateMixin, nnx.Module):
     """Qwen3-Next / Qwen3.5 Gated DeltaNet block (see the module docstring for layout and state).
 
     `Qwen3NextGatedDeltaNet(config, rngs=nnx.Rngs(0))` makes random weights;
@@ -138,6 +138,8 @@ class Qwen3NextGatedDeltaNet(nnx.Module):
     `dtype` is the compute dtype of the projections (None: the input's); gate, beta, norm and
     state math are fp32 regardless.
     """
+
+    STATE_CLS = GDNState
 
     def __init__(self, config: GDNConfig, *, rngs: nnx.Rngs, dtype=None, param_dtype=F32,
                  precision=DEFAULT_PRECISION):
@@ -164,31 +166,7 @@ class Qwen3NextGatedDeltaNet(nnx.Module):
         self.norm = NormWeight(c.head_v_dim, param_dtype=param_dtype)
         self.out_proj = lin(c.value_dim, h)
 
-    # ------------------------------------------------------------------ state
-
-    def init_state(self, batch_size: int, dtype=jnp.float32, conv_dtype=jnp.float32) -> GDNState:
-        """A fresh (zero) state for `batch_size` sequences; `dtype` is the recurrent state's
-        storage dtype (float32, float16 or bfloat16), `conv_dtype` the conv window's."""
-        c = self.config
-        return GDNState.init(check_positive_int("batch_size", batch_size), num_v_heads=c.num_v_heads,
-                             head_k_dim=c.head_k_dim, head_v_dim=c.head_v_dim, conv_dim=c.conv_dim,
-                             conv_width=c.conv_kernel_size, dtype=dtype, conv_dtype=conv_dtype)
-
-    @staticmethod
-    def state_from_hf(conv_state, recurrent_state) -> GDNState:
-        """HF cache tensors (conv_states [B, C, W], recurrent_states [B, HV, K, V]) -> GDNState."""
-        conv = jnp.asarray(conv_state)
-        rec = jnp.asarray(recurrent_state)
-        if conv.ndim != 3 or rec.ndim != 4 or conv.shape[0] != rec.shape[0]:
-            raise ValueError(f"conv_state must be [B, C, W] and recurrent_state [B, HV, K, V], got "
-                             f"{conv.shape} and {rec.shape}")
-        return GDNState(recurrent=rec, conv=ref.conv_state_from_hf(conv))
-
-    @staticmethod
-    def state_to_hf(state: GDNState):
-        """GDNState -> (conv_states [B, C, W], recurrent_states [B, HV, K, V]) as HF's cache keeps
-        them; the oldest conv column, which HF never reads again, is zero."""
-        return ref.conv_state_to_hf(state.conv), state.recurrent
+    # init_state / state_from_hf / state_to_hf come from DeltaStateMixin.
 
     # ------------------------------------------------------------------ forward
 
