@@ -161,8 +161,6 @@ def _probes(args):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
     from gdn_jax import decode as dec
-    from gdn_jax.bench.common import time_jax
-    from pallas_kernels import gdn_decode as kern
 
     b, bv, tile = (2, V, V // 2) if INTERPRET else (128, 128, 64)
     s = _inputs(b, jnp.float32)[5]
@@ -323,7 +321,6 @@ def main(argv=None) -> int:
     rows.sort(key=lambda c: (c["state"] != "float32", c["B"]))
     for c in rows:
         blk = c["block"]
-        tile = blk["tile_v"] or blk["block_v"]
         ratio = f"{c['peer_us'] / c['us']:.2f}" if c["peer_us"] else "n/a"
         peer_s = f"{c['peer_us']:.1f}" if c["peer_us"] else c["peer"].get("error", "n/a")[:40]
         tgt = c["target_us"]
