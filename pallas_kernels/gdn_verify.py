@@ -104,13 +104,21 @@ class VerifyBlockSizes:
     block_v: int = 32
     num_warps: int = 4
     num_stages: int = 1
+    proj: str = "dot"   # fast flavour only: "dot" | "reduce" | "legacy" (see FAST_PROJ)
 
+
+# How the fast flavour forms its 2T projections k_t^T S, q_t^T S (ignored by the exact one):
+#   dot     one fp32 (IEEE, not tf32) dot [16, K] x [K, block_v] of the stacked decayed rows
+#   reduce  2T column reductions over K (jnp.sum), one per row
+#   legacy  the first fast kernel: per-row fold under a select and the in-kernel WY chain (its
+#           T x T scalars as in-kernel reductions); kept to measure against
+FAST_PROJ = ("dot", "reduce", "legacy")
 
 # (largest batch, fast flavour) -> block sizes for the fast flavour; the exact flavour takes the
 # decode kernel's table (gdn_decode.TUNING_TABLE) so the reduction order matches. First match wins.
 TUNING_TABLE: tuple[tuple[int, VerifyBlockSizes], ...] = (
-    (8, VerifyBlockSizes(block_v=16, num_warps=2)),
-    (1 << 30, VerifyBlockSizes(block_v=32, num_warps=4)),
+    (8, VerifyBlockSizes(block_v=16, num_warps=2, proj="dot")),
+    (1 << 30, VerifyBlockSizes(block_v=64, num_warps=4, proj="dot")),
 )
 
 
@@ -120,8 +128,7 @@ def default_block_sizes(batch: int, v_dim: int, state_dtype, exact: bool) -> Ver
         return VerifyBlockSizes(block_v=d.tile, num_warps=d.num_warps, num_stages=d.num_stages)
     for max_b, bs in TUNING_TABLE:
         if batch <= max_b:
-            return VerifyBlockSizes(block_v=min(bs.block_v, v_dim), num_warps=bs.num_warps,
-                                    num_stages=bs.num_stages)
+            return dataclasses.replace(bs, block_v=min(bs.block_v, v_dim))
     raise AssertionError("unreachable: the last tuning row takes any batch")
 
 
@@ -146,6 +153,10 @@ def unsupported_reason(spec: VerifySpec, block: VerifyBlockSizes, state_dtype) -
         return f"HV={spec.num_v_heads} must be a multiple of HK={spec.num_k_heads}"
     if block.num_warps not in (1, 2, 4, 8, 16):
         return f"num_warps={block.num_warps} must be 1, 2, 4, 8 or 16"
+    if block.proj not in FAST_PROJ:
+        return f"proj={block.proj!r} must be one of {FAST_PROJ}"
+    if not spec.exact and block.proj == "dot" and block.block_v < 16:
+        return f"proj='dot' needs block_v >= 16 (a Triton dot operand), got {block.block_v}"
     return None
 
 
@@ -298,6 +309,153 @@ def _carried_verify_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref
             o_ref[b, t, h, cols] = jnp.zeros((block.block_v,), o_ref.dtype)
 
 
+# --------------------------------------------------------------------------- fast flavour (WY)
+# The fast flavour splits the work: everything that does not touch the state (L2 norms, the
+# T x T Gram scalars and the triangular solve of the WY form) runs in XLA before the launch on
+# [B, T, ...] tokens (`_fast_prelude`), so the kernel does no cross-thread scalar reduction; per
+# [K, block_v] tile it folds the pending rows as one rank-C update, forms the 2T projections
+# (one fp32 dot, or 2T column reductions) and combines them with those scalars.
+
+def _fast_prelude(q, k, g, beta, spec):
+    """Prepared q (scaled), k ([B, T, HK, K] fp32) and the WY matrices A, E ([B, HV, T, T]):
+    with z_j = v_j - (k_j e^{G_j})^T S and G_j the cumulative log decay from S,
+        u_i = sum_{j<=i} A_ij z_j ,   o_i = (q_i e^{G_i})^T S + sum_{j<=i} E_ij z_j
+    (A = (I + diag(beta) C_strict)^-1 diag(beta), E = D A, C and D the decayed Gram scalars of
+    gdn_jax.verify._chain_wy). Every exponent is <= 0 (pairwise differences of G)."""
+    T, HV, HK = spec.num_tokens, spec.num_v_heads, spec.num_k_heads
+    qf, kf = q.astype(F32), k.astype(F32)
+    if spec.use_qk_l2norm:
+        qf, kf = dec.l2_normalize(qf), dec.l2_normalize(kf)
+    qf = qf * jnp.float32(spec.scale)
+    qe, ke = jnp.repeat(qf, HV // HK, axis=2), jnp.repeat(kf, HV // HK, axis=2)   # [B, T, HV, K]
+    G = jnp.cumsum(g.astype(F32), axis=1)
+    idx = jnp.arange(T)
+    low = idx[:, None] >= idx[None, :]                                           # [Ti, Tj]
+    if spec.per_channel_gate:
+        m = low[None, :, :, None, None]
+        dG = G[:, :, None] - G[:, None, :]                                       # [B, Ti, Tj, HV, K]
+        w = jnp.where(m, jnp.exp(jnp.where(m, dG, 0.0)), 0.0)
+        kk = jnp.sum(ke[:, :, None] * ke[:, None, :] * w, axis=-1)              # [B, Ti, Tj, HV]
+        qk = jnp.sum(qe[:, :, None] * ke[:, None, :] * w, axis=-1)
+    else:
+        m = low[None, :, :, None]
+        dG = G[:, :, None] - G[:, None, :]                                       # [B, Ti, Tj, HV]
+        w = jnp.where(m, jnp.exp(jnp.where(m, dG, 0.0)), 0.0)
+        kk = jnp.sum(ke[:, :, None] * ke[:, None, :], axis=-1) * w
+        qk = jnp.sum(qe[:, :, None] * ke[:, None, :], axis=-1) * w
+    Cm = jnp.moveaxis(kk, 3, 1)                                                  # [B, HV, Ti, Tj]
+    Dm = jnp.moveaxis(qk, 3, 1)
+    bt = jnp.moveaxis(beta.astype(F32), 1, 2)                                    # [B, HV, T]
+    rows = []
+    for i in range(T):                      # forward substitution, rows of A
+        acc = jnp.broadcast_to((idx == i).astype(F32), bt.shape)
+        for j in range(i):
+            acc = acc - Cm[:, :, i, j, None] * rows[j]
+        rows.append(bt[:, :, i, None] * acc)
+    A = jnp.stack(rows, axis=2)                                                  # [B, HV, Ti, Tl]
+    E = sum(Dm[:, :, :, j, None] * A[:, :, None, j, :] for j in range(T))        # D lower-tri
+    return qf, kf, A, E
+
+
+def _fold_pending_fast(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, cols, count, spec):
+    """Rows 0..count-1 of the slot's bank as one rank-C update (fp32 state):
+    S <- e^{G_P} S + sum_i (k_i e^{G_P - G_i}) u_i^T, G_i the cumulative (masked) pending gates.
+    Rows past `count` get zero coefficients and zeroed u (no select on the tile)."""
+    C = stash_k_ref.shape[3]
+    rows = []
+    for i in range(C):
+        k = stash_k_ref[slot, bank, h, i, :]
+        u = stash_u_ref[slot, bank, h, i, cols]
+        g = stash_g_ref[slot, bank, h, i, :] if spec.per_channel_gate else stash_g_ref[slot, bank, h, i]
+        live = i < count
+        rows.append((k, jnp.where(live, u, 0.0), jnp.where(live, g, 0.0), live))
+    Gs, G = [], None
+    for _, _, g, _ in rows:
+        G = g if G is None else G + g
+        Gs.append(G)
+    GP = Gs[-1]
+    decay = jnp.exp(GP)
+    S = S * (decay[:, None] if spec.per_channel_gate else decay)
+    for (k, u, _, live), Gi in zip(rows, Gs):
+        a = jnp.where(live, k * jnp.exp(GP - Gi), 0.0)
+        S = a[:, None] * u[None, :] + S
+    return S
+
+
+def _projections(S, xs, block):
+    """[x^T S for x in xs] ([K] rows, [K, block_v] tile): one fp32 dot or len(xs) reductions."""
+    if block.proj != "dot":
+        return [jnp.sum(x[:, None] * S, axis=0) for x in xs]
+    m = max(16, 1 << (len(xs) - 1).bit_length())
+    rid = jax.lax.broadcasted_iota(jnp.int32, (m, S.shape[0]), 0)
+    X = jnp.zeros((m, S.shape[0]), F32)
+    for n, x in enumerate(xs):
+        X = jnp.where(rid == n, x[None, :], X)
+    R = jnp.dot(X, S, precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
+    parts = jnp.split(R, m, axis=0)
+    return [parts[n].reshape(S.shape[1]) for n in range(len(xs))]
+
+
+def _carried_fast_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, g_ref,
+                         pool_ref, stash_k_ref, stash_u_ref, stash_g_ref, a_ref, e_ref,
+                         o_ref, pool_out_ref, stash_k_out, stash_u_out, stash_g_out,
+                         *, spec: VerifySpec, block: VerifyBlockSizes):
+    b, h, j, slot, valid, cols = _program(slots_ref, pool_ref, block)
+    T = spec.num_tokens
+    kh = h // (spec.num_v_heads // spec.num_k_heads)
+
+    @pl.when(valid)
+    def _():
+        bank = bank_ref[slot]
+        count = pending_ref[slot]
+        S = pool_ref[slot, h, :, cols].astype(F32)
+        qs = [q_ref[b, t, kh, :] for t in range(T)]                 # prepared (prelude)
+        ks = [k_ref[b, t, kh, :] for t in range(T)]
+        vs = [v_ref[b, t, h, cols].astype(F32) for t in range(T)]
+        gs = [(g_ref[b, t, h, :] if spec.per_channel_gate else g_ref[b, t, h]).astype(F32)
+              for t in range(T)]
+        A = [[a_ref[b, h, i, l] for l in range(i + 1)] for i in range(T)]
+        E = [[e_ref[b, h, i, l] for l in range(i + 1)] for i in range(T)]
+        S = _fold_pending_fast(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, cols,
+                               count, spec)
+
+        @pl.when(count > 0)
+        def _():
+            pool_out_ref[slot, h, :, cols] = S.astype(pool_out_ref.dtype)
+
+        G, xs_k, xs_q = None, [], []
+        for q, k, g in zip(qs, ks, gs):
+            G = g if G is None else G + g
+            d = jnp.exp(G)
+            xs_k.append(k * d)
+            xs_q.append(q * d)
+        proj = _projections(S, xs_k + xs_q, block)
+        z = [v - r for v, r in zip(vs, proj[:T])]
+        other = 1 - bank
+        for i in range(T):
+            u = A[i][0] * z[0]
+            o = proj[T + i] + E[i][0] * z[0]
+            for l in range(1, i + 1):
+                u = u + A[i][l] * z[l]
+                o = o + E[i][l] * z[l]
+            o_ref[b, i, h, cols] = o.astype(o_ref.dtype)
+            stash_u_out[slot, other, h, i, cols] = u
+
+        @pl.when(j == 0)
+        def _():
+            for t in range(T):
+                stash_k_out[slot, other, h, t, :] = ks[t]
+                if spec.per_channel_gate:
+                    stash_g_out[slot, other, h, t, :] = gs[t]
+                else:
+                    stash_g_out[slot, other, h, t] = gs[t]
+
+    @pl.when(jnp.logical_not(valid))
+    def _():
+        for t in range(T):
+            o_ref[b, t, h, cols] = jnp.zeros((block.block_v,), o_ref.dtype)
+
+
 def _flush_kernel(slots_ref, bank_ref, pending_ref, pool_ref, stash_k_ref, stash_u_ref, stash_g_ref,
                   pool_out_ref, *, spec: VerifySpec, block: VerifyBlockSizes):
     b, h, j, slot, valid, cols = _program(slots_ref, pool_ref, block)
@@ -425,19 +583,27 @@ def _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pen
                     spec, block, interpret):
     b, t = q.shape[:2]
     hv, vd = spec.num_v_heads, spec.v_dim
-    inputs = (slots, bank, pending, q, k, v, g, beta, pool, stash_k, stash_u, stash_g)
+    if spec.exact or block.proj == "legacy":
+        kernel = _carried_verify_kernel
+        inputs = (slots, bank, pending, q, k, v, g, beta, pool, stash_k, stash_u, stash_g)
+    else:
+        kernel = _carried_fast_kernel
+        qp, kp, A, E = _fast_prelude(q, k, g, beta, spec)
+        inputs = (slots, bank, pending, qp, kp, v, g, pool, stash_k, stash_u, stash_g, A, E)
+    p0 = 8 if kernel is _carried_verify_kernel else 7   # pool, stash k, u, g -> outputs 1..4
+    aliases = {p0 + d: 1 + d for d in range(4)}
     return pl.pallas_call(
-        functools.partial(_carried_verify_kernel, spec=spec, block=block),
+        functools.partial(kernel, spec=spec, block=block),
         grid=(b, hv, vd // block.block_v),
         out_shape=(jax.ShapeDtypeStruct((b, t, hv, vd), q.dtype),
                    jax.ShapeDtypeStruct(pool.shape, pool.dtype),
                    jax.ShapeDtypeStruct(stash_k.shape, stash_k.dtype),
                    jax.ShapeDtypeStruct(stash_u.shape, stash_u.dtype),
                    jax.ShapeDtypeStruct(stash_g.shape, stash_g.dtype)),
-        input_output_aliases={8: 1, 9: 2, 10: 3, 11: 4},
+        input_output_aliases=aliases,
         compiler_params=_compiler_params(block),
         interpret=interpret,
-        name=f"gdn_carried_verify{t}_{'exact' if spec.exact else 'fast'}",
+        name=f"gdn_carried_verify{t}_{'exact' if spec.exact else 'fast_' + block.proj}",
     )(*inputs)
 
 

@@ -478,9 +478,11 @@ def test_carried_loop_does_not_retrace_and_donates():
 
 # --------------------------------------------------------------------------- Triton lowering
 
-@pytest.mark.parametrize("per_channel,sdt,exact", [(False, F32, True), (False, F32, False),
-                                                    (True, BF16, True), (True, F32, False)])
-def test_kernels_lower_to_triton_ir(monkeypatch, per_channel, sdt, exact):
+@pytest.mark.parametrize("per_channel,sdt,exact,proj", [
+    (False, F32, True, "dot"), (False, F32, False, "dot"), (False, F32, False, "reduce"),
+    (False, F32, False, "legacy"), (True, BF16, True, "dot"), (True, F32, False, "dot"),
+    (True, F32, False, "reduce")])
+def test_kernels_lower_to_triton_ir(monkeypatch, per_channel, sdt, exact, proj):
     """The three kernels lower to Triton IR for an H200 without a GPU (only PTX needs one)."""
     try:
         from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
@@ -496,7 +498,7 @@ def test_kernels_lower_to_triton_ir(monkeypatch, per_channel, sdt, exact):
     sg = jnp.ones((S, 2, HV, C, K) if per_channel else (S, 2, HV, C))
     ints, slots = jnp.zeros(S, jnp.int32), jnp.zeros(B, jnp.int32)
     spec = kv._spec_from(q, v, g, scale=None, use_qk_l2norm=True, exact=exact)
-    block = kv.default_block_sizes(B, K, sdt, exact)
+    block = dataclasses.replace(kv.default_block_sizes(B, K, sdt, exact), proj=proj)
     lower = lambda f, *a, **kw: f.trace(*a, block=block, interpret=False, **kw).lower(
         lowering_platforms=("cuda",)).as_text()
     hlo = lower(kv._carried_launch, q, q, v, g, jnp.ones((B, T, HV)), pool, sk, su, sg, ints, ints,
@@ -534,3 +536,58 @@ def test_gpu_fold_operand_order_report(capsys):
     with capsys.disabled():
         print(f"\nfold bitwise vs decode kernel: rank1_first=True {results[True]}, False {results[False]}")
     assert results[True]
+
+
+# --------------------------------------------------------------------------- fast flavour shapes
+
+def _fast_variant_rounds(case, block, *, seed, rounds=3):
+    """Carried fast verify with an explicit block shape against the pure-JAX fast reference:
+    `rounds` verify/accept rounds (random accepted counts, so later rounds fold 1..T pending
+    rows), then a flush. Returns the worst relative error of outputs and the final pool."""
+    rng = np.random.default_rng(seed)
+    pool0 = _pool(rng, S=case.S, HV=case.HV, K=case.K, V=case.V, dtype=F32, sentinels=case.sentinels)
+    kind = case.kind
+    mk = lambda: vf.DeltaStash.init(case.S, num_v_heads=case.HV, head_k_dim=case.K, head_v_dim=case.V,
+                                    per_channel_gate=kind == "kda")
+    got = [jnp.array(pool0, copy=True), mk()]
+    want = [jnp.array(pool0, copy=True), mk()]
+    worst = 0.0
+    for _ in range(rounds):
+        slots = _slot_table(rng, case.B, case.used)
+        T = int(rng.integers(2, 5))
+        toks = _tokens(rng, B=case.B, T=T, HK=case.HK, HV=case.HV, K=case.K, V=case.V, kind=kind)
+        acc = jnp.asarray(np.where(np.asarray(slots) >= 0, rng.integers(1, T + 1, case.B), 0), jnp.int32)
+        o, got[0], got[1] = vf.carried_verify(*toks, got[0], got[1], slots, exact=False, use_qk_l2norm=True,
+                                              impl="pallas", interpret=not ON_GPU, block_sizes=block)
+        ow, want[0], want[1] = vf.carried_verify(*toks, want[0], want[1], slots, exact=False,
+                                                 use_qk_l2norm=True, impl="reference")
+        worst = max(worst, rel_err(o, ow))
+        got[1], _ = vf.accept(got[1], slots, acc)
+        want[1], _ = vf.accept(want[1], slots, acc)
+    pg, _ = vf.flush(*got, impl="reference")
+    pw, _ = vf.flush(*want, impl="reference")
+    worst = max(worst, rel_err(pg[:case.used], pw[:case.used]))
+    np.testing.assert_array_equal(np.asarray(pg[case.used:]), np.asarray(pool0[case.used:]))
+    return worst
+
+
+@pytest.mark.parametrize("kind,proj", [("gdn", "dot"), ("gdn", "reduce"), ("kda", "dot")])
+def test_fast_projection_forms_match_reference_interpret(kind, proj):
+    """Every fast projection form (interpret mode) against the pure-JAX fast reference."""
+    if ON_GPU:
+        pytest.skip("the GPU variant below covers the compiled kernels")
+    case = Case(kind=kind, exact=False, K=32, V=32)
+    err = _fast_variant_rounds(case, kv.VerifyBlockSizes(16, 4, proj=proj), seed=11)
+    assert err <= 1e-6, f"relative error {err:.3g} > 1e-6"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,proj,bv,w", [
+    ("gdn", "dot", 64, 4), ("gdn", "dot", 32, 4), ("gdn", "dot", 128, 8), ("gdn", "dot", 16, 2),
+    ("gdn", "reduce", 64, 4), ("gdn", "reduce", 32, 4), ("gdn", "legacy", 64, 4),
+    ("kda", "dot", 64, 4), ("kda", "reduce", 32, 4)])
+def test_gpu_fast_shapes_match_reference(kind, proj, bv, w):
+    """Each fast kernel shape the benchmark times, compiled, against the fp32 reference."""
+    case = Case(kind=kind, exact=False, B=12, S=19, HK=2, HV=4, K=128, V=128)
+    err = _fast_variant_rounds(case, kv.VerifyBlockSizes(bv, w, proj=proj), seed=bv * 10 + w)
+    assert err <= 1e-6, f"{proj} bv{bv}w{w}: relative error {err:.3g} > 1e-6"
