@@ -86,7 +86,7 @@ def test_gpu_bench_shape_default_blocks(state_dtype):
     q, k, v, g, beta, s = _inputs(5, 16, 16, 32, 128, 128, in_dtype=BF16, state_dtype=state_dtype)
     ro, rs = ref.decode_step(q, k, v, g, beta, s)
     o, s2 = _run("gpu", q, k, v, g, beta, s, None)
-    _check(o, s2, ro, rs, 1e-2, 1e-6 if state_dtype == F32 else 1e-3)
+    _check(o, s2, ro, rs, 5e-3, 1e-6 if state_dtype == F32 else 1e-3)
 
 
 def test_bad_inputs_raise():
@@ -140,3 +140,19 @@ def test_dispatch_wiring_interpret():
     o, s2 = dec._gdn_decode_jit(q, k, v, g, beta, s, None, None, None, None, spec=spec, block=None,
                                 out_dtype=q.dtype, which="mosaic", interpret=True)
     _check(o, s2, ro, rs, 1e-5, 1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_public_dispatch_takes_mosaic_at_large_batch():
+    """The public gdn_decode at B=128 (plain step, fp32 state) runs the Mosaic branch, compiled."""
+    from gdn_jax import decode as dec
+    from pallas_kernels.gdn_decode import DecodeSpec
+    B, HK, HV, K, V = 128, 16, 32, 128, 128
+    q, k, v, g, beta, s = _inputs(11, B, HK, HV, K, V, in_dtype=BF16)
+    spec = DecodeSpec(num_k_heads=HK, num_v_heads=HV, k_dim=K, v_dim=V, scale=K ** -0.5)
+    assert dec.select_decode_backend(spec=spec, state_dtype=F32, batch=B, hopper=dec._is_hopper(),
+                                     block_given=False, operand_dtypes=(BF16,) * 3 + (F32, F32)) == "mosaic"
+    ro, rs = ref.decode_step(q, k, v, g, beta, s)
+    jax.block_until_ready(jnp.full(v.shape, jnp.nan, q.dtype)).delete()
+    o, s2 = dec.gdn_decode(q, k, v, g, beta, s, impl="pallas")
+    _check(o, s2, ro, rs, 5e-3, 1e-6)
