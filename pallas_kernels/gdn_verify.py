@@ -13,9 +13,10 @@ padding: no state or stash traffic at all, output rows zero.
                   bank. Flavours (static): exact -- T calls of the decode kernel's own
                   `token_update` (16-bit state rounded after every token, as decode's store
                   does), so outputs and folded states are bit-identical to T decode launches
-                  with the same tile shape and num_warps; fast -- the WY form: all 2T
-                  projections k^T S, q^T S read the folded S at once, the cross-token terms are
-                  T x T scalars (fp32 state only).
+                  with the same tile shape and num_warps; fast -- the WY form (fp32 state only): an
+                  XLA prelude prepares q, k and the T x T WY matrices, the kernel folds the
+                  pending rows as one rank-C update and forms all 2T projections k^T S, q^T S
+                  as one fp32 dot (see "fast flavour" below).
   flush           fold the pending rows of the named slots into H (exact fold).
 
 The stash is double-banked (`bank[slot]` holds the slot's rows): a verify reads the pending
