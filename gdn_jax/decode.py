@@ -51,6 +51,25 @@ class DecodeChoice:
     reason: str | None = None  # why the kernel was not taken (None when it was)
 
 
+def _choose(impl: str, *, backend: str, interpret: bool, what: str, kernel_reason) -> DecodeChoice:
+    """The rule both selections share: "reference" when asked; else the kernel unless it needs a
+    GPU it does not have or `kernel_reason()` names why it cannot run; then "pallas" raises and
+    "auto" falls back to the reference with the reason."""
+    if impl not in DECODE_IMPLS:
+        raise ValueError(f"impl must be one of {DECODE_IMPLS}, got {impl!r}")
+    if impl == "reference":
+        return DecodeChoice("reference", "impl='reference' was asked for")
+    if backend != "gpu" and not interpret:
+        reason = f"the Pallas {what} needs a GPU (backend is {backend!r}; interpret=True runs it on CPU)"
+    else:
+        reason = kernel_reason()
+    if reason is None:
+        return DecodeChoice("pallas")
+    if impl == "pallas":
+        raise ValueError(f"impl='pallas': {reason}")
+    return DecodeChoice("reference", reason)
+
+
 def select_decode_impl(impl: str, *, backend: str, spec: kern.DecodeSpec,
                        block: kern.DecodeBlockSizes, state_dtype, num_state_elements: int,
                        interpret: bool = False) -> DecodeChoice:
@@ -58,20 +77,9 @@ def select_decode_impl(impl: str, *, backend: str, spec: kern.DecodeSpec,
 
     impl="pallas" raises ValueError naming the reason when the kernel cannot take the call;
     impl="auto" then falls back to the reference and reports the reason."""
-    if impl not in DECODE_IMPLS:
-        raise ValueError(f"impl must be one of {DECODE_IMPLS}, got {impl!r}")
-    if impl == "reference":
-        return DecodeChoice("reference", "impl='reference' was asked for")
-    reason = None
-    if backend != "gpu" and not interpret:
-        reason = f"the Pallas decode kernel needs a GPU (backend is {backend!r}; interpret=True runs it on CPU)"
-    reason = (reason or kern.unsupported_reason(spec, block, state_dtype)
-              or kern.index_overflow_reason(num_state_elements))
-    if reason is None:
-        return DecodeChoice("pallas")
-    if impl == "pallas":
-        raise ValueError(f"impl='pallas': {reason}")
-    return DecodeChoice("reference", reason)
+    return _choose(impl, backend=backend, interpret=interpret, what="decode kernel",
+                   kernel_reason=lambda: (kern.unsupported_reason(spec, block, state_dtype)
+                                          or kern.index_overflow_reason(num_state_elements)))
 
 
 # Mosaic GPU experiment (pallas_kernels/gdn_decode_mgpu.py, TMA ring in shared memory). Same run
@@ -120,19 +128,8 @@ def _is_hopper() -> bool:
 def select_convert_impl(impl: str, *, backend: str, x_dtype, dtype, size: int,
                         interpret: bool = False) -> DecodeChoice:
     """Which state converter runs (same rules as `select_decode_impl`)."""
-    if impl not in DECODE_IMPLS:
-        raise ValueError(f"impl must be one of {DECODE_IMPLS}, got {impl!r}")
-    if impl == "reference":
-        return DecodeChoice("reference", "impl='reference' was asked for")
-    reason = None
-    if backend != "gpu" and not interpret:
-        reason = f"the Pallas converter needs a GPU (backend is {backend!r})"
-    reason = reason or conv_kern.unsupported_reason(x_dtype, dtype, size)
-    if reason is None:
-        return DecodeChoice("pallas")
-    if impl == "pallas":
-        raise ValueError(f"impl='pallas': {reason}")
-    return DecodeChoice("reference", reason)
+    return _choose(impl, backend=backend, interpret=interpret, what="converter",
+                   kernel_reason=lambda: conv_kern.unsupported_reason(x_dtype, dtype, size))
 
 
 # --------------------------------------------------------------------------- validation
