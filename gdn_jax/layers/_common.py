@@ -31,6 +31,27 @@ def check_eps(name: str, value) -> float:
     return float(value)
 
 
+def check_conv_activation(cfg: dict) -> None:
+    """Both blocks' short conv is followed by SiLU: refuse a config that names another activation."""
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"config hidden_act={act!r}: the block's conv activation must be silu")
+
+
+def configured_layer_type(cfg: dict, layer_idx: int) -> str | None:
+    """Range-check `layer_idx` against num_hidden_layers and layer_types; return
+    layer_types[layer_idx], or None when the config has no layer_types list."""
+    n = cfg.get("num_hidden_layers")
+    if n is not None and not 0 <= layer_idx < int(n):
+        raise ValueError(f"layer_idx={layer_idx} out of range for num_hidden_layers={n}")
+    types = cfg.get("layer_types")
+    if types is None:
+        return None
+    if not 0 <= layer_idx < len(types):
+        raise ValueError(f"layer_idx={layer_idx} out of range for layer_types of length {len(types)}")
+    return types[layer_idx]
+
+
 def check_impl(impl):
     from gdn_jax.ops import IMPLS
     if impl not in IMPLS:

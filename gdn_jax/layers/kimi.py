@@ -43,9 +43,10 @@ from flax import nnx
 
 from gdn_jax import ops
 from gdn_jax import reference as ref
-from gdn_jax.layers._common import (DEFAULT_PRECISION, DeltaStateMixin, F32, Linear, NormWeight, ParamInit, ShortConv,
-                                    check_eps, check_hidden, check_impl, check_positive_int,
-                                    check_state, fill_params)
+from gdn_jax.layers._common import (DEFAULT_PRECISION, DeltaStateMixin, F32, Linear, NormWeight,
+                                    ParamInit, ShortConv, check_conv_activation, check_eps,
+                                    check_hidden, check_impl, check_positive_int, check_state,
+                                    configured_layer_type, fill_params)
 from gdn_jax.loading import SafetensorsCheckpoint, find_layer_prefix, read_config, text_config
 from gdn_jax.state import KDAState
 
@@ -144,9 +145,7 @@ class KDAConfig:
                     lower_bound = _GLM_DEFAULT_LOWER_BOUND
         else:
             lower_bound = c.get("linear_lower_bound", lac.get("gate_lower_bound"))
-        act = c.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"config hidden_act={act!r}: the block's conv activation must be silu")
+        check_conv_activation(c)
         return cls(hidden_size=c["hidden_size"], num_heads=num_heads, head_dim=head_dim,
                    conv_kernel_size=conv, rms_norm_eps=c.get("rms_norm_eps", _DEFAULT_EPS),
                    lower_bound=lower_bound, output_gate_bias=output_gate_bias, conv_bias=conv_bias)
@@ -154,16 +153,11 @@ class KDAConfig:
 
 def _check_kda_layer(c: dict, layer_idx: int):
     """Refuse a layer the config marks as full attention (when it says), before touching tensors."""
-    n = c.get("num_hidden_layers")
-    if n is not None and not 0 <= layer_idx < int(n):
-        raise ValueError(f"layer_idx={layer_idx} out of range for num_hidden_layers={n}")
-    types = c.get("layer_types")
+    kind = configured_layer_type(c, layer_idx)
     lac = c.get("linear_attn_config") or {}
-    if types is not None:
-        if not 0 <= layer_idx < len(types):
-            raise ValueError(f"layer_idx={layer_idx} out of range for layer_types of length {len(types)}")
-        if types[layer_idx] != "linear_attention":
-            raise ValueError(f"layer_idx={layer_idx} is a {types[layer_idx]!r} layer in config.json, "
+    if kind is not None:
+        if kind != "linear_attention":
+            raise ValueError(f"layer_idx={layer_idx} is a {kind!r} layer in config.json, "
                              "not a linear_attention (KDA) layer")
     elif "kda_layers" in lac:   # Kimi Linear lists KDA layers 1-indexed
         if layer_idx + 1 not in lac["kda_layers"]:

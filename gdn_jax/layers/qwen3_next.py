@@ -37,9 +37,10 @@ from flax import nnx
 
 from gdn_jax import ops
 from gdn_jax import reference as ref
-from gdn_jax.layers._common import (DEFAULT_PRECISION, DeltaStateMixin, F32, Linear, NormWeight, ParamInit, ShortConv,
-                                    check_eps, check_hidden, check_impl, check_positive_int,
-                                    check_state, fill_params)
+from gdn_jax.layers._common import (DEFAULT_PRECISION, DeltaStateMixin, F32, Linear, NormWeight,
+                                    ParamInit, ShortConv, check_conv_activation, check_eps,
+                                    check_hidden, check_impl, check_positive_int, check_state,
+                                    configured_layer_type, fill_params)
 from gdn_jax.loading import SafetensorsCheckpoint, find_layer_prefix, read_config, text_config
 from gdn_jax.state import GDNState
 
@@ -101,9 +102,7 @@ class GDNConfig:
                                "linear_key_head_dim", "linear_value_head_dim") if k not in c]
         if missing:
             raise ValueError(f"config.json is missing {missing} (not a Qwen3-Next / Qwen3.5 config?)")
-        act = c.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"config hidden_act={act!r}: the block's conv activation must be silu")
+        check_conv_activation(c)
         return cls(hidden_size=c["hidden_size"], num_k_heads=c["linear_num_key_heads"],
                    num_v_heads=c["linear_num_value_heads"], head_k_dim=c["linear_key_head_dim"],
                    head_v_dim=c["linear_value_head_dim"],
@@ -114,15 +113,8 @@ class GDNConfig:
 
 def _check_linear_layer(c: dict, layer_idx: int):
     """Refuse a layer the config marks as full attention (or out of range) before touching tensors."""
-    n = c.get("num_hidden_layers")
-    if n is not None and not 0 <= layer_idx < int(n):
-        raise ValueError(f"layer_idx={layer_idx} out of range for num_hidden_layers={n}")
-    types = c.get("layer_types")
-    if types is not None:
-        if not 0 <= layer_idx < len(types):
-            raise ValueError(f"layer_idx={layer_idx} out of range for layer_types of length {len(types)}")
-        kind = types[layer_idx]
-    else:
+    kind = configured_layer_type(c, layer_idx)
+    if kind is None:
         interval = int(c.get("full_attention_interval", _HF_DEFAULT_FULL_ATTENTION_INTERVAL))
         kind = "full_attention" if (layer_idx + 1) % interval == 0 else "linear_attention"
     if kind != "linear_attention":
