@@ -16,8 +16,7 @@ padding: no state or stash traffic at all, output rows zero.
                   with the same tile shape and num_warps; fast -- the WY form (fp32 state only): an
                   XLA prelude prepares q, k and the T x T WY matrices, the kernel folds the
                   pending rows as one rank-C update and forms all 2T projections k^T S, q^T S
-                  as one fp32 dot (see "fast flavour" below); optionally one program walks
-                  several tiles, the next one's loads in flight (VerifyBlockSizes.tiles/heads).
+                  as one fp32 dot (see "fast flavour" below).
   flush           fold the pending rows of the named slots into H (exact fold).
 
 The stash is double-banked (`bank[slot]` holds the slot's rows): a verify reads the pending
@@ -102,20 +101,11 @@ class VerifySpec:
 class VerifyBlockSizes:
     """A program owns value columns [j * block_v, (j + 1) * block_v) of one (row, head): one
     [K, block_v] register tile. Grid = (B, HV, V // block_v). For the exact flavour to match the
-    decode kernel bit for bit, block_v and num_warps must equal the decode launch's. The fast
-    kernel (proj "dot" / "reduce") can instead walk `heads` x `tiles` such tiles per program
-    with `prefetch` (see below); measured ~10x slower on the H200 (docs/verify.md), so off."""
+    decode kernel bit for bit, block_v and num_warps must equal the decode launch's."""
     block_v: int = 32
     num_warps: int = 4
     num_stages: int = 1
     proj: str = "dot"   # fast flavour only: "dot" | "reduce" | "legacy" (see FAST_PROJ)
-    # fast flavour ("dot" / "reduce") only: a program walks `heads` consecutive value heads x
-    # `tiles` consecutive [K, block_v] column tiles (head-major), and with `prefetch` issues the
-    # next tile's loads before the current tile's math (gdn_decode.DecodeBlockSizes.prefetch).
-    # Grid = (B, HV // heads, V // (block_v * tiles)). 1, 1 = one tile per program.
-    tiles: int = 1
-    heads: int = 1
-    prefetch: bool = True
 
 
 # How the fast flavour forms its 2T projections k_t^T S, q_t^T S (ignored by the exact one):
@@ -168,18 +158,6 @@ def unsupported_reason(spec: VerifySpec, block: VerifyBlockSizes, state_dtype) -
         return f"proj={block.proj!r} must be one of {FAST_PROJ}"
     if not spec.exact and block.proj == "dot" and block.block_v < 16:
         return f"proj='dot' needs block_v >= 16 (a Triton dot operand), got {block.block_v}"
-    if block.tiles < 1 or block.heads < 1:
-        return f"tiles={block.tiles} and heads={block.heads} must be >= 1"
-    if (block.tiles, block.heads) != (1, 1):
-        if spec.exact or block.proj == "legacy":
-            return (f"tiles={block.tiles}, heads={block.heads}: several tiles per program is a "
-                    "fast-flavour option (proj 'dot' or 'reduce'); the exact and legacy kernels "
-                    "take one [K, block_v] tile per program")
-        if spec.v_dim % (block.block_v * block.tiles):
-            return (f"block_v * tiles = {block.block_v * block.tiles} must divide "
-                    f"V={spec.v_dim}")
-        if spec.num_v_heads % block.heads:
-            return f"heads={block.heads} must divide HV={spec.num_v_heads}"
     return None
 
 
@@ -380,24 +358,16 @@ def _fast_prelude(q, k, g, beta, spec):
     return qf, kf, A, E
 
 
-def _fast_head_rows(stash_k_ref, stash_g_ref, slot, bank, h, count, spec):
-    """The per-head part of the pending fold (shared by every column tile of the head): the
-    bank's k rows, and the cumulative masked gates G_i (rows past `count` get g = 0)."""
+def _fold_pending_fast(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, cols, count, spec):
+    """Rows 0..count-1 of the slot's bank as one rank-C update (fp32 state):
+    S <- e^{G_P} S + sum_i (k_i e^{G_P - G_i}) u_i^T, G_i the cumulative (masked) pending gates.
+    Rows past `count` get zero coefficients and zeroed u (no select on the tile)."""
     C = stash_k_ref.shape[3]
-    ks, gs = [], []
-    for i in range(C):
-        ks.append(stash_k_ref[slot, bank, h, i, :])
-        g = stash_g_ref[slot, bank, h, i, :] if spec.per_channel_gate else stash_g_ref[slot, bank, h, i]
-        gs.append(g)
-    return ks, gs
-
-
-def _fold_rows_fast(S, ks, gs, us, count, spec):
-    """Rows 0..count-1 (k rows `ks`, gates `gs`, this tile's u rows `us`) as one rank-C update
-    (fp32 state): S <- e^{G_P} S + sum_i (k_i e^{G_P - G_i}) u_i^T, G_i the cumulative (masked)
-    pending gates. Rows past `count` get zero coefficients and zeroed u (no select on the tile)."""
     rows = []
-    for i, (k, u, g) in enumerate(zip(ks, us, gs)):
+    for i in range(C):
+        k = stash_k_ref[slot, bank, h, i, :]
+        u = stash_u_ref[slot, bank, h, i, cols]
+        g = stash_g_ref[slot, bank, h, i, :] if spec.per_channel_gate else stash_g_ref[slot, bank, h, i]
         live = i < count
         rows.append((k, jnp.where(live, u, 0.0), jnp.where(live, g, 0.0), live))
     Gs, G = [], None
@@ -413,23 +383,15 @@ def _fold_rows_fast(S, ks, gs, us, count, spec):
     return S
 
 
-def _stack_rows(xs, k_dim):
-    """The rows xs ([K] each) stacked into a [m, K] dot operand (m >= 16, a power of two)."""
-    m = max(16, 1 << (len(xs) - 1).bit_length())
-    rid = jax.lax.broadcasted_iota(jnp.int32, (m, k_dim), 0)
-    X = jnp.zeros((m, k_dim), F32)
-    for n, x in enumerate(xs):
-        X = jnp.where(rid == n, x[None, :], X)
-    return X
-
-
-def _projections(S, xs, block, X=None):
-    """[x^T S for x in xs] ([K] rows, [K, block_v] tile): one fp32 dot or len(xs) reductions.
-    X: the stacked dot operand of xs when the caller built it already (one per head)."""
+def _projections(S, xs, block):
+    """[x^T S for x in xs] ([K] rows, [K, block_v] tile): one fp32 dot or len(xs) reductions."""
     if block.proj != "dot":
         return [jnp.sum(x[:, None] * S, axis=0) for x in xs]
-    X = _stack_rows(xs, S.shape[0]) if X is None else X
-    m = X.shape[0]
+    m = max(16, 1 << (len(xs) - 1).bit_length())
+    rid = jax.lax.broadcasted_iota(jnp.int32, (m, S.shape[0]), 0)
+    X = jnp.zeros((m, S.shape[0]), F32)
+    for n, x in enumerate(xs):
+        X = jnp.where(rid == n, x[None, :], X)
     R = jnp.dot(X, S, precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
     parts = jnp.split(R, m, axis=0)
     return [parts[n].reshape(S.shape[1]) for n in range(len(xs))]
@@ -439,107 +401,60 @@ def _carried_fast_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, 
                          pool_ref, stash_k_ref, stash_u_ref, stash_g_ref, a_ref, e_ref,
                          o_ref, pool_out_ref, stash_k_out, stash_u_out, stash_g_out,
                          *, spec: VerifySpec, block: VerifyBlockSizes):
-    """One program: `block.heads` value heads x `block.tiles` column tiles of block_v columns
-    (head-major items). With `block.prefetch` (and more than one item) the next item's loads
-    (state tile, stash u rows, v, and at a head's first tile its per-head rows) are issued
-    before the current item's math, as the decode kernel does. One item = the original kernel."""
-    b, hp, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    slot = slots_ref[b]
-    valid = (slot >= 0) & (slot < pool_ref.shape[0])
-    slot = jnp.where(valid, slot, 0)
-    T, C, bv = spec.num_tokens, stash_k_ref.shape[3], block.block_v
-    group = spec.num_v_heads // spec.num_k_heads
-    h0 = hp * block.heads
-    col0 = j * (bv * block.tiles)
-    items = [(i, t) for i in range(block.heads) for t in range(block.tiles)]
-
-    def cols_of(t):
-        return pl.ds(col0 + t * bv, bv)
+    b, h, j, slot, valid, cols = _program(slots_ref, pool_ref, block)
+    T = spec.num_tokens
+    kh = h // (spec.num_v_heads // spec.num_k_heads)
 
     @pl.when(valid)
     def _():
         bank = bank_ref[slot]
         count = pending_ref[slot]
+        S = pool_ref[slot, h, :, cols].astype(F32)
+        qs = [q_ref[b, t, kh, :] for t in range(T)]                 # prepared (prelude)
+        ks = [k_ref[b, t, kh, :] for t in range(T)]
+        vs = [v_ref[b, t, h, cols].astype(F32) for t in range(T)]
+        gs = [(g_ref[b, t, h, :] if spec.per_channel_gate else g_ref[b, t, h]).astype(F32)
+              for t in range(T)]
+        A = [[a_ref[b, h, i, l] for l in range(i + 1)] for i in range(T)]
+        E = [[e_ref[b, h, i, l] for l in range(i + 1)] for i in range(T)]
+        S = _fold_pending_fast(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, cols,
+                               count, spec)
+
+        @pl.when(count > 0)
+        def _():
+            pool_out_ref[slot, h, :, cols] = S.astype(pool_out_ref.dtype)
+
+        G, xs_k, xs_q = None, [], []
+        for q, k, g in zip(qs, ks, gs):
+            G = g if G is None else G + g
+            d = jnp.exp(G)
+            xs_k.append(k * d)
+            xs_q.append(q * d)
+        proj = _projections(S, xs_k + xs_q, block)
+        z = [v - r for v, r in zip(vs, proj[:T])]
         other = 1 - bank
+        for i in range(T):
+            u = A[i][0] * z[0]
+            o = proj[T + i] + E[i][0] * z[0]
+            for l in range(1, i + 1):
+                u = u + A[i][l] * z[l]
+                o = o + E[i][l] * z[l]
+            o_ref[b, i, h, cols] = o.astype(o_ref.dtype)
+            stash_u_out[slot, other, h, i, cols] = u
 
-        def fetch(i, t):
-            """Issue every load of one item together (one memory latency for all of them)."""
-            h, cols = h0 + i, cols_of(t)
-            x = {"S": pool_ref[slot, h, :, cols].astype(F32)}
-            if t == 0:                  # per-head operands, once per head
-                kh = h // group
-                x["q"] = [q_ref[b, tt, kh, :] for tt in range(T)]       # prepared (prelude)
-                x["k"] = [k_ref[b, tt, kh, :] for tt in range(T)]
-            x["v"] = [v_ref[b, tt, h, cols].astype(F32) for tt in range(T)]
-            if t == 0:
-                x["g"] = [(g_ref[b, tt, h, :] if spec.per_channel_gate else g_ref[b, tt, h]).astype(F32)
-                          for tt in range(T)]
-                x["A"] = [[a_ref[b, h, r, l] for l in range(r + 1)] for r in range(T)]
-                x["E"] = [[e_ref[b, h, r, l] for l in range(r + 1)] for r in range(T)]
-                x["sk"], x["sg"] = _fast_head_rows(stash_k_ref, stash_g_ref, slot, bank, h, count, spec)
-            x["su"] = [stash_u_ref[slot, bank, h, r, cols] for r in range(C)]
-            return x
-
-        def head_operands(x):
-            G, xs_k, xs_q = None, [], []
-            for q, k, g in zip(x["q"], x["k"], x["g"]):
-                G = g if G is None else G + g
-                d = jnp.exp(G)
-                xs_k.append(k * d)
-                xs_q.append(q * d)
-            xs = xs_k + xs_q
-            X = _stack_rows(xs, spec.k_dim) if block.proj == "dot" and len(items) > 1 else None
-            return dict(x, xs=xs, X=X)
-
-        def compute(i, t, x, hd):
-            h, cols = h0 + i, cols_of(t)
-            S = _fold_rows_fast(x["S"], hd["sk"], hd["sg"], x["su"], count, spec)
-
-            @pl.when(count > 0)
-            def _():
-                pool_out_ref[slot, h, :, cols] = S.astype(pool_out_ref.dtype)
-
-            proj = _projections(S, hd["xs"], block, hd["X"])
-            z = [v - r for v, r in zip(x["v"], proj[:T])]
-            A, E = hd["A"], hd["E"]
-            for r in range(T):
-                u = A[r][0] * z[0]
-                o = proj[T + r] + E[r][0] * z[0]
-                for l in range(1, r + 1):
-                    u = u + A[r][l] * z[l]
-                    o = o + E[r][l] * z[l]
-                o_ref[b, r, h, cols] = o.astype(o_ref.dtype)
-                stash_u_out[slot, other, h, r, cols] = u
-
-            if t == 0:
-                @pl.when(j == 0)        # k and g rows belong to the whole head: one writer
-                def _():
-                    for r in range(T):
-                        stash_k_out[slot, other, h, r, :] = hd["k"][r]
-                        if spec.per_channel_gate:
-                            stash_g_out[slot, other, h, r, :] = hd["g"][r]
-                        else:
-                            stash_g_out[slot, other, h, r] = hd["g"][r]
-
-        # Software pipeline in registers (decode kernel's `prefetch`): item n+1's loads are in
-        # flight while item n is folded, projected and stored.
-        nxt = fetch(*items[0])
-        hd = None
-        for n, (i, t) in enumerate(items):
-            x = nxt
-            if block.prefetch and n + 1 < len(items):
-                nxt = fetch(*items[n + 1])
-            if t == 0:
-                hd = head_operands(x)
-            compute(i, t, x, hd)
-            if not block.prefetch and n + 1 < len(items):
-                nxt = fetch(*items[n + 1])
+        @pl.when(j == 0)
+        def _():
+            for t in range(T):
+                stash_k_out[slot, other, h, t, :] = ks[t]
+                if spec.per_channel_gate:
+                    stash_g_out[slot, other, h, t, :] = gs[t]
+                else:
+                    stash_g_out[slot, other, h, t] = gs[t]
 
     @pl.when(jnp.logical_not(valid))
     def _():
-        for i, t in items:
-            for r in range(T):
-                o_ref[b, r, h0 + i, cols_of(t)] = jnp.zeros((bv,), o_ref.dtype)
+        for t in range(T):
+            o_ref[b, t, h, cols] = jnp.zeros((block.block_v,), o_ref.dtype)
 
 
 def _flush_kernel(slots_ref, bank_ref, pending_ref, pool_ref, stash_k_ref, stash_u_ref, stash_g_ref,
@@ -678,11 +593,9 @@ def _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pen
         inputs = (slots, bank, pending, qp, kp, v, g, pool, stash_k, stash_u, stash_g, A, E)
     p0 = 8 if kernel is _carried_verify_kernel else 7   # pool, stash k, u, g -> outputs 1..4
     aliases = {p0 + d: 1 + d for d in range(4)}
-    grid = ((b, hv, vd // block.block_v) if kernel is _carried_verify_kernel else
-            (b, hv // block.heads, vd // (block.block_v * block.tiles)))
     return pl.pallas_call(
         functools.partial(kernel, spec=spec, block=block),
-        grid=grid,
+        grid=(b, hv, vd // block.block_v),
         out_shape=(jax.ShapeDtypeStruct((b, t, hv, vd), q.dtype),
                    jax.ShapeDtypeStruct(pool.shape, pool.dtype),
                    jax.ShapeDtypeStruct(stash_k.shape, stash_k.dtype),
@@ -691,8 +604,7 @@ def _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pen
         input_output_aliases=aliases,
         compiler_params=_compiler_params(block),
         interpret=interpret,
-        name=f"gdn_carried_verify{t}_{'exact' if spec.exact else 'fast_' + block.proj}"
-             + (f"_x{block.heads}h{block.tiles}t" if (block.tiles, block.heads) != (1, 1) else ""),
+        name=f"gdn_carried_verify{t}_{'exact' if spec.exact else 'fast_' + block.proj}",
     )(*inputs)
 
 

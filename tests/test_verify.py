@@ -511,49 +511,6 @@ def test_kernels_lower_to_triton_ir(monkeypatch, per_channel, sdt, exact, proj):
     assert "__gpu$xla.gpu.triton" in hlo and "output_operand_aliases" in hlo
 
 
-@pytest.mark.parametrize("per_channel,proj,bv,tiles,heads,prefetch", [
-    (False, "dot", 64, 2, 1, True), (False, "dot", 32, 4, 1, True), (False, "dot", 64, 1, 2, True),
-    (False, "dot", 64, 2, 2, False), (False, "reduce", 32, 2, 1, True), (True, "dot", 64, 2, 1, True)])
-def test_fast_multi_tile_kernel_lowers_to_triton_ir(monkeypatch, per_channel, proj, bv, tiles, heads,
-                                                    prefetch):
-    """The fast kernel with several [K, block_v] tiles per program lowers to Triton IR (H200)."""
-    try:
-        from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
-    except ImportError:
-        pytest.skip("this jax has no Pallas Triton lowering module")
-    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-    B, T, HK, HV, K, S, C = 4, 4, 2, 4, 128, 6, 4
-    q, v = jnp.ones((B, T, HK, K), BF16), jnp.ones((B, T, HV, K), BF16)
-    g = jnp.ones((B, T, HV, K) if per_channel else (B, T, HV))
-    pool = jax.ShapeDtypeStruct((S, HV, K, K), F32)
-    sk, su = jnp.ones((S, 2, HV, C, K)), jnp.ones((S, 2, HV, C, K))
-    sg = jnp.ones((S, 2, HV, C, K) if per_channel else (S, 2, HV, C))
-    ints, slots = jnp.zeros(S, jnp.int32), jnp.zeros(B, jnp.int32)
-    spec = kv._spec_from(q, v, g, scale=None, use_qk_l2norm=True, exact=False)
-    block = kv.VerifyBlockSizes(bv, 4, proj=proj, tiles=tiles, heads=heads, prefetch=prefetch)
-    assert kv.unsupported_reason(spec, block, F32) is None
-    hlo = kv._carried_launch.trace(q, q, v, g, jnp.ones((B, T, HV)), pool, sk, su, sg, ints, ints,
-                                   slots, spec=spec, block=block, interpret=False).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert "__gpu$xla.gpu.triton" in hlo and "output_operand_aliases" in hlo
-
-
-def test_multi_tile_option_is_fast_flavour_only():
-    """tiles/heads > 1 are refused for the exact and legacy kernels and for shapes they do not
-    divide; the default block (1, 1) is unchanged."""
-    spec = kv.VerifySpec(num_k_heads=2, num_v_heads=4, k_dim=128, v_dim=128, num_tokens=4,
-                         scale=1.0, exact=False)
-    assert kv.VerifyBlockSizes().tiles == 1 and kv.VerifyBlockSizes().heads == 1
-    ok = kv.VerifyBlockSizes(64, 4, tiles=2)
-    assert kv.unsupported_reason(spec, ok, F32) is None
-    assert "fast-flavour" in kv.unsupported_reason(dataclasses.replace(spec, exact=True), ok, F32)
-    assert "fast-flavour" in kv.unsupported_reason(spec, dataclasses.replace(ok, proj="legacy"), F32)
-    assert "divide" in kv.unsupported_reason(spec, kv.VerifyBlockSizes(64, 4, tiles=4), F32)
-    assert "divide" in kv.unsupported_reason(spec, kv.VerifyBlockSizes(64, 4, heads=3), F32)
-    assert "tiles" in kv.unsupported_reason(spec, kv.VerifyBlockSizes(64, 4, tiles=0), F32)
-
-
 # --------------------------------------------------------------------------- GPU only
 
 @pytest.mark.gpu
@@ -622,32 +579,6 @@ def test_fast_projection_forms_match_reference_interpret(kind, proj):
     case = Case(kind=kind, exact=False, K=32, V=32)
     err = _fast_variant_rounds(case, kv.VerifyBlockSizes(16, 4, proj=proj), seed=11)
     assert err <= 1e-6, f"relative error {err:.3g} > 1e-6"
-
-
-@pytest.mark.parametrize("kind,proj,bv,tiles,heads,prefetch", [
-    ("gdn", "dot", 16, 2, 1, True), ("gdn", "dot", 16, 1, 2, True), ("gdn", "dot", 16, 2, 2, True),
-    ("gdn", "dot", 16, 2, 1, False), ("gdn", "reduce", 16, 2, 1, True), ("kda", "dot", 16, 2, 2, True)])
-def test_fast_multi_tile_matches_reference_interpret(kind, proj, bv, tiles, heads, prefetch):
-    """Several [K, block_v] tiles (columns of a head, or heads) per program, interpret mode,
-    against the pure-JAX fast reference; padding rows and unnamed slots as in every schedule."""
-    if ON_GPU:
-        pytest.skip("the GPU variant below covers the compiled kernels")
-    case = Case(kind=kind, exact=False, K=32, V=32, HK=1, HV=2)
-    block = kv.VerifyBlockSizes(bv, 4, proj=proj, tiles=tiles, heads=heads, prefetch=prefetch)
-    err = _fast_variant_rounds(case, block, seed=13 + tiles + 2 * heads)
-    assert err <= 1e-6, f"relative error {err:.3g} > 1e-6"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind,bv,tiles,heads,w", [
-    ("gdn", 64, 2, 1, 4), ("gdn", 32, 4, 1, 4), ("gdn", 64, 1, 2, 4), ("gdn", 64, 2, 1, 8),
-    ("kda", 64, 2, 1, 4)])
-def test_gpu_fast_multi_tile_matches_reference(kind, bv, tiles, heads, w):
-    """The multi-tile fast kernel (prefetching), compiled, against the fp32 reference."""
-    case = Case(kind=kind, exact=False, B=12, S=19, HK=2, HV=4, K=128, V=128)
-    block = kv.VerifyBlockSizes(bv, w, proj="dot", tiles=tiles, heads=heads)
-    err = _fast_variant_rounds(case, block, seed=bv + tiles + heads)
-    assert err <= 1e-6, f"dot bv{bv}x{tiles}t{heads}h w{w}: relative error {err:.3g} > 1e-6"
 
 
 @pytest.mark.gpu

@@ -28,21 +28,6 @@ B, HV, HK, K, V = 128, 32, 16, 128, 128
 # first fast kernel (per-row fold, in-kernel WY scalars), kept as the baseline
 FAST_VARIANTS = (("legacy", 64, 4), ("reduce", 64, 4), ("reduce", 32, 4), ("dot", 64, 4),
                  ("dot", 32, 4), ("dot", 128, 8))
-# multi-tile fast shapes (several [K, block_v] tiles per program, next tile prefetched):
-# (proj, block_v, num_warps, tiles, heads); timed by --fast-only only (~10x slower than one
-# tile per program on the H200, 2026-11-30: BENCHMARKS.md)
-FAST_TILED_VARIANTS = (("dot", 64, 4, 2, 1), ("dot", 32, 4, 4, 1), ("dot", 64, 8, 2, 1))
-
-
-def _fast_label(blk) -> str:
-    s = f"{blk.proj} bv{blk.block_v}w{blk.num_warps}"
-    if blk.tiles > 1:
-        s += f" x{blk.tiles} tiles"
-    if blk.heads > 1:
-        s += f" x{blk.heads} heads"
-    if (blk.tiles, blk.heads) != (1, 1) and not blk.prefetch:
-        s += " no prefetch"
-    return s
 
 
 def _inputs(b, t, slots_n, seed=0):
@@ -122,9 +107,6 @@ def main(argv=None) -> int:
     p.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check)")
     p.add_argument("--md-out", default=None, help="also write the markdown section to this file")
-    p.add_argument("--fast-only", action="store_true",
-                   help="decode + the fast flavour only (default and multi-tile shapes, T = 4 and "
-                        "2): a short GPU lease; never writes BENCHMARKS.md (use --md-out)")
     args = p.parse_args(argv)
 
     import jax
@@ -163,15 +145,6 @@ def main(argv=None) -> int:
     add("decode (pool, packed)", 1, t_decode, 2 * state_bytes + tok_bytes(1))
 
     results = {}
-    spec4 = kv.VerifySpec(num_k_heads=HK, num_v_heads=HV, k_dim=K, v_dim=V, num_tokens=4,
-                          scale=1.0, exact=False)
-    tiled = [blk for blk in (kv.VerifyBlockSizes(bv, w, proj=pr, tiles=nt, heads=nh)
-                             for pr, bv, w, nt, nh in FAST_TILED_VARIANTS)
-             if kv.unsupported_reason(spec4, blk, jnp.float32) is None]
-    if args.smoke:
-        tiled = [kv.VerifyBlockSizes(16, 4, heads=2)]
-    if args.fast_only:
-        return _fast_only(args, rows, add, t_decode, tiled, state_bytes, tok_bytes, interp)
     for T in (2, 4):
         q, k, v, g, beta, pool, slots = _inputs(B, T, S, seed=T)
         toks = (q, k, v, g, beta, slots)
@@ -212,7 +185,8 @@ def main(argv=None) -> int:
         best = None
         for blk in fast_blocks:
             fn = functools.partial(carried_round, exact=False, block=blk)
-            label = f"default = {_fast_label(dflt)}" if blk is None else _fast_label(blk)
+            label = (f"default = {dflt.proj} bv{dflt.block_v}w{dflt.num_warps}" if blk is None
+                     else f"{blk.proj} bv{blk.block_v}w{blk.num_warps}")
             try:
                 sec = _time(fn, fresh_carry(), (*toks, accepted), args.unroll, args.calls, args.repeats)
             except Exception as e:  # a variant that fails to compile must not cost the run
@@ -262,60 +236,4 @@ def main(argv=None) -> int:
             f.write(md + "\n")
     if not args.no_write and not args.smoke:
         write_section("Speculative verify (GDN, carried vs intermediate states vs decode)", md)
-    return 0
-
-
-def _fast_only(args, rows, add, t_decode, tiled, state_bytes, tok_bytes, interp) -> int:
-    """--fast-only: after the decode step, the fast carried verify (+ accept) at T = 4 and 2 for
-    the default block and the multi-tile shapes; a markdown table to --md-out."""
-    import jax.numpy as jnp
-    from gdn_jax import verify as vf
-    from gdn_jax.bench.common import device_name, today
-    from pallas_kernels import gdn_verify as kv
-
-    S = B
-    dflt = kv.default_block_sizes(B, V, jnp.float32, False)
-    stash_rw = lambda t: B * HV * t * (2 * (K + V + 1)) * 4
-    best = {}
-    for T in (4, 2):
-        q, k, v, g, beta, pool, slots = _inputs(B, T, S, seed=T)
-        consts = (q, k, v, g, beta, slots, jnp.full((B,), T, jnp.int32))
-
-        def fast_round(carry, c, block=None):
-            pool, stash = carry
-            q, k, v, g, beta, slots, acc = c
-            o, pool, stash = vf.carried_verify(q, k, v, g, beta, pool, stash, slots, exact=False,
-                                               use_qk_l2norm=True, impl="pallas", interpret=interp,
-                                               block_sizes=block)
-            return pool, vf.accept(stash, slots, acc)[0]
-
-        for blk in [None] + [b for b in tiled if b != dflt]:
-            label = f"default = {_fast_label(dflt)}" if blk is None else _fast_label(blk)
-            carry = (jnp.array(pool, copy=True),
-                     vf.DeltaStash.init(S, num_v_heads=HV, head_k_dim=K, head_v_dim=V))
-            try:
-                sec = _time(functools.partial(fast_round, block=blk), carry, consts, args.unroll,
-                            args.calls, args.repeats)
-            except Exception as e:  # a shape that fails to compile must not cost the run
-                print(f"fast [{label}] T={T} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                continue
-            add(f"carried verify fast + accept [{label}]", T, sec,
-                2 * state_bytes + stash_rw(T) + tok_bytes(T))
-            best[T] = min(best.get(T, (sec, label)), (sec, label))
-    lines = [f"{device_name()}, {today()}; fast flavour only (--fast-only): B={B}, HV={HV}, HK={HK}, "
-             f"K=V={K}, fp32 state in a pool of {S} slots, bf16 q/k/v; one round in a jitted program "
-             f"of {args.unroll} chained rounds, median of {args.repeats}x{args.calls} calls.", "",
-             "| path | T | us / round | vs decode | achieved GB/s |", "|---|---|---|---|---|"]
-    for name, t, sec, nb in rows:
-        lines.append(f"| {name} | {t} | {sec * 1e6:.1f} | {sec / t_decode:.2f}x | {nb / sec / 1e9:.0f} |")
-    if 4 in best:
-        sec, label = best[4]
-        lines += ["", f"Fast T=4, best shape [{label}]: {sec * 1e6:.1f} us = {sec / t_decode:.2f}x "
-                      f"the same-run decode step (target <= 1.3x: "
-                      f"{'met' if sec / t_decode <= 1.3 else 'NOT met'})."]
-    md = "\n".join(lines)
-    print("\n" + md, flush=True)
-    if args.md_out:
-        with open(args.md_out, "w") as f:
-            f.write(md + "\n")
     return 0
