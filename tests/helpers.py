@@ -1,5 +1,7 @@
 """Numeric helpers shared by the tests (imported as `from helpers import ...`)."""
 
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -32,3 +34,16 @@ def delta_inputs(key, *, B=2, T=8, HK=2, HV=4, K=32, V=32, kind="gdn", dtype=jnp
     h0 = 0.3 * jax.random.normal(ks[5], (n, HV, K, V), jnp.float32) if with_state else None
     cast = lambda x: x.astype(dtype)
     return cast(q), cast(k), cast(v), g, beta, h0
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("impl",))
+def _apply_block(graphdef, params, x, state, impl="auto"):
+    from flax import nnx
+    return nnx.merge(graphdef, params)(x, state, impl=impl)
+
+
+def run_block(block, x, state, impl="auto"):
+    """A Flax block's call, jitted once per (graph, shapes, impl): (y, new_state)."""
+    from flax import nnx
+    graphdef, params = nnx.split(block)
+    return _apply_block(graphdef, params, x, state, impl=impl)

@@ -6,7 +6,6 @@ from_pretrained on checkpoints the tests write in Kimi Linear and GLM-5.3-Flash 
 Block calls go through one jitted apply (compiled once per block and shape) to keep the CPU run
 short."""
 
-import functools
 import json
 import os
 
@@ -17,23 +16,13 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from helpers import rel_err
+from helpers import rel_err, run_block as run
 from gdn_jax import reference as ref
 from gdn_jax.layers import KDAConfig, KimiDeltaAttention
 from gdn_jax.state import KDAState
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden")
 TOL = 1e-5
-
-
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("impl",))
-def _apply(graphdef, params, x, state, impl="auto"):
-    return nnx.merge(graphdef, params)(x, state, impl=impl)
-
-
-def run(block, x, state, impl="auto"):
-    graphdef, params = nnx.split(block)
-    return _apply(graphdef, params, x, state, impl=impl)
 
 
 # ------------------------------------------------------------------ independent float64 NumPy KDA

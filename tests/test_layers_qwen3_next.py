@@ -5,19 +5,17 @@ loading, state conversion and input validation.
 Every block call goes through one jitted apply (compiled once per block and shape) to keep the
 CPU run short."""
 
-import functools
 import json
 import os
 import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from helpers import rel_err
+from helpers import rel_err, run_block as run
 from gdn_jax.layers import GDNConfig, Qwen3NextGatedDeltaNet
 from gdn_jax.state import GDNState
 
@@ -26,16 +24,6 @@ CKPT = os.path.join(GOLDEN_DIR, "qwen3_next")
 LAYER = 1
 PREFIX = f"model.layers.{LAYER}.linear_attn."
 TOL = 1e-5
-
-
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("impl",))
-def _apply(graphdef, params, x, state, impl="auto"):
-    return nnx.merge(graphdef, params)(x, state, impl=impl)
-
-
-def run(block, x, state, impl="auto"):
-    graphdef, params = nnx.split(block)
-    return _apply(graphdef, params, x, state, impl=impl)
 
 
 @pytest.fixture(scope="module")
