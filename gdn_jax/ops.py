@@ -28,7 +28,8 @@ def _is_concrete(x) -> bool:
 
 
 def _check_float(name, x):
-    if not jnp.issubdtype(jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype, jnp.floating):
+    # Callers check the rank first, so x is an array here.
+    if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{name} must be a floating-point array, got dtype {x.dtype}")
 
 
