@@ -26,8 +26,7 @@ import functools
 B, HV, HK, K, V = 128, 32, 16, 128, 128
 # fast-flavour shapes timed besides the default: (proj, block_v, num_warps); "legacy" is the
 # first fast kernel (per-row fold, in-kernel WY scalars), kept as the baseline
-FAST_VARIANTS = (("legacy", 64, 4), ("reduce", 64, 4), ("reduce", 32, 4), ("dot", 64, 4),
-                 ("dot", 32, 4), ("dot", 128, 8))
+FAST_VARIANTS = (("legacy", 64, 4), ("reduce", 64, 4), ("dot", 64, 4), ("dot", 32, 4))
 
 
 def _inputs(b, t, slots_n, seed=0):
@@ -46,10 +45,9 @@ def _inputs(b, t, slots_n, seed=0):
     return tuple(jax.device_put(x, dev) for x in (q, k, v, g, beta, pool, slots))
 
 
-def _time(round_fn, carry, consts, unroll, calls, repeats):
-    """Seconds per round: `unroll` chained rounds in one jitted program, carry donated."""
+def _program(round_fn, unroll):
+    """`unroll` chained rounds in one jitted program, carry donated; and its chaining rule."""
     import jax
-    from gdn_jax.bench.common import time_jax
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def run(carry, consts):
@@ -57,11 +55,26 @@ def _time(round_fn, carry, consts, unroll, calls, repeats):
             carry = round_fn(carry, consts)
         return carry
 
-    chain = lambda out, a: (out, a[1])
+    return run, (lambda out, a: (out, a[1]))
+
+
+def _time(round_fn, carry, consts, unroll, calls, repeats, profile=None):
+    """Seconds per round. With `profile` (a label), also print the device time of each kernel
+    per round (gdn_jax.bench.common.kernel_times)."""
+    import jax
+    from gdn_jax.bench.common import kernel_times, print_kernel_times, time_jax
+
+    run, chain = _program(round_fn, unroll)
     args = (carry, consts)
     for _ in range(2):
         args = chain(jax.block_until_ready(run(*args)), args)
-    return time_jax(run, *args, calls=calls, repeats=repeats, chain=chain) / unroll
+    if profile:                   # on a copy of the carry: the calls below donate theirs
+        copy = jax.tree.map(lambda x: x.copy(), args[0])
+        times = kernel_times(run, copy, args[1], calls=3, chain=chain, per=unroll)
+    sec = time_jax(run, *args, calls=calls, repeats=repeats, chain=chain) / unroll
+    if profile:
+        print_kernel_times(profile, times, wall_us=sec * 1e6)
+    return sec
 
 
 def _copy_gbps():
@@ -106,6 +119,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check)")
+    p.add_argument("--profile", action="store_true",
+                   help="print each kernel's device time per round (JAX profiler trace)")
+    p.add_argument("--tokens", default="2,4", help="draft widths T to time, comma-separated "
+                   "(T=4, the target's width, is always timed)")
     p.add_argument("--md-out", default=None, help="also write the markdown section to this file")
     args = p.parse_args(argv)
 
@@ -140,12 +157,13 @@ def main(argv=None) -> int:
                                    interpret=interp)[1]
 
     tok_bytes = lambda t: B * t * (2 * HK * K * 2 + HV * V * 2 + HV * 8 + HV * V * 2)
+    prof = (lambda label: label) if args.profile else (lambda label: None)
     t_decode = _time(decode_round, pool, (qkv, g[:, 0], beta[:, 0], slots), args.unroll, args.calls,
-                     args.repeats)
+                     args.repeats, profile=prof("decode"))
     add("decode (pool, packed)", 1, t_decode, 2 * state_bytes + tok_bytes(1))
 
     results = {}
-    for T in (2, 4):
+    for T in sorted({int(t) for t in args.tokens.split(',')} | {4}):
         q, k, v, g, beta, pool, slots = _inputs(B, T, S, seed=T)
         toks = (q, k, v, g, beta, slots)
         accepted = jnp.full((B,), T, jnp.int32)
@@ -156,7 +174,8 @@ def main(argv=None) -> int:
                                          impl="pallas", interpret=interp)
             return vf.commit_states(pool, states, slots, acc)[0]
 
-        sec = _time(states_round, jnp.array(pool, copy=True), (*toks, accepted), args.unroll, args.calls, args.repeats)
+        sec = _time(states_round, jnp.array(pool, copy=True), (*toks, accepted), args.unroll, args.calls,
+                    args.repeats, profile=prof(f"states T={T}"))
         add("states verify + commit", T, sec, (2 + T) * state_bytes + state_bytes + tok_bytes(T))
         results[("states", T)] = sec
 
@@ -174,7 +193,8 @@ def main(argv=None) -> int:
             st = vf.DeltaStash.init(S, num_v_heads=HV, head_k_dim=K, head_v_dim=V)
             return (jnp.array(pool, copy=True), st)
 
-        sec = _time(carried_round, fresh_carry(), (*toks, accepted), args.unroll, args.calls, args.repeats)
+        sec = _time(carried_round, fresh_carry(), (*toks, accepted), args.unroll, args.calls,
+                    args.repeats, profile=prof(f"carried exact T={T}"))
         add("carried verify exact + accept", T, sec, 2 * state_bytes + stash_rw(T) + tok_bytes(T))
         results[("exact", T)] = sec
 
@@ -188,7 +208,8 @@ def main(argv=None) -> int:
             label = (f"default = {dflt.proj} bv{dflt.block_v}w{dflt.num_warps}" if blk is None
                      else f"{blk.proj} bv{blk.block_v}w{blk.num_warps}")
             try:
-                sec = _time(fn, fresh_carry(), (*toks, accepted), args.unroll, args.calls, args.repeats)
+                sec = _time(fn, fresh_carry(), (*toks, accepted), args.unroll, args.calls,
+                            args.repeats, profile=prof(f"carried fast [{label}] T={T}"))
             except Exception as e:  # a variant that fails to compile must not cost the run
                 print(f"fast [{label}] T={T} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
