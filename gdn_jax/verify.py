@@ -511,20 +511,22 @@ def carried_verify(q, k, v, g, beta, pool, stash, slots, *, exact=True, scale=No
 def _carried_verify_pallas(q, k, v, g, beta, pool, stash, slots, *, exact, scale, use_qk_l2norm,
                            block, interpret):
     from pallas_kernels import gdn_verify as kern
-    o, pool, sk, su, sg = kern.carried_verify(
-        q, k, v, g, beta, pool, stash.k, stash.u, stash.g, stash.bank, stash.pending, slots,
-        exact=exact, scale=scale, use_qk_l2norm=use_qk_l2norm, block=block, interpret=interpret)
-    return o, pool, _after_verify(stash, slots, q.shape[1], k=sk, u=su, g=sg)
+    o, pool, sk, su, sg, bank, pending, drafted = kern.carried_verify(
+        q, k, v, g, beta, pool, stash.k, stash.u, stash.g, stash.bank, stash.pending, stash.drafted,
+        slots, exact=exact, scale=scale, use_qk_l2norm=use_qk_l2norm, block=block,
+        interpret=interpret)
+    return o, pool, dataclasses.replace(stash, k=sk, u=su, g=sg, bank=bank, pending=pending,
+                                        drafted=drafted)
 
 
 @functools.partial(jax.jit, static_argnames=("t",))
-def _after_verify(stash, slots, t, **rows):
+def _after_verify(stash, slots, t):
     """Counters after a verify: bank flipped, nothing pending, t rows awaiting the verdict."""
     live = _live(slots)
     flipped = 1 - _gather(stash.bank, slots)
     write = jnp.where(live, slots, -1)
     return dataclasses.replace(
-        stash, **rows,
+        stash,
         bank=_scatter(stash.bank, write, flipped),
         pending=_scatter(stash.pending, write, jnp.zeros_like(slots)),
         drafted=_scatter(stash.drafted, write, jnp.full_like(slots, t)))

@@ -22,8 +22,12 @@ padding: no state or stash traffic at all, output rows zero.
 The stash is double-banked (`bank[slot]` holds the slot's rows): a verify reads the pending
 rows of one bank and writes the new rows into the other, so its programs need no ordering
 between them (k and g rows are shared by all column programs of a head; program 0 writes them).
-Counters (pending, drafted, bank) are updated by the caller after the launch, not here: every
-program of a slot reads them.
+Counters: the launcher gathers each batch row's bank and pending count before the launch
+(`_row_counters`), and the programs read only those copies. So a program's stash address
+depends on two loads issued together (slots[b], bank[b]), not on a chain slots[b] ->
+bank[slot] -> stash (one memory latency less before the fold and the store, which sit on every
+program's critical path), and one program per row can write the slot's new counters (bank
+flipped, pending 0, drafted T) in the same launch without a race.
 
 The per-token math is `gdn_decode.token_update` (imported, not copied). The delta u is
 recomputed here with the same operations on the same values (the compiler merges the two), and
@@ -244,6 +248,17 @@ def _chain_wy(S, tokens):
     return outs
 
 
+def _update_counters(bank_ref, bank_out, pending_out, drafted_out, b, h, j, slot, valid, T):
+    """The slot's counters after a verify (bank flipped, nothing pending, T drafted), written by
+    one program per row. Safe in the same launch: every program reads the per-row copies
+    gathered before it (`bank_ref[b]`), never the slot arrays these outputs alias."""
+    @pl.when(valid & (h == 0) & (j == 0))
+    def _():
+        bank_out[slot] = 1 - bank_ref[b]
+        pending_out[slot] = jnp.int32(0)
+        drafted_out[slot] = jnp.int32(T)
+
+
 # --------------------------------------------------------------------------- kernel bodies
 
 def _verify_states_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref,
@@ -269,16 +284,18 @@ def _verify_states_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_
 
 
 def _carried_verify_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-                           pool_ref, stash_k_ref, stash_u_ref, stash_g_ref,
+                           pool_ref, stash_k_ref, stash_u_ref, stash_g_ref, _bank, _pending, _drafted,
                            o_ref, pool_out_ref, stash_k_out, stash_u_out, stash_g_out,
+                           bank_out, pending_out, drafted_out,
                            *, spec: VerifySpec, block: VerifyBlockSizes):
     b, h, j, slot, valid, cols = _program(slots_ref, pool_ref, block)
     T, dtype = spec.num_tokens, pool_ref.dtype
+    _update_counters(bank_ref, bank_out, pending_out, drafted_out, b, h, j, slot, valid, T)
 
     @pl.when(valid)
     def _():
-        bank = bank_ref[slot]
-        count = pending_ref[slot]
+        bank = bank_ref[b]
+        count = pending_ref[b]
         S = pool_ref[slot, h, :, cols].astype(F32)
         tokens = [_load_token(q_ref, k_ref, v_ref, g_ref, beta_ref, b, t, h, cols, spec)
                   for t in range(T)]
@@ -397,18 +414,20 @@ def _projections(S, xs, block):
     return [parts[n].reshape(S.shape[1]) for n in range(len(xs))]
 
 
-def _carried_fast_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, g_ref,
-                         pool_ref, stash_k_ref, stash_u_ref, stash_g_ref, a_ref, e_ref,
+def _carried_fast_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, g_ref, a_ref, e_ref,
+                         pool_ref, stash_k_ref, stash_u_ref, stash_g_ref, _bank, _pending, _drafted,
                          o_ref, pool_out_ref, stash_k_out, stash_u_out, stash_g_out,
+                         bank_out, pending_out, drafted_out,
                          *, spec: VerifySpec, block: VerifyBlockSizes):
     b, h, j, slot, valid, cols = _program(slots_ref, pool_ref, block)
     T = spec.num_tokens
+    _update_counters(bank_ref, bank_out, pending_out, drafted_out, b, h, j, slot, valid, T)
     kh = h // (spec.num_v_heads // spec.num_k_heads)
 
     @pl.when(valid)
     def _():
-        bank = bank_ref[slot]
-        count = pending_ref[slot]
+        bank = bank_ref[b]
+        count = pending_ref[b]
         S = pool_ref[slot, h, :, cols].astype(F32)
         qs = [q_ref[b, t, kh, :] for t in range(T)]                 # prepared (prelude)
         ks = [k_ref[b, t, kh, :] for t in range(T)]
@@ -460,12 +479,12 @@ def _carried_fast_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, 
 def _flush_kernel(slots_ref, bank_ref, pending_ref, pool_ref, stash_k_ref, stash_u_ref, stash_g_ref,
                   pool_out_ref, *, spec: VerifySpec, block: VerifyBlockSizes):
     b, h, j, slot, valid, cols = _program(slots_ref, pool_ref, block)
-    count = jnp.where(valid, pending_ref[slot], 0)
+    count = jnp.where(valid, pending_ref[b], 0)
 
     @pl.when(count > 0)
     def _():
         S = pool_ref[slot, h, :, cols].astype(F32)
-        S = _fold_pending(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank_ref[slot], h, cols,
+        S = _fold_pending(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank_ref[b], h, cols,
                           count, pool_ref.dtype, spec)
         pool_out_ref[slot, h, :, cols] = S.astype(pool_out_ref.dtype)
 
@@ -520,6 +539,13 @@ def _check_stash(spec, pool, stash_k, stash_u, stash_g, bank, pending):
         raise ValueError(f"num_tokens={spec.num_tokens} exceeds the stash capacity C={c}")
 
 
+def _row_counters(bank, pending, slots, num_slots):
+    """bank[slots[b]], pending[slots[b]] per batch row (0 for padding rows)."""
+    live = (slots >= 0) & (slots < num_slots)
+    idx = jnp.where(live, slots, 0)
+    return jnp.where(live, bank[idx], 0), jnp.where(live, pending[idx], 0)
+
+
 def _reason_or_raise(spec, block, pool):
     reason = unsupported_reason(spec, block, pool.dtype) or dec.index_overflow_reason(pool.size)
     if reason is not None:
@@ -560,39 +586,42 @@ def _verify_states_launch(q, k, v, g, beta, pool, slots, *, spec, block, interpr
     )(slots, q, k, v, g, beta, pool)
 
 
-def carried_verify(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pending, slots, *,
-                   exact=True, scale=None, use_qk_l2norm=False, rank1_first=True,
+def carried_verify(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pending, drafted, slots,
+                   *, exact=True, scale=None, use_qk_l2norm=False, rank1_first=True,
                    block: VerifyBlockSizes | None = None, interpret=False):
     """Carried-state verify (see the module docstring). Stash arrays as gdn_jax.verify.DeltaStash:
     stash_k [slots, 2, HV, C, K], stash_u [slots, 2, HV, C, V], stash_g [slots, 2, HV, C(, K)],
-    bank and pending [slots] int32. Returns (o [B, T, HV, V], pool, stash_k, stash_u, stash_g);
-    the pool and stash outputs alias their inputs (donate them at the jit boundary). The caller
-    updates the counters (bank flipped, pending 0, drafted T) after the launch."""
+    bank, pending and drafted [slots] int32. Returns (o [B, T, HV, V], pool, stash_k, stash_u,
+    stash_g, bank, pending, drafted): every output but o aliases its input (donate them at the jit
+    boundary); the named slots' counters come back updated (bank flipped, pending 0, drafted T)."""
     spec = _spec_from(q, v, g, scale=scale, use_qk_l2norm=use_qk_l2norm, exact=exact,
                       rank1_first=rank1_first)
     _check_tokens(spec, q, k, v, g, beta, pool, slots)
     _check_stash(spec, pool, stash_k, stash_u, stash_g, bank, pending)
+    _need("drafted", drafted, (pool.shape[0],))
     block = block or default_block_sizes(q.shape[0], spec.v_dim, pool.dtype, spec.exact)
     _reason_or_raise(spec, block, pool)
-    return _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank.astype(jnp.int32),
-                           pending.astype(jnp.int32), slots.astype(jnp.int32), spec=spec, block=block,
-                           interpret=bool(interpret))
+    i32 = lambda x: x.astype(jnp.int32)
+    return _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, i32(bank), i32(pending),
+                           i32(drafted), i32(slots), spec=spec, block=block, interpret=bool(interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "block", "interpret"))
-def _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pending, slots, *,
-                    spec, block, interpret):
+def _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pending, drafted, slots,
+                    *, spec, block, interpret):
     b, t = q.shape[:2]
     hv, vd = spec.num_v_heads, spec.v_dim
+    row_bank, row_pending = _row_counters(bank, pending, slots, pool.shape[0])
     if spec.exact or block.proj == "legacy":
         kernel = _carried_verify_kernel
-        inputs = (slots, bank, pending, q, k, v, g, beta, pool, stash_k, stash_u, stash_g)
+        tokens = (q, k, v, g, beta)
     else:
         kernel = _carried_fast_kernel
         qp, kp, A, E = _fast_prelude(q, k, g, beta, spec)
-        inputs = (slots, bank, pending, qp, kp, v, g, pool, stash_k, stash_u, stash_g, A, E)
-    p0 = 8 if kernel is _carried_verify_kernel else 7   # pool, stash k, u, g -> outputs 1..4
-    aliases = {p0 + d: 1 + d for d in range(4)}
+        tokens = (qp, kp, v, g, A, E)
+    state = (pool, stash_k, stash_u, stash_g, bank, pending, drafted)
+    p0 = 3 + len(tokens)                 # inputs from p0 on alias outputs 1, 2, ...
+    aliases = {p0 + d: 1 + d for d in range(len(state))}
     return pl.pallas_call(
         functools.partial(kernel, spec=spec, block=block),
         grid=(b, hv, vd // block.block_v),
@@ -600,12 +629,13 @@ def _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pen
                    jax.ShapeDtypeStruct(pool.shape, pool.dtype),
                    jax.ShapeDtypeStruct(stash_k.shape, stash_k.dtype),
                    jax.ShapeDtypeStruct(stash_u.shape, stash_u.dtype),
-                   jax.ShapeDtypeStruct(stash_g.shape, stash_g.dtype)),
+                   jax.ShapeDtypeStruct(stash_g.shape, stash_g.dtype),
+                   *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in (bank, pending, drafted))),
         input_output_aliases=aliases,
         compiler_params=_compiler_params(block),
         interpret=interpret,
         name=f"gdn_carried_verify{t}_{'exact' if spec.exact else 'fast_' + block.proj}",
-    )(*inputs)
+    )(slots, row_bank, row_pending, *tokens, *state)
 
 
 def flush(pool, stash_k, stash_u, stash_g, bank, pending, slots, *, rank1_first=True,
@@ -631,6 +661,7 @@ def flush(pool, stash_k, stash_u, stash_g, bank, pending, slots, *, rank1_first=
 @functools.partial(jax.jit, static_argnames=("spec", "block", "interpret"))
 def _flush_launch(pool, stash_k, stash_u, stash_g, bank, pending, slots, *, spec, block, interpret):
     n = slots.shape[0]
+    bank, pending = _row_counters(bank, pending, slots, pool.shape[0])
     return pl.pallas_call(
         functools.partial(_flush_kernel, spec=spec, block=block),
         grid=(n, spec.num_v_heads, spec.v_dim // block.block_v),

@@ -317,6 +317,22 @@ def _small(seed=0, *, B=3, T=3, kind="gdn", S=5, sdt=F32):
     return toks, pool, stash
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "fast"])
+def test_kernel_writes_the_counters_of_its_slots_only(exact):
+    """The carried-verify kernel updates the named slots' counters in the same launch (bank
+    flipped, pending 0, drafted T) and leaves every other slot's, padding included, as it was."""
+    toks, pool, stash = _small(7, B=3, T=3, S=6)
+    stash = dataclasses.replace(stash, bank=jnp.asarray([1, 0, 1, 1, 0, 1], jnp.int32),
+                                pending=jnp.asarray([2, 1, 3, 0, 2, 1], jnp.int32),
+                                drafted=jnp.asarray([0, 3, 0, 2, 1, 0], jnp.int32))
+    slots = jnp.asarray([4, -1, 0], jnp.int32)
+    got = vf.carried_verify(*toks, jnp.array(pool, copy=True), stash, slots, exact=exact,
+                            impl="pallas", interpret=True)[2]
+    for name, want in (("bank", [0, 0, 1, 1, 1, 1]), ("pending", [0, 1, 3, 0, 0, 1]),
+                       ("drafted", [3, 3, 0, 2, 3, 0])):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), want, err_msg=name)
+
+
 @pytest.mark.parametrize("bad", [0, 4, -1, 9])
 def test_accept_refuses_bad_counts_on_host(bad):
     toks, pool, stash = _small()
@@ -397,7 +413,7 @@ def test_bad_inputs_raise_value_error_naming_the_argument():
         q5 = jnp.concatenate([q, q[:, :2]], 1)
         kv.carried_verify(q5, q5, jnp.concatenate([v, v[:, :2]], 1), jnp.concatenate([g, g[:, :2]], 1),
                           jnp.concatenate([beta, beta[:, :2]], 1), pool, stash.k, stash.u, stash.g,
-                          stash.bank, stash.pending, ok, interpret=True)
+                          stash.bank, stash.pending, stash.drafted, ok, interpret=True)
 
 
 # --------------------------------------------------------------------------- conv carry
@@ -502,7 +518,7 @@ def test_kernels_lower_to_triton_ir(monkeypatch, per_channel, sdt, exact, proj):
     lower = lambda f, *a, **kw: f.trace(*a, block=block, interpret=False, **kw).lower(
         lowering_platforms=("cuda",)).as_text()
     hlo = lower(kv._carried_launch, q, q, v, g, jnp.ones((B, T, HV)), pool, sk, su, sg, ints, ints,
-                slots, spec=spec)
+                ints, slots, spec=spec)
     assert "__gpu$xla.gpu.triton" in hlo and "output_operand_aliases" in hlo
     hlo = lower(kv._verify_states_launch, q, q, v, g, jnp.ones((B, T, HV)), pool, slots, spec=spec)
     assert "__gpu$xla.gpu.triton" in hlo
@@ -528,8 +544,9 @@ def test_gpu_fold_operand_order_report(capsys):
         toks = _tokens(rng, B=case.B, T=4, HK=2, HV=4, K=128, V=128, kind="gdn")
         acc = jnp.full((case.B,), 4, jnp.int32)
         _, oracle = sched.oracle_round(*toks, oracle, slots, acc)
-        _, pool, sk, su, sg = kv.carried_verify(*toks, pool, stash.k, stash.u, stash.g, stash.bank,
-                                                stash.pending, slots, use_qk_l2norm=True)
+        _, pool, sk, su, sg, *_ = kv.carried_verify(*toks, pool, stash.k, stash.u, stash.g,
+                                                    stash.bank, stash.pending, stash.drafted, slots,
+                                                    use_qk_l2norm=True)
         pending = jnp.full((case.S,), 4, jnp.int32)
         pool = kv.flush(pool, sk, su, sg, 1 - stash.bank, pending, slots, rank1_first=rank1_first)
         results[rank1_first] = bool(np.array_equal(np.asarray(pool[:case.B]), np.asarray(oracle[:case.B])))
