@@ -565,13 +565,15 @@ def _carried_verify_ref(q, k, v, g, beta, pool, stash, slots, *, exact, scale, u
     return _mask_rows(o, live).astype(q.dtype), pool, _after_verify(stash, slots, t)
 
 
-def accept(stash, slots, accepted, *, num_tokens=None):
+def accept(stash, slots, accepted, *, num_tokens=None, impl="auto", interpret=False):
     """The verdict: for each live row, pending[slot] = accepted[b], drafted[slot] = 0.
 
     Works on a DeltaStash or a ConvStash. accepted must lie in 1..drafted[slot] (the width of the
     slot's last verify). When `accepted` and `slots` are concrete a bad value raises ValueError
     (checked against `num_tokens` when given, else the stash capacity); on the device a row
-    whose value is out of 1..drafted is left unchanged and flagged. Returns (stash, invalid [B])."""
+    whose value is out of 1..drafted is left unchanged and flagged. Returns (stash, invalid [B]).
+    impl as for `carried_verify`: on a GPU one small kernel (`gdn_verify.accept_counts`) instead
+    of XLA's gather and two scatters (each its own launch); the result is the same."""
     if not isinstance(stash, (DeltaStash, ConvStash)):
         raise ValueError(f"stash must be a DeltaStash or ConvStash, got {type(stash).__name__}")
     b = getattr(slots, "shape", (None,))[0]
@@ -580,7 +582,18 @@ def accept(stash, slots, accepted, *, num_tokens=None):
     if num_tokens is not None and not 1 <= upper <= stash.capacity:
         raise ValueError(f"num_tokens must lie in 1..{stash.capacity} (the stash capacity), got {num_tokens}")
     _check_accepted(accepted, b, slots, upper)
-    return _accept(stash, slots.astype(jnp.int32), accepted.astype(jnp.int32))
+    slots, accepted = slots.astype(jnp.int32), accepted.astype(jnp.int32)
+    if _resolve_impl(impl, interpret) == "pallas":
+        return _accept_pallas(stash, slots, accepted, interpret=bool(interpret))
+    return _accept(stash, slots, accepted)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("stash",))
+def _accept_pallas(stash, slots, accepted, *, interpret):
+    from pallas_kernels import gdn_verify as kern
+    pending, drafted, invalid = kern.accept_counts(slots, accepted, stash.pending, stash.drafted,
+                                                   interpret=interpret)
+    return dataclasses.replace(stash, pending=pending, drafted=drafted), invalid != 0
 
 
 @functools.partial(jax.jit, donate_argnames=("stash",))

@@ -24,9 +24,10 @@ import dataclasses
 import functools
 
 B, HV, HK, K, V = 128, 32, 16, 128, 128
-# fast-flavour shapes timed besides the default: (proj, block_v, num_warps); "legacy" is the
-# first fast kernel (per-row fold, in-kernel WY scalars), kept as the baseline
-FAST_VARIANTS = (("legacy", 64, 4), ("reduce", 64, 4), ("dot", 64, 4), ("dot", 32, 4))
+# fast-flavour shapes timed besides the default: (proj, block_v, num_warps, prelude); "legacy"
+# is the first fast kernel (per-row fold, in-kernel WY scalars), kept as the baseline
+FAST_VARIANTS = (("legacy", 64, 4, "xla"), ("reduce", 64, 4, "pallas"), ("dot", 64, 4, "xla"),
+                 ("dot", 64, 4, "pallas"), ("dot", 32, 4, "pallas"))
 
 
 def _inputs(b, t, slots_n, seed=0):
@@ -181,13 +182,13 @@ def main(argv=None) -> int:
 
         stash_rw = lambda t: B * HV * t * (2 * (K + V + 1)) * 4
 
-        def carried_round(carry, c, exact=True, block=None):
+        def carried_round(carry, c, exact=True, block=None, accept_impl="auto"):
             pool, stash = carry
             q, k, v, g, beta, slots, acc = c
             o, pool, stash = vf.carried_verify(q, k, v, g, beta, pool, stash, slots, exact=exact,
                                                use_qk_l2norm=True, impl="pallas", interpret=interp,
                                                block_sizes=block)
-            return pool, vf.accept(stash, slots, acc)[0]
+            return pool, vf.accept(stash, slots, acc, impl=accept_impl, interpret=interp)[0]
 
         def fresh_carry():
             st = vf.DeltaStash.init(S, num_v_heads=HV, head_k_dim=K, head_v_dim=V)
@@ -200,13 +201,13 @@ def main(argv=None) -> int:
 
         dflt = kv.default_block_sizes(B, V, jnp.float32, False)
         fast_blocks = [None] if args.smoke else [None] + [
-            blk for blk in (kv.VerifyBlockSizes(bv, w, proj=pr) for pr, bv, w in FAST_VARIANTS)
-            if blk != dflt]
+            blk for blk in (kv.VerifyBlockSizes(bv, w, proj=pr, prelude=pre)
+                            for pr, bv, w, pre in FAST_VARIANTS) if blk != dflt]
         best = None
         for blk in fast_blocks:
             fn = functools.partial(carried_round, exact=False, block=blk)
-            label = (f"default = {dflt.proj} bv{dflt.block_v}w{dflt.num_warps}" if blk is None
-                     else f"{blk.proj} bv{blk.block_v}w{blk.num_warps}")
+            name = lambda b: f"{b.proj} bv{b.block_v}w{b.num_warps} prelude:{b.prelude}"
+            label = f"default = {name(dflt)}" if blk is None else name(blk)
             try:
                 sec = _time(fn, fresh_carry(), (*toks, accepted), args.unroll, args.calls,
                             args.repeats, profile=prof(f"carried fast [{label}] T={T}"))
@@ -216,6 +217,12 @@ def main(argv=None) -> int:
             add(f"carried verify fast + accept [{label}]", T, sec, 2 * state_bytes + stash_rw(T) + tok_bytes(T))
             best = sec if best is None else min(best, sec)
         results[("fast", T)] = best
+        if not args.smoke:       # the same default round with accept's XLA ops instead of its kernel
+            fn = functools.partial(carried_round, exact=False, accept_impl="reference")
+            sec = _time(fn, fresh_carry(), (*toks, accepted), args.unroll, args.calls,
+                        args.repeats, profile=prof(f"carried fast default, XLA accept T={T}"))
+            add("carried verify fast + accept [default, accept in XLA ops]", T, sec,
+                2 * state_bytes + stash_rw(T) + tok_bytes(T))
 
         # flush: T pending rows per slot folded into H (then nothing pending: re-arm each round)
         def flush_round(carry, c):
