@@ -111,7 +111,6 @@ class VerifyBlockSizes:
     num_warps: int = 4
     num_stages: int = 1
     proj: str = "dot"   # fast flavour only: "dot" | "reduce" | "legacy" (see FAST_PROJ)
-    prelude: str = "xla"  # fast flavour only: "xla" | "pallas" (see _prelude_kernel)
 
 
 # How the fast flavour forms its 2T projections k_t^T S, q_t^T S (ignored by the exact one):
@@ -162,8 +161,6 @@ def unsupported_reason(spec: VerifySpec, block: VerifyBlockSizes, state_dtype) -
         return f"num_warps={block.num_warps} must be 1, 2, 4, 8 or 16"
     if block.proj not in FAST_PROJ:
         return f"proj={block.proj!r} must be one of {FAST_PROJ}"
-    if block.prelude not in ("xla", "pallas"):
-        return f"prelude={block.prelude!r} must be 'xla' or 'pallas'"
     if not spec.exact and block.proj == "dot" and block.block_v < 16:
         return f"proj='dot' needs block_v >= 16 (a Triton dot operand), got {block.block_v}"
     return None
@@ -377,81 +374,6 @@ def _fast_prelude(q, k, g, beta, spec):
     A = jnp.stack(rows, axis=2)                                                  # [B, HV, Ti, Tl]
     E = sum(Dm[:, :, :, j, None] * A[:, :, None, j, :] for j in range(T))        # D lower-tri
     return qf, kf, A, E
-
-
-def _prelude_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, g_ref, beta_ref,
-                    qp_out, kp_out, a_out, e_out, row_bank_out, row_pending_out,
-                    *, spec: VerifySpec):
-    """`_fast_prelude` and `_row_counters` as one launch (instead of ~8 small XLA kernels, each
-    with its launch gap). Program (b, h): the WY scalars of value head h; the first value head
-    of each key head also writes the prepared q, k rows; head 0 the row's counters."""
-    b, h = pl.program_id(0), pl.program_id(1)
-    T, ratio = spec.num_tokens, spec.num_v_heads // spec.num_k_heads
-    kh = h // ratio
-    qs, ks = [], []
-    for t in range(T):
-        q, k = q_ref[b, t, kh, :].astype(F32), k_ref[b, t, kh, :].astype(F32)
-        if spec.use_qk_l2norm:
-            q, k = dec.l2_normalize(q), dec.l2_normalize(k)
-        qs.append(q * jnp.float32(spec.scale))
-        ks.append(k)
-
-    @pl.when(h % ratio == 0)
-    def _():
-        for t in range(T):
-            qp_out[b, t, kh, :] = qs[t]
-            kp_out[b, t, kh, :] = ks[t]
-
-    Gs, G = [], None
-    for t in range(T):
-        g = (g_ref[b, t, h, :] if spec.per_channel_gate else g_ref[b, t, h]).astype(F32)
-        G = g if G is None else G + g
-        Gs.append(G)
-    Cm, Dm = {}, {}
-    for i in range(T):
-        for j in range(i + 1):
-            w = jnp.exp(Gs[i] - Gs[j])                       # <= 1: j <= i
-            if spec.per_channel_gate:
-                Cm[i, j], Dm[i, j] = jnp.sum(ks[i] * ks[j] * w), jnp.sum(qs[i] * ks[j] * w)
-            else:
-                Cm[i, j], Dm[i, j] = jnp.sum(ks[i] * ks[j]) * w, jnp.sum(qs[i] * ks[j]) * w
-    A = []
-    for i in range(T):                      # forward substitution, rows of A (lower triangular)
-        acc = [jnp.float32(1.0 if l == i else 0.0) for l in range(T)]
-        for j in range(i):
-            acc = [acc[l] - Cm[i, j] * A[j][l] for l in range(T)]
-        beta = beta_ref[b, i, h].astype(F32)
-        A.append([beta * acc[l] for l in range(T)])
-    for i in range(T):
-        for l in range(T):
-            e = jnp.float32(0.0)
-            for j in range(l, i + 1):
-                e = e + Dm[i, j] * A[j][l]
-            a_out[b, h, i, l] = A[i][l]
-            e_out[b, h, i, l] = e
-
-    @pl.when(h == 0)
-    def _():
-        slot = slots_ref[b]
-        live = (slot >= 0) & (slot < bank_ref.shape[0])
-        safe = jnp.where(live, slot, 0)
-        row_bank_out[b] = jnp.where(live, bank_ref[safe], 0)
-        row_pending_out[b] = jnp.where(live, pending_ref[safe], 0)
-
-
-def _prelude_launch(q, k, g, beta, bank, pending, slots, spec, interpret):
-    b, t, hk, kd = q.shape
-    hv = spec.num_v_heads
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
-    i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
-    return pl.pallas_call(
-        functools.partial(_prelude_kernel, spec=spec),
-        grid=(b, hv),
-        out_shape=(f32(b, t, hk, kd), f32(b, t, hk, kd), f32(b, hv, t, t), f32(b, hv, t, t), i32, i32),
-        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
-        interpret=interpret,
-        name=f"gdn_carried_verify{t}_prelude",
-    )(slots, bank, pending, q, k, g, beta)
 
 
 def _fold_pending_fast(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, cols, count, spec):
@@ -696,12 +618,8 @@ def _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pen
         tokens = (q, k, v, g, beta)
     else:
         kernel = _carried_fast_kernel
-        if block.prelude == "pallas":
-            qp, kp, A, E, row_bank, row_pending = _prelude_launch(q, k, g, beta, bank, pending,
-                                                                  slots, spec, interpret)
-        else:
-            row_bank, row_pending = _row_counters(bank, pending, slots, pool.shape[0])
-            qp, kp, A, E = _fast_prelude(q, k, g, beta, spec)
+        row_bank, row_pending = _row_counters(bank, pending, slots, pool.shape[0])
+        qp, kp, A, E = _fast_prelude(q, k, g, beta, spec)
         tokens = (qp, kp, v, g, A, E)
     state = (pool, stash_k, stash_u, stash_g, bank, pending, drafted)
     p0 = 3 + len(tokens)                 # inputs from p0 on alias outputs 1, 2, ...

@@ -590,53 +590,23 @@ def _fast_variant_rounds(case, block, *, seed, rounds=3):
     return worst
 
 
-@pytest.mark.parametrize("kind,proj,prelude", [("gdn", "dot", "xla"), ("gdn", "reduce", "xla"),
-                                               ("kda", "dot", "xla"), ("gdn", "dot", "pallas"),
-                                               ("kda", "dot", "pallas")])
-def test_fast_projection_forms_match_reference_interpret(kind, proj, prelude):
-    """Every fast projection form and prelude (interpret mode) against the pure-JAX fast
-    reference."""
+@pytest.mark.parametrize("kind,proj", [("gdn", "dot"), ("gdn", "reduce"), ("kda", "dot")])
+def test_fast_projection_forms_match_reference_interpret(kind, proj):
+    """Every fast projection form (interpret mode) against the pure-JAX fast reference."""
     if ON_GPU:
         pytest.skip("the GPU variant below covers the compiled kernels")
     case = Case(kind=kind, exact=False, K=32, V=32)
-    blk = kv.VerifyBlockSizes(16, 4, proj=proj, prelude=prelude)
-    err = _fast_variant_rounds(case, blk, seed=11)
+    err = _fast_variant_rounds(case, kv.VerifyBlockSizes(16, 4, proj=proj), seed=11)
     assert err <= 1e-6, f"relative error {err:.3g} > 1e-6"
 
 
-@pytest.mark.parametrize("kind,T", [("gdn", 3), ("kda", 4), ("gdn", 1)])
-@pytest.mark.parametrize("mode", MODES)
-def test_prelude_kernel_matches_xla_prelude(kind, T, mode):
-    """The one-launch prelude (prepared q/k, WY matrices A and E, per-row counters) against the
-    XLA prelude it replaces: fresh random tokens, GVA 2x, a padding row."""
-    if mode == "reference":
-        pytest.skip("the prelude is a kernel; nothing to run on the reference path")
-    rng = np.random.default_rng(T)
-    B, HK, HV, K, S = 5, 2, 4, 32, 7
-    q, k, _, g, beta = _tokens(rng, B=B, T=T, HK=HK, HV=HV, K=K, V=K, kind=kind, dtype=BF16)
-    slots = jnp.asarray([3, -1, 0, 6, 2], jnp.int32)
-    bank = jnp.asarray(rng.integers(0, 2, S), jnp.int32)
-    pending = jnp.asarray(rng.integers(0, 5, S), jnp.int32)
-    spec = kv.VerifySpec(num_k_heads=HK, num_v_heads=HV, k_dim=K, v_dim=K, num_tokens=T,
-                         scale=K ** -0.5, per_channel_gate=kind == "kda", use_qk_l2norm=True,
-                         exact=False)
-    got = kv._prelude_launch(q, k, g, beta, bank, pending, slots, spec, mode != "gpu")
-    want = (*kv._fast_prelude(q, k, g, beta, spec), *kv._row_counters(bank, pending, slots, S))
-    for name, x, y in zip(("q", "k", "A", "E"), got[:4], want[:4]):
-        assert rel_err(x, y) <= 1e-6, f"{name}: {rel_err(x, y):.3g}"
-    np.testing.assert_array_equal(np.asarray(got[4]), np.asarray(want[4]))
-    np.testing.assert_array_equal(np.asarray(got[5]), np.asarray(want[5]))
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind,proj,bv,w,prelude", [
-    ("gdn", "dot", 64, 4, "xla"), ("gdn", "dot", 64, 4, "pallas"), ("gdn", "dot", 32, 4, "xla"),
-    ("gdn", "dot", 128, 8, "xla"), ("gdn", "dot", 16, 2, "pallas"), ("gdn", "reduce", 64, 4, "xla"),
-    ("gdn", "reduce", 32, 4, "pallas"), ("gdn", "legacy", 64, 4, "xla"), ("kda", "dot", 64, 4, "xla"),
-    ("kda", "dot", 64, 4, "pallas"), ("kda", "reduce", 32, 4, "xla")])
-def test_gpu_fast_shapes_match_reference(kind, proj, bv, w, prelude):
+@pytest.mark.parametrize("kind,proj,bv,w", [
+    ("gdn", "dot", 64, 4), ("gdn", "dot", 32, 4), ("gdn", "dot", 128, 8), ("gdn", "dot", 16, 2),
+    ("gdn", "reduce", 64, 4), ("gdn", "reduce", 32, 4), ("gdn", "legacy", 64, 4),
+    ("kda", "dot", 64, 4), ("kda", "reduce", 32, 4)])
+def test_gpu_fast_shapes_match_reference(kind, proj, bv, w):
     """Each fast kernel shape the benchmark times, compiled, against the fp32 reference."""
     case = Case(kind=kind, exact=False, B=12, S=19, HK=2, HV=4, K=128, V=128)
-    blk = kv.VerifyBlockSizes(bv, w, proj=proj, prelude=prelude)
-    err = _fast_variant_rounds(case, blk, seed=bv * 10 + w)
+    err = _fast_variant_rounds(case, kv.VerifyBlockSizes(bv, w, proj=proj), seed=bv * 10 + w)
     assert err <= 1e-6, f"{proj} bv{bv}w{w}: relative error {err:.3g} > 1e-6"
