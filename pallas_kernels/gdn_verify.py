@@ -1,4 +1,4 @@
-"""Speculative verify of T = 1..4 tokens for GDN / KDA on a state pool: three Pallas kernels.
+"""Speculative verify of T = 1..4 tokens for GDN / KDA on a state pool: four Pallas kernels.
 
 Per (batch row b, value head h) one program owns a [K, block_v] column slab of the state of
 slot = slots[b] (columns of the delta rule are independent). Slot -1 (or outside the pool) is
@@ -18,6 +18,8 @@ padding: no state or stash traffic at all, output rows zero.
                   pending rows as one rank-C update and forms all 2T projections k^T S, q^T S
                   as one fp32 dot (see "fast flavour" below).
   flush           fold the pending rows of the named slots into H (exact fold).
+  accept_counts   the verdict: pending[slot] = accepted, drafted[slot] = 0 (one program per row;
+                  one launch instead of XLA's gather and two scatters).
 
 The stash is double-banked (`bank[slot]` holds the slot's rows): a verify reads the pending
 rows of one bank and writes the new rows into the other, so its programs need no ordering
