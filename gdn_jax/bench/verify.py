@@ -26,7 +26,8 @@ import functools
 B, HV, HK, K, V = 128, 32, 16, 128, 128
 # fast-flavour shapes timed besides the default: (proj, block_v, num_warps); "legacy" is the
 # first fast kernel (per-row fold, in-kernel WY scalars), kept as the baseline
-FAST_VARIANTS = (("legacy", 64, 4), ("reduce", 64, 4), ("dot", 64, 4), ("dot", 32, 4))
+FAST_VARIANTS = (("legacy", 64, 4), ("reduce", 64, 4), ("dot", 64, 4), ("dot", 32, 4),
+                 ("dot", 64, 8))   # 8 warps: half the registers a thread for the state tile
 
 
 def _inputs(b, t, slots_n, seed=0):
