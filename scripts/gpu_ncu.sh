@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Nsight Compute launch statistics and occupancy (registers a thread, blocks an SM) of one
-# kernel at the bench shape: the carried verify (fast by default; `exact` as $1) at T=4.
+# Nsight Compute launch statistics and occupancy (registers a thread, blocks an SM) of the
+# carried verify at the bench shape (T=4), one launch per block variant given as arguments
+# ("exact" or proj:block_v:num_warps:dot_precision, e.g. dot:64:4:ieee; default: the fast default).
 # Launch stats + occupancy only: a full section set replays ~18 times per kernel and took
 # minutes (2026-11-30: a run over three kernels hit its timeout and left the GPU unusable).
 OUT=${OUT:-./gpu_out}
@@ -8,20 +9,30 @@ mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 echo "ncu: ${NCU:-none}"; [ -z "$NCU" ] && exit 0
-FLAVOUR=${1:-fast}
+VARIANTS="${*:-default}"
 cat > /tmp/ncu_app.py <<PY
 import jax, jax.numpy as jnp
 from gdn_jax import verify as vf
 from gdn_jax.bench import verify as bv
+from pallas_kernels import gdn_verify as kv
 B, T = 128, 4
 q, k, v, g, beta, pool, slots = bv._inputs(B, T, B, seed=1)
-st = vf.DeltaStash.init(B, num_v_heads=bv.HV, head_k_dim=bv.K, head_v_dim=bv.V)
-o, pool, st = vf.carried_verify(q, k, v, g, beta, pool, st, slots, exact="$FLAVOUR" == "exact",
-                                use_qk_l2norm=True, impl="pallas")
-jax.block_until_ready(o); print("ran")
+for name in "$VARIANTS".split():
+    exact, block = name == "exact", None
+    if name not in ("exact", "default"):
+        proj, bvv, w, prec, *extra = name.split(":")
+        block = kv.VerifyBlockSizes(int(bvv), int(w), proj=proj, dot_precision=prec,
+                                    fold=extra[0] if extra else "rows",
+                                    evict_first=len(extra) > 1 and extra[1] == "evict",
+                                    wy_in_kernel="prelude" not in extra)
+    st = vf.DeltaStash.init(B, num_v_heads=bv.HV, head_k_dim=bv.K, head_v_dim=bv.V)
+    o, p, st = vf.carried_verify(q, k, v, g, beta, jnp.array(pool, copy=True), st, slots, exact=exact,
+                                 use_qk_l2norm=True, impl="pallas", block_sizes=block)
+    jax.block_until_ready(o); print("ran", name, flush=True)
 PY
-timeout -k 5 ${NCU_TIMEOUT:-100} $NCU --target-processes all -k regex:gdn_carried --launch-count 1 \
+N=$(echo $VARIANTS | wc -w)
+timeout -k 5 ${NCU_TIMEOUT:-100} $NCU --target-processes all -k regex:gdn_carried --launch-count $N \
     --section LaunchStats --section Occupancy python3 /tmp/ncu_app.py > "$OUT/ncu.txt" 2>&1
 echo "ncu rc=$?"
-grep -E "gdn_|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Dynamic Shared" \
-    "$OUT/ncu.txt" | cut -c1-110 | head -30
+grep -E "^ran|gdn_|Registers Per|Theoretical Occupancy|Block Limit Reg|Block Limit Shared|Dynamic Shared" \
+    "$OUT/ncu.txt" | cut -c1-110 | head -60

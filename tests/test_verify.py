@@ -366,6 +366,31 @@ def test_accept_traced_bad_counts_are_masked_no_ops_and_flagged(mode):
     np.testing.assert_array_equal(np.asarray(invalid), [False, True, False])
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_accept_kernel_matches_reference_on_a_large_batch(mode):
+    """More rows than one accept program takes (ACCEPT_BLOCK): random distinct slots with padding
+    rows, random traced verdicts (some invalid); counters and flags as XLA's."""
+    impl, interp = _impl(mode)
+    if impl == "reference":
+        pytest.skip("compares the kernel with the reference")
+    rng = np.random.default_rng(5)
+    S, B = 400, kv.ACCEPT_BLOCK + 45
+    slots = rng.permutation(S)[:B].astype(np.int32)
+    slots[rng.random(B) < 0.1] = -1
+    stash = vf.DeltaStash.init(S, num_v_heads=1, head_k_dim=16, head_v_dim=16)
+    stash = dataclasses.replace(stash, pending=jnp.asarray(rng.integers(0, 4, S), jnp.int32),
+                                drafted=jnp.asarray(rng.integers(0, 5, S), jnp.int32))
+    accepted = jnp.asarray(rng.integers(-1, 6, B), jnp.int32)
+    run = lambda i, it: jax.jit(lambda st, sl, a: vf.accept(st, sl, a, impl=i, interpret=it))(
+        jax.tree.map(jnp.copy, stash), jnp.asarray(slots), accepted)      # traced: masked, flagged
+    got, inv = run(impl, interp)
+    want, inv_w = run("reference", False)
+    np.testing.assert_array_equal(np.asarray(inv), np.asarray(inv_w))
+    assert np.asarray(inv).any() and not np.asarray(inv).all()
+    for name in ("pending", "drafted", "bank"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)))
+
+
 def test_commit_states_refuses_bad_counts():
     toks, pool, _ = _small()
     slots = jnp.asarray([1, 3, -1], jnp.int32)
@@ -601,12 +626,20 @@ def test_fast_projection_forms_match_reference_interpret(kind, proj):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind,proj,bv,w", [
-    ("gdn", "dot", 64, 4), ("gdn", "dot", 64, 8), ("gdn", "dot", 32, 4), ("gdn", "dot", 128, 8),
-    ("gdn", "dot", 16, 2), ("gdn", "reduce", 64, 4), ("gdn", "reduce", 32, 4), ("gdn", "legacy", 64, 4),
-    ("kda", "dot", 64, 4), ("kda", "reduce", 32, 4)])
-def test_gpu_fast_shapes_match_reference(kind, proj, bv, w):
+@pytest.mark.parametrize("kind,proj,bv,w,prec,fold", [
+    ("gdn", "dot", 64, 4, "ieee", "rows"), ("gdn", "dot", 64, 8, "ieee", "rows"),
+    ("gdn", "dot", 32, 4, "ieee", "rows"), ("gdn", "dot", 128, 8, "ieee", "rows"),
+    ("gdn", "dot", 16, 2, "ieee", "rows"), ("gdn", "reduce", 64, 4, "ieee", "rows"),
+    ("gdn", "reduce", 32, 4, "ieee", "rows"), ("gdn", "legacy", 64, 4, "ieee", "rows"),
+    ("kda", "dot", 64, 4, "ieee", "rows"), ("kda", "reduce", 32, 4, "ieee", "rows"),
+    ("gdn", "dot", 64, 4, "tf32x3", "rows"), ("gdn", "dot", 64, 8, "tf32x3", "rows"),
+    ("gdn", "dot", 64, 4, "bf16x6", "rows"), ("kda", "dot", 64, 4, "tf32x3", "rows"),
+    ("gdn", "dot", 64, 4, "ieee", "dot"), ("gdn", "dot", 64, 4, "ieee", "rows2d"),
+    ("kda", "dot", 64, 4, "ieee", "dot"), ("kda", "dot", 64, 4, "ieee", "rows2d")])
+def test_gpu_fast_shapes_match_reference(kind, proj, bv, w, prec, fold):
     """Each fast kernel shape the benchmark times, compiled, against the fp32 reference."""
     case = Case(kind=kind, exact=False, B=12, S=19, HK=2, HV=4, K=128, V=128)
-    err = _fast_variant_rounds(case, kv.VerifyBlockSizes(bv, w, proj=proj), seed=bv * 10 + w)
-    assert err <= 1e-6, f"{proj} bv{bv}w{w}: relative error {err:.3g} > 1e-6"
+    block = kv.VerifyBlockSizes(bv, w, proj=proj, dot_precision=prec, fold=fold)
+    err = _fast_variant_rounds(case, block, seed=bv * 10 + w)
+    print(f"{kind} {proj} bv{bv}w{w} {prec} fold={fold}: relative error {err:.3g}")
+    assert err <= 1e-6, f"{proj} bv{bv}w{w} {prec} fold={fold}: relative error {err:.3g} > 1e-6"
