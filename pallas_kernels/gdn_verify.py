@@ -18,9 +18,8 @@ padding: no state or stash traffic at all, output rows zero.
                   pending rows as one rank-C update and forms all 2T projections k^T S, q^T S
                   as one fp32 dot (see "fast flavour" below).
   flush           fold the pending rows of the named slots into H (exact fold).
-  accept_counts   the verdict: pending[slot] = accepted, drafted[slot] = 0 (vector gathers and
-                  scatters over 128 rows a program; one launch instead of XLA's gather and
-                  two scatters).
+  accept_counts   the verdict: pending[slot] = accepted, drafted[slot] = 0 (one program per row;
+                  one launch instead of XLA's gather and two scatters).
 
 The stash is double-banked (`bank[slot]` holds the slot's rows): a verify reads the pending
 rows of one bank and writes the new rows into the other, so its programs need no ordering
@@ -114,10 +113,6 @@ class VerifyBlockSizes:
     num_warps: int = 4
     num_stages: int = 1
     proj: str = "dot"   # fast flavour only: "dot" | "reduce" | "legacy" (see FAST_PROJ)
-    dot_precision: str = "ieee"   # proj="dot" only: "ieee" | "tf32x3" | "bf16x6" (DOT_PRECISIONS)
-    fold: str = "rows"  # fast flavour: "rows" | "dot" | "rows2d" (see FAST_FOLD)
-    evict_first: bool = False     # state tile loaded/stored evict-first (no reuse; keeps L2 for rows)
-    k_rows_per_key_head: bool = False  # EXPERIMENT (timing only): stash k rows at the key head
     wy_in_kernel: bool = True     # fast GDN: the T x T WY scalars solved per program from an XLA
                                   # Gram (one XLA kernel before the launch instead of several)
 
@@ -128,21 +123,6 @@ class VerifyBlockSizes:
 #   legacy  the first fast kernel: per-row fold under a select and the in-kernel WY chain (its
 #           T x T scalars as in-kernel reductions); kept to measure against
 FAST_PROJ = ("dot", "reduce", "legacy")
-
-# How the fast flavour folds the C pending rows into its [K, block_v] tile:
-#   rows    C rank-1 updates from [K] / [block_v] rows loaded one by one
-#   dot     one fp32 dot [K, 16] x [16, block_v] of the decayed k rows and the u rows (C padded)
-#   rows2d  rank-1 updates, the rows loaded as one [C, K] and one [C, block_v] tile
-FAST_FOLD = ("rows", "dot", "rows2d")
-
-# How proj="dot" multiplies in fp32: ieee -- FMA units, exact fp32 products; tf32x3 / bf16x6 --
-# tensor cores, each operand split into 2 (tf32) or 3 (bf16) pieces and the leading cross
-# products summed (about fp32 accuracy, far fewer instructions).
-DOT_PRECISIONS = {
-    "ieee": jax.lax.Precision.HIGHEST,
-    "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
-    "bf16x6": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
-}
 
 # (largest batch, fast flavour) -> block sizes for the fast flavour; the exact flavour takes the
 # decode kernel's table (gdn_decode.TUNING_TABLE) so the reduction order matches. First match wins.
@@ -185,10 +165,6 @@ def unsupported_reason(spec: VerifySpec, block: VerifyBlockSizes, state_dtype) -
         return f"num_warps={block.num_warps} must be 1, 2, 4, 8 or 16"
     if block.proj not in FAST_PROJ:
         return f"proj={block.proj!r} must be one of {FAST_PROJ}"
-    if block.fold not in FAST_FOLD:
-        return f"fold={block.fold!r} must be one of {FAST_FOLD}"
-    if block.dot_precision not in DOT_PRECISIONS:
-        return f"dot_precision={block.dot_precision!r} must be one of {tuple(DOT_PRECISIONS)}"
     if not spec.exact and block.proj == "dot" and block.block_v < 16:
         return f"proj='dot' needs block_v >= 16 (a Triton dot operand), got {block.block_v}"
     return None
@@ -468,46 +444,27 @@ def _fast_prelude(q, k, g, beta, spec):
     return r, AE
 
 
-def _fold_pending_fast(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, cols, count, spec,
-                       block):
+def _fold_pending_fast(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, cols, count, spec):
     """Rows 0..count-1 of the slot's bank as one rank-C update (fp32 state):
     S <- e^{G_P} S + sum_i (k_i e^{G_P - G_i}) u_i^T, G_i the cumulative (masked) pending gates.
     Rows past `count` get zero coefficients and zeroed u (no select on the tile)."""
     C = stash_k_ref.shape[3]
-    hk_row = h // (spec.num_v_heads // spec.num_k_heads) if block.k_rows_per_key_head else h
-    if block.fold == "rows" or not _pow2(C):
-        ks = [stash_k_ref[slot, bank, hk_row, i, :] for i in range(C)]
-        us = [stash_u_ref[slot, bank, h, i, cols] for i in range(C)]
-    else:                                   # one [C, K] and one [C, block_v] load
-        kt = stash_k_ref[slot, bank, h, :, :]
-        ut = stash_u_ref[slot, bank, h, :, cols]
-        ks = [r.reshape(r.shape[1]) for r in jnp.split(kt, C, axis=0)]
-        us = [r.reshape(r.shape[1]) for r in jnp.split(ut, C, axis=0)]
-    gs = [stash_g_ref[slot, bank, h, i, :] if spec.per_channel_gate else stash_g_ref[slot, bank, h, i]
-          for i in range(C)]
-    lives = [i < count for i in range(C)]
-    gs = [jnp.where(live, g, 0.0) for g, live in zip(gs, lives)]
+    rows = []
+    for i in range(C):
+        k = stash_k_ref[slot, bank, h, i, :]
+        u = stash_u_ref[slot, bank, h, i, cols]
+        g = stash_g_ref[slot, bank, h, i, :] if spec.per_channel_gate else stash_g_ref[slot, bank, h, i]
+        live = i < count
+        rows.append((k, jnp.where(live, u, 0.0), jnp.where(live, g, 0.0), live))
     Gs, G = [], None
-    for g in gs:
+    for _, _, g, _ in rows:
         G = g if G is None else G + g
         Gs.append(G)
     GP = Gs[-1]
     decay = jnp.exp(GP)
     S = S * (decay[:, None] if spec.per_channel_gate else decay)
-    coefs = [jnp.where(live, k * jnp.exp(GP - Gi), 0.0) for k, Gi, live in zip(ks, Gs, lives)]
-    us = [jnp.where(live, u, 0.0) for u, live in zip(us, lives)]
-    if block.fold == "dot" and _pow2(C):    # sum_i a_i u_i^T as one [K, m] x [m, block_v] dot
-        m = max(16, 1 << (C - 1).bit_length())
-        kd, bv = S.shape
-        cid = jax.lax.broadcasted_iota(jnp.int32, (kd, m), 1)
-        rid = jax.lax.broadcasted_iota(jnp.int32, (m, bv), 0)
-        Am = jnp.zeros((kd, m), F32)
-        Um = jnp.zeros((m, bv), F32)
-        for i, (a, u) in enumerate(zip(coefs, us)):
-            Am = jnp.where(cid == i, a[:, None], Am)
-            Um = jnp.where(rid == i, u[None, :], Um)
-        return S + jnp.dot(Am, Um, precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
-    for a, u in zip(coefs, us):
+    for (k, u, _, live), Gi in zip(rows, Gs):
+        a = jnp.where(live, k * jnp.exp(GP - Gi), 0.0)
         S = a[:, None] * u[None, :] + S
     return S
 
@@ -521,7 +478,7 @@ def _projections(S, xs, block):
     X = jnp.zeros((m, S.shape[0]), F32)
     for n, x in enumerate(xs):
         X = jnp.where(rid == n, x[None, :], X)
-    R = jnp.dot(X, S, precision=DOT_PRECISIONS[block.dot_precision], preferred_element_type=F32)
+    R = jnp.dot(X, S, precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
     parts = jnp.split(R, m, axis=0)
     return [parts[n].reshape(S.shape[1]) for n in range(len(xs))]
 
@@ -549,7 +506,7 @@ def _carried_fast_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, 
     def _():
         bank = bank_ref[b]
         count = pending_ref[b]
-        S = dec._load(pool_ref.at[slot, h, :, cols], block).astype(F32)
+        S = pool_ref[slot, h, :, cols].astype(F32)
         gs = [(g_ref[b, t, h, :] if spec.per_channel_gate else g_ref[b, t, h]).astype(F32)
               for t in range(T)]
         if _wy_in_kernel(spec, block):      # scalar math on this head's Gram entries
@@ -570,11 +527,11 @@ def _carried_fast_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, 
         ks = [k_ref[b, t, kh, :].astype(F32) * rk[t] for t in range(T)]
         vs = [v_ref[b, t, h, cols].astype(F32) for t in range(T)]
         S = _fold_pending_fast(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, cols,
-                               count, spec, block)
+                               count, spec)
 
         @pl.when(count > 0)
         def _():
-            dec._store(pool_out_ref.at[slot, h, :, cols], S.astype(pool_out_ref.dtype), block.evict_first)
+            pool_out_ref[slot, h, :, cols] = S.astype(pool_out_ref.dtype)
 
         G, xs_k, xs_q = None, [], []
         for q, k, g in zip(qs, ks, gs):
@@ -597,18 +554,11 @@ def _carried_fast_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, 
         @pl.when(j == 0)
         def _():
             for t in range(T):
+                stash_k_out[slot, other, h, t, :] = ks[t]
                 if spec.per_channel_gate:
                     stash_g_out[slot, other, h, t, :] = gs[t]
                 else:
                     stash_g_out[slot, other, h, t] = gs[t]
-
-        grp = spec.num_v_heads // spec.num_k_heads
-        k_writer = (j == 0) & ((h % grp == 0) if block.k_rows_per_key_head else True)
-
-        @pl.when(k_writer)
-        def _():
-            for t in range(T):
-                stash_k_out[slot, other, kh if block.k_rows_per_key_head else h, t, :] = ks[t]
 
     @pl.when(jnp.logical_not(valid))
     def _():
@@ -781,27 +731,23 @@ def _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pen
     )(slots, row_bank, row_pending, *tokens, *state)
 
 
-ACCEPT_BLOCK = 128   # batch rows per program of the accept kernel
-
-
 def _accept_kernel(slots_ref, accepted_ref, pending_ref, drafted_ref, pending_out, drafted_out,
-                   invalid_out, *, num_rows: int):
-    """The verdict of ACCEPT_BLOCK rows at once: pending[slot] = accepted, drafted[slot] = 0 where
-    accepted lies in 1..drafted[slot]; otherwise nothing changes and the row is flagged. Gathers
-    and scatters by slot as vectors: one program and two memory round trips for a whole batch
-    (one program per row took 1.7 us at B=128 on the H200)."""
-    rows = pl.program_id(0) * ACCEPT_BLOCK + jnp.arange(ACCEPT_BLOCK)
-    here = pl.ds(pl.program_id(0) * ACCEPT_BLOCK, ACCEPT_BLOCK)
-    in_batch = rows < num_rows
-    slot = plgpu.load(slots_ref.at[here], mask=in_batch, other=-1)
-    accepted = plgpu.load(accepted_ref.at[here], mask=in_batch, other=0)
+                   invalid_out):
+    """The verdict of row b: pending[slot] = accepted, drafted[slot] = 0 when accepted lies in
+    1..drafted[slot]; otherwise nothing changes and the row is flagged."""
+    b = pl.program_id(0)
+    slot = slots_ref[b]
     live = (slot >= 0) & (slot < pending_ref.shape[0])
-    idx = jnp.where(live, slot, 0)
-    drafted = plgpu.load(drafted_ref.at[idx], mask=live, other=0)
+    accepted = accepted_ref[b]
+    drafted = drafted_ref[jnp.where(live, slot, 0)]
     ok = (accepted >= 1) & (accepted <= drafted)
-    plgpu.store(pending_out.at[idx], accepted, mask=live & ok)
-    plgpu.store(drafted_out.at[idx], jnp.zeros_like(accepted), mask=live & ok)
-    plgpu.store(invalid_out.at[here], (live & jnp.logical_not(ok)).astype(jnp.int32), mask=in_batch)
+
+    @pl.when(live & ok)
+    def _():
+        pending_out[slot] = accepted
+        drafted_out[slot] = jnp.int32(0)
+
+    invalid_out[b] = (live & jnp.logical_not(ok)).astype(jnp.int32)
 
 
 def accept_counts(slots, accepted, pending, drafted, *, interpret=False):
@@ -821,15 +767,14 @@ def accept_counts(slots, accepted, pending, drafted, *, interpret=False):
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def _accept_launch(slots, accepted, pending, drafted, *, interpret):
-    n = slots.shape[0]
     return pl.pallas_call(
-        functools.partial(_accept_kernel, num_rows=n),
-        grid=(pl.cdiv(n, ACCEPT_BLOCK),),
+        _accept_kernel,
+        grid=(slots.shape[0],),
         out_shape=(jax.ShapeDtypeStruct(pending.shape, jnp.int32),
                    jax.ShapeDtypeStruct(drafted.shape, jnp.int32),
                    jax.ShapeDtypeStruct(slots.shape, jnp.int32)),
         input_output_aliases={2: 0, 3: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="gdn_carry_accept",
     )(slots, accepted, pending, drafted)

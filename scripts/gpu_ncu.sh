@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute launch statistics and occupancy (registers a thread, blocks an SM) of the
 # carried verify at the bench shape (T=4), one launch per block variant given as arguments
-# ("exact" or proj:block_v:num_warps:dot_precision, e.g. dot:64:4:ieee; default: the fast default).
+# ("exact" or proj:block_v:num_warps, e.g. dot:64:4; default: the fast default).
 # Launch stats + occupancy only: a full section set replays ~18 times per kernel and took
 # minutes (2026-11-30: a run over three kernels hit its timeout and left the GPU unusable).
 OUT=${OUT:-./gpu_out}
@@ -20,11 +20,8 @@ q, k, v, g, beta, pool, slots = bv._inputs(B, T, B, seed=1)
 for name in "$VARIANTS".split():
     exact, block = name == "exact", None
     if name not in ("exact", "default"):
-        proj, bvv, w, prec, *extra = name.split(":")
-        block = kv.VerifyBlockSizes(int(bvv), int(w), proj=proj, dot_precision=prec,
-                                    fold=extra[0] if extra else "rows",
-                                    evict_first=len(extra) > 1 and extra[1] == "evict",
-                                    wy_in_kernel="prelude" not in extra)
+        proj, bvv, w = name.split(":")
+        block = kv.VerifyBlockSizes(int(bvv), int(w), proj=proj)
     st = vf.DeltaStash.init(B, num_v_heads=bv.HV, head_k_dim=bv.K, head_v_dim=bv.V)
     o, p, st = vf.carried_verify(q, k, v, g, beta, jnp.array(pool, copy=True), st, slots, exact=exact,
                                  use_qk_l2norm=True, impl="pallas", block_sizes=block)
