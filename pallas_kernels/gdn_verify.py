@@ -13,10 +13,11 @@ padding: no state or stash traffic at all, output rows zero.
                   bank. Flavours (static): exact -- T calls of the decode kernel's own
                   `token_update` (16-bit state rounded after every token, as decode's store
                   does), so outputs and folded states are bit-identical to T decode launches
-                  with the same tile shape and num_warps; fast -- the WY form (fp32 state only): an
-                  XLA prelude prepares q, k and the T x T WY matrices, the kernel folds the
-                  pending rows as one rank-C update and forms all 2T projections k^T S, q^T S
-                  as one fp32 dot (see "fast flavour" below).
+                  with the same tile shape and num_warps; fast -- the WY form (fp32 state only):
+                  one XLA reduction forms the dot products of the raw q, k rows, each program
+                  solves its head's T x T WY scalars from them, folds the pending rows as one
+                  rank-C update and forms all 2T projections k^T S, q^T S as one fp32 dot (see
+                  "fast flavour" below).
   flush           fold the pending rows of the named slots into H (exact fold).
   accept_counts   the verdict: pending[slot] = accepted, drafted[slot] = 0 (one program per row;
                   one launch instead of XLA's gather and two scatters).
@@ -333,11 +334,14 @@ def _carried_verify_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref
 
 
 # --------------------------------------------------------------------------- fast flavour (WY)
-# The fast flavour splits the work: everything that does not touch the state (L2 norms, the
-# T x T Gram scalars and the triangular solve of the WY form) runs in XLA before the launch on
-# [B, T, ...] tokens (`_fast_prelude`), so the kernel does no cross-thread scalar reduction; per
-# [K, block_v] tile it folds the pending rows as one rank-C update, forms the 2T projections
-# (one fp32 dot, or 2T column reductions) and combines them with those scalars.
+# The fast flavour keeps cross-thread scalar reductions out of the kernel: the dot products of
+# the raw q, k rows (norms included) come from one XLA reduction before the launch (`_raw_gram`);
+# each program turns its head's entries into the row factors (L2 norm, scale) and the T x T WY
+# matrices with scalar arithmetic (`_wy_scalars`; KDA, whose gate weighs every channel inside
+# the Gram sums, takes them from an XLA prelude instead: `_fast_prelude`). Per [K, block_v]
+# tile it folds the pending rows as one rank-C update, forms the 2T projections (one fp32 dot,
+# or 2T column reductions) and combines them with those scalars. Each XLA kernel before the
+# launch costs ~1 us of a ~200 us round (launch gap included): one instead of seven.
 
 def _raw_gram(q, k):
     """The dot products of the raw rows of each key head, fp32: q_i.q_j, k_i.k_j, q_i.k_j, each
