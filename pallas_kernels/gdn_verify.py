@@ -376,8 +376,7 @@ def _wy_solve(C, D, betas):
             for j in range(l, i):
                 term = C[i][j] * A[j][l]
                 acc = term if acc is None else acc + term
-            row.append(betas[i] if acc is None else
-                       (betas[i] * (1.0 - acc) if l == i else -(betas[i] * acc)))
+            row.append(betas[i] if l == i else -(betas[i] * acc))
         A.append(row)
     E = []
     for i in range(T):
@@ -421,13 +420,12 @@ def _fast_prelude(q, k, g, beta, spec):
     solve these itself from `_raw_gram`: VerifyBlockSizes.wy_in_kernel.)"""
     T, HV, HK = spec.num_tokens, spec.num_v_heads, spec.num_k_heads
     grp = HV // HK
-    x = jnp.concatenate([q, k], axis=1).astype(F32)                              # [B, 2T, HK, K]
-    sq = jnp.sum(x * x, axis=-1)                                                 # [B, 2T, HK]
-    rq, rk = _row_factors([sq[:, t] for t in range(T)], [sq[:, T + t] for t in range(T)], spec)
-    r = jnp.stack(rq + rk, axis=1)                                               # [B, 2T, HK]
-    rep = lambda a: jnp.repeat(a, grp, axis=-1)                                  # HK -> HV (last)
     bt = [beta[:, t].astype(F32) for t in range(T)]                              # [B, HV]
     if spec.per_channel_gate:
+        x = jnp.concatenate([q, k], axis=1).astype(F32)                          # [B, 2T, HK, K]
+        sq = jnp.sum(x * x, axis=-1)                                             # [B, 2T, HK]
+        rq, rk = _row_factors([sq[:, t] for t in range(T)], [sq[:, T + t] for t in range(T)], spec)
+        r = jnp.stack(rq + rk, axis=1)                                           # [B, 2T, HK]
         G = jnp.cumsum(g.astype(F32), axis=1)                                    # [B, T, HV, K]
         xn = jnp.repeat(x * r[..., None], grp, axis=2)                           # [B, 2T, HV, K]
         dot_w = lambda a, c, i, j: jnp.sum(a * c * jnp.exp(G[:, i] - G[:, j]), axis=-1)
@@ -435,7 +433,11 @@ def _fast_prelude(q, k, g, beta, spec):
         D = [[dot_w(xn[:, i], xn[:, T + j], i, j) for j in range(i + 1)] for i in range(T)]
         A, E = _wy_solve(C, D, bt)
     else:
-        qq, kk, qk = (rep(a) for a in _raw_gram(q, k))                           # [B, T, T, HV]
+        gram = _raw_gram(q, k)                                                   # [B, T, T, HK]
+        rq, rk = _row_factors([gram[0][:, t, t] for t in range(T)],
+                              [gram[1][:, t, t] for t in range(T)], spec)
+        r = jnp.stack(rq + rk, axis=1)                                           # [B, 2T, HK]
+        qq, kk, qk = (jnp.repeat(a, grp, axis=-1) for a in gram)                 # [B, T, T, HV]
         gs = [g[:, t].astype(F32) for t in range(T)]
         _, _, A, E = _wy_scalars([qq[:, t, t] for t in range(T)], [kk[:, t, t] for t in range(T)],
                                  [[kk[:, i, j] for j in range(i)] for i in range(T)],
