@@ -88,7 +88,8 @@ def _positive(name, val):
 class DeltaStash:
     """Per-slot stash of the carried-state verify for one delta-rule layer.
 
-    k        [slots, 2, HV, C, K]   prepared keys (L2-normed when asked, per value head), fp32
+    k        [slots, 2, HK, C, K]   prepared keys (L2-normed when asked), fp32, one row per key
+                                    head (the HV / HK value heads of a group share it)
     u        [slots, 2, HV, C, V]   deltas beta (v - S^T k) on the decayed S, fp32
     g        [slots, 2, HV, C]      GDN log decays, or [slots, 2, HV, C, K] for KDA, fp32
     bank     [slots] int32          which of the two banks holds the slot's rows
@@ -104,18 +105,23 @@ class DeltaStash:
     drafted: jax.Array
 
     @classmethod
-    def init(cls, num_slots, *, num_v_heads, head_k_dim, head_v_dim, capacity=DEFAULT_STASH_CAPACITY,
-             per_channel_gate=False):
-        """An empty stash (nothing pending) for a pool of `num_slots` states."""
+    def init(cls, num_slots, *, num_v_heads, head_k_dim, head_v_dim, num_k_heads=None,
+             capacity=DEFAULT_STASH_CAPACITY, per_channel_gate=False):
+        """An empty stash (nothing pending) for a pool of `num_slots` states. `num_k_heads`
+        (default: num_v_heads) is the layer's key-head count: the k rows are kept once per key
+        head, so grouped value heads (GVA) need it."""
+        hk = num_v_heads if num_k_heads is None else num_k_heads
         for name, val in (("num_slots", num_slots), ("num_v_heads", num_v_heads),
-                          ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim),
-                          ("capacity", capacity)):
+                          ("num_k_heads", hk), ("head_k_dim", head_k_dim),
+                          ("head_v_dim", head_v_dim), ("capacity", capacity)):
             _positive(name, val)
+        if int(num_v_heads) % int(hk):
+            raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_k_heads={hk}")
         s, hv, c = int(num_slots), int(num_v_heads), int(capacity)
         gshape = (s, 2, hv, c, head_k_dim) if per_channel_gate else (s, 2, hv, c)
         # Separate buffers per counter: a donated pytree must not hold one buffer twice.
         zeros_i = lambda: jnp.zeros((s,), jnp.int32)
-        return cls(k=jnp.zeros((s, 2, hv, c, head_k_dim), F32), u=jnp.zeros((s, 2, hv, c, head_v_dim), F32),
+        return cls(k=jnp.zeros((s, 2, int(hk), c, head_k_dim), F32), u=jnp.zeros((s, 2, hv, c, head_v_dim), F32),
                    g=jnp.zeros(gshape, F32), bank=zeros_i(), pending=zeros_i(), drafted=zeros_i())
 
     @property
@@ -273,14 +279,18 @@ def _check_pool(pool, hv, kd, vd, name="pool"):
         raise ValueError(f"{name} must be float32, float16 or bfloat16, got {pool.dtype}")
 
 
-def _check_stash(stash, pool, kind, name="stash"):
+def _check_stash(stash, pool, kind, num_k_heads=None, name="stash"):
+    """The stash fits the pool (and the tokens' key-head count when given)."""
     if not isinstance(stash, DeltaStash):
         raise ValueError(f"{name} must be a DeltaStash, got {type(stash).__name__}")
     s, hv, kd, vd = pool.shape
-    want_k = (s, 2, hv, stash.capacity, kd)
-    if stash.k.shape != want_k or stash.u.shape != (s, 2, hv, stash.capacity, vd):
+    hk = stash.k.shape[2] if num_k_heads is None and stash.k.ndim == 5 else num_k_heads
+    want_k = (s, 2, hk, stash.capacity, kd)
+    if (stash.k.shape != want_k or not hk or hv % hk
+            or stash.u.shape != (s, 2, hv, stash.capacity, vd)):
         raise ValueError(f"{name} does not match the pool {pool.shape}: k {stash.k.shape}, u {stash.u.shape} "
-                         f"(want k {want_k}); build it with DeltaStash.init(num_slots={s}, ...)")
+                         f"(want k {want_k}, one row per key head); build it with "
+                         f"DeltaStash.init(num_slots={s}, num_k_heads=..., ...)")
     if stash.per_channel_gate != (kind == "kda"):
         raise ValueError(f"{name} holds {'per-channel (KDA)' if stash.per_channel_gate else 'scalar (GDN)'} gates "
                          f"but g is {kind.upper()}'s; init it with per_channel_gate={kind == 'kda'}")
@@ -490,7 +500,7 @@ def carried_verify(q, k, v, g, beta, pool, stash, slots, *, exact=True, scale=No
     Padding rows (-1) read and write nothing and give zero outputs."""
     kind, b, t, hk, hv, kd, vd = _check_tokens(q, k, v, g, beta)
     _check_pool(pool, hv, kd, vd)
-    _check_stash(stash, pool, kind)
+    _check_stash(stash, pool, kind, num_k_heads=hk)
     _check_slots(slots, b, pool.shape[0])
     if t > stash.capacity:
         raise ValueError(f"q holds T={t} tokens, more than the stash capacity {stash.capacity}")
@@ -533,10 +543,12 @@ def _after_verify(stash, slots, t):
 
 
 def _bank_rows(stash, slots, bank):
-    """The k, u, g rows of bank `bank[b]` of each row's slot: [B, HV, C, ...]."""
+    """The k, u, g rows of bank `bank[b]` of each row's slot: [B, HV, C, ...] (k rows expanded
+    from the key heads)."""
     pick = lambda a: jnp.take_along_axis(
         _gather(a, slots), bank.reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)[:, 0]
-    return pick(stash.k), pick(stash.u), pick(stash.g)
+    hv = stash.u.shape[2]
+    return ref.expand_kv_heads(pick(stash.k), hv, 1), pick(stash.u), pick(stash.g)
 
 
 @functools.partial(jax.jit, static_argnames=("exact", "scale", "use_qk_l2norm"),
@@ -554,14 +566,15 @@ def _carried_verify_ref(q, k, v, g, beta, pool, stash, slots, *, exact, scale, u
 
     # New rows into the other bank, positions 0..t-1 (the rest of that bank is left as it was).
     other = 1 - bank
-    def put(arr, rows):                         # rows [B, T, HV, ...] -> arr[slot, other, :, :t]
+    def put(arr, rows):                         # rows [B, T, H, ...] -> arr[slot, other, :, :t]
         rows = jnp.moveaxis(rows, 1, 2)         # [B, HV, T, ...]
         cur = _gather(arr, slots)               # [B, 2, HV, C, ...]
         sel = jnp.take_along_axis(cur, other.reshape((-1,) + (1,) * (cur.ndim - 1)), axis=1)[:, 0]
         sel = sel.at[:, :, :t].set(rows.astype(arr.dtype))
         idx = jnp.where(live, slots, arr.shape[0])
         return arr.at[idx, other].set(sel, mode="drop")
-    stash = dataclasses.replace(stash, k=put(stash.k, kf), u=put(stash.u, u), g=put(stash.g, gf))
+    k_rows = kf[:, :, ::kf.shape[2] // stash.k.shape[2]]        # one row per key head
+    stash = dataclasses.replace(stash, k=put(stash.k, k_rows), u=put(stash.u, u), g=put(stash.g, gf))
     return _mask_rows(o, live).astype(q.dtype), pool, _after_verify(stash, slots, t)
 
 

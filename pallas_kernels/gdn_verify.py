@@ -24,7 +24,8 @@ padding: no state or stash traffic at all, output rows zero.
 
 The stash is double-banked (`bank[slot]` holds the slot's rows): a verify reads the pending
 rows of one bank and writes the new rows into the other, so its programs need no ordering
-between them (k and g rows are shared by all column programs of a head; program 0 writes them).
+between them (g rows are shared by all column programs of a value head, k rows by every value
+head of a key head's group: one program writes each).
 Counters: the launcher gathers each batch row's bank and pending count before the launch
 (`_row_counters`), and the programs read only those copies. So a program's stash address
 depends on two loads issued together (slots[b], bank[b]), not on a chain slots[b] ->
@@ -180,9 +181,20 @@ def _program(slots_ref, pool_ref, block):
     return b, h, j, jnp.where(valid, slot, 0), valid, pl.ds(j * block.block_v, block.block_v)
 
 
+def _key_head(h, spec):
+    """The key head value head h reads (and whose stash k rows it shares)."""
+    return h // (spec.num_v_heads // spec.num_k_heads)
+
+
+def _writes_key_rows(h, j, spec):
+    """One program per key head writes its stash k rows: column block 0 of the group's first
+    value head (the others read the same rows, never the bank being written)."""
+    return (j == 0) & (h % (spec.num_v_heads // spec.num_k_heads) == 0)
+
+
 def _load_token(q_ref, k_ref, v_ref, g_ref, beta_ref, b, t, h, cols, spec):
     """Token t of row b for head h, prepared exactly as the decode kernel prepares it."""
-    kh = h // (spec.num_v_heads // spec.num_k_heads)
+    kh = _key_head(h, spec)
     q = q_ref[b, t, kh, :].astype(F32)
     k = k_ref[b, t, kh, :].astype(F32)
     if spec.use_qk_l2norm:
@@ -201,9 +213,9 @@ def _fold_pending(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, cols,
     Every row of the bank is loaded up front (one memory latency for all of them, instead of a
     dependent load per loop trip) and folded under a select, so rows past `count` leave the
     tile bit-for-bit as it was whatever they hold."""
-    rows = []
+    rows, kh = [], _key_head(h, spec)
     for i in range(stash_k_ref.shape[3]):       # static: the stash capacity
-        k = stash_k_ref[slot, bank, h, i, :]
+        k = stash_k_ref[slot, bank, kh, i, :]
         u = stash_u_ref[slot, bank, h, i, cols]
         g = stash_g_ref[slot, bank, h, i, :] if spec.per_channel_gate else stash_g_ref[slot, bank, h, i]
         rows.append((k, u, g))
@@ -318,14 +330,18 @@ def _carried_verify_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref
             o_ref[b, t, h, cols] = o.astype(o_ref.dtype)
             stash_u_out[slot, other, h, t, cols] = u
 
-        @pl.when(j == 0)                # k and g rows belong to the whole head: one writer
+        @pl.when(j == 0)                # g rows belong to the whole head: one writer
         def _():
-            for t, (_, k, _, g, _) in enumerate(tokens):
-                stash_k_out[slot, other, h, t, :] = k
+            for t, (_, _, _, g, _) in enumerate(tokens):
                 if spec.per_channel_gate:
                     stash_g_out[slot, other, h, t, :] = g
                 else:
                     stash_g_out[slot, other, h, t] = g
+
+        @pl.when(_writes_key_rows(h, j, spec))
+        def _():
+            for t, (_, k, _, _, _) in enumerate(tokens):
+                stash_k_out[slot, other, _key_head(h, spec), t, :] = k
 
     @pl.when(jnp.logical_not(valid))
     def _():
@@ -455,9 +471,9 @@ def _fold_pending_fast(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, 
     S <- e^{G_P} S + sum_i (k_i e^{G_P - G_i}) u_i^T, G_i the cumulative (masked) pending gates.
     Rows past `count` get zero coefficients and zeroed u (no select on the tile)."""
     C = stash_k_ref.shape[3]
-    rows = []
+    rows, kh = [], _key_head(h, spec)
     for i in range(C):
-        k = stash_k_ref[slot, bank, h, i, :]
+        k = stash_k_ref[slot, bank, kh, i, :]
         u = stash_u_ref[slot, bank, h, i, cols]
         g = stash_g_ref[slot, bank, h, i, :] if spec.per_channel_gate else stash_g_ref[slot, bank, h, i]
         live = i < count
@@ -506,7 +522,7 @@ def _carried_fast_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, 
     b, h, j, slot, valid, cols = _program(slots_ref, pool_ref, block)
     T = spec.num_tokens
     _update_counters(bank_ref, bank_out, pending_out, drafted_out, b, h, j, slot, valid, T)
-    kh = h // (spec.num_v_heads // spec.num_k_heads)
+    kh = _key_head(h, spec)
 
     @pl.when(valid)
     def _():
@@ -560,11 +576,15 @@ def _carried_fast_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, 
         @pl.when(j == 0)
         def _():
             for t in range(T):
-                stash_k_out[slot, other, h, t, :] = ks[t]
                 if spec.per_channel_gate:
                     stash_g_out[slot, other, h, t, :] = gs[t]
                 else:
                     stash_g_out[slot, other, h, t] = gs[t]
+
+        @pl.when(_writes_key_rows(h, j, spec))
+        def _():
+            for t in range(T):
+                stash_k_out[slot, other, kh, t, :] = ks[t]
 
     @pl.when(jnp.logical_not(valid))
     def _():
@@ -624,9 +644,9 @@ def _check_stash(spec, pool, stash_k, stash_u, stash_g, bank, pending):
     s = pool.shape[0]
     hv, kd, vd = spec.num_v_heads, spec.k_dim, spec.v_dim
     if getattr(stash_k, "ndim", None) != 5:
-        raise ValueError(f"stash_k must be [slots, 2, HV, C, K], got {getattr(stash_k, 'shape', None)}")
+        raise ValueError(f"stash_k must be [slots, 2, HK, C, K], got {getattr(stash_k, 'shape', None)}")
     c = stash_k.shape[3]
-    _need("stash_k", stash_k, (s, 2, hv, c, kd))
+    _need("stash_k", stash_k, (s, 2, spec.num_k_heads, c, kd))
     _need("stash_u", stash_u, (s, 2, hv, c, vd))
     _need("stash_g", stash_g, (s, 2, hv, c, kd) if spec.per_channel_gate else (s, 2, hv, c))
     _need("bank", bank, (s,))
@@ -686,7 +706,8 @@ def carried_verify(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pend
                    *, exact=True, scale=None, use_qk_l2norm=False, rank1_first=True,
                    block: VerifyBlockSizes | None = None, interpret=False):
     """Carried-state verify (see the module docstring). Stash arrays as gdn_jax.verify.DeltaStash:
-    stash_k [slots, 2, HV, C, K], stash_u [slots, 2, HV, C, V], stash_g [slots, 2, HV, C(, K)],
+    stash_k [slots, 2, HK, C, K] (one row per key head), stash_u [slots, 2, HV, C, V],
+    stash_g [slots, 2, HV, C(, K)],
     bank, pending and drafted [slots] int32. Returns (o [B, T, HV, V], pool, stash_k, stash_u,
     stash_g, bank, pending, drafted): every output but o aliases its input (donate them at the jit
     boundary); the named slots' counters come back updated (bank flipped, pending 0, drafted T)."""
@@ -796,7 +817,10 @@ def flush(pool, stash_k, stash_u, stash_g, bank, pending, slots, *, rank1_first=
     if getattr(slots, "ndim", None) != 1 or not jnp.issubdtype(slots.dtype, jnp.integer):
         raise ValueError(f"slots must be a 1-D int32 array, got {getattr(slots, 'shape', None)}")
     per_channel = getattr(stash_g, "ndim", None) == 5
-    spec = VerifySpec(num_k_heads=hv, num_v_heads=hv, k_dim=kd, v_dim=vd, num_tokens=1, scale=1.0,
+    hk = stash_k.shape[2] if getattr(stash_k, "ndim", None) == 5 else hv
+    if hk <= 0 or hv % hk:
+        raise ValueError(f"stash_k has {hk} key heads; the pool's HV={hv} must be a multiple")
+    spec = VerifySpec(num_k_heads=hk, num_v_heads=hv, k_dim=kd, v_dim=vd, num_tokens=1, scale=1.0,
                       per_channel_gate=per_channel, exact=True, rank1_first=bool(rank1_first))
     _check_stash(spec, pool, stash_k, stash_u, stash_g, bank, pending)
     block = block or default_block_sizes(slots.shape[0], vd, pool.dtype, True)

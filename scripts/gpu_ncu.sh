@@ -22,7 +22,8 @@ for name in "$VARIANTS".split():
     if name not in ("exact", "default"):
         proj, bvv, w = name.split(":")
         block = kv.VerifyBlockSizes(int(bvv), int(w), proj=proj)
-    st = vf.DeltaStash.init(B, num_v_heads=bv.HV, head_k_dim=bv.K, head_v_dim=bv.V)
+    st = vf.DeltaStash.init(B, num_v_heads=bv.HV, num_k_heads=bv.HK, head_k_dim=bv.K,
+                        head_v_dim=bv.V)
     o, p, st = vf.carried_verify(q, k, v, g, beta, jnp.array(pool, copy=True), st, slots, exact=exact,
                                  use_qk_l2norm=True, impl="pallas", block_sizes=block)
     jax.block_until_ready(o); print("ran", name, flush=True)

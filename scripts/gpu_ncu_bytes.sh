@@ -14,7 +14,8 @@ from gdn_jax.bench import verify as bv
 B, T = 128, 4
 q, k, v, g, beta, pool, slots = bv._inputs(B, T, B, seed=1)
 print("state bytes", pool.size * 4, flush=True)
-st = vf.DeltaStash.init(B, num_v_heads=bv.HV, head_k_dim=bv.K, head_v_dim=bv.V)
+st = vf.DeltaStash.init(B, num_v_heads=bv.HV, num_k_heads=bv.HK, head_k_dim=bv.K,
+                        head_v_dim=bv.V)
 acc = jnp.full((B,), T, jnp.int32)
 for r in range(2):            # the second verify folds the 4 rows the first one stashed
     o, pool, st = vf.carried_verify(q, k, v, g, beta, pool, st, slots, exact=False,

@@ -191,7 +191,8 @@ def run_schedule(mode, case, *, seed, rounds, widths=(3,), path="carried", decod
     pool0 = _pool(rng, S=case.S, HV=case.HV, K=case.K, V=case.V, dtype=case.state_dtype,
                   sentinels=case.sentinels)
     pool, oracle = jnp.array(pool0, copy=True), jnp.array(pool0, copy=True)
-    stash = vf.DeltaStash.init(case.S, num_v_heads=case.HV, head_k_dim=case.K, head_v_dim=case.V,
+    stash = vf.DeltaStash.init(case.S, num_v_heads=case.HV, num_k_heads=case.HK, head_k_dim=case.K,
+                               head_v_dim=case.V,
                                per_channel_gate=case.kind == "kda")
     dims = dict(HK=case.HK, HV=case.HV, K=case.K, V=case.V, kind=case.kind, dtype=case.in_dtype)
     n_verify = 0
@@ -312,7 +313,7 @@ def _small(seed=0, *, B=3, T=3, kind="gdn", S=5, sdt=F32):
     rng = np.random.default_rng(seed)
     toks = _tokens(rng, B=B, T=T, HK=1, HV=2, K=16, V=16, kind=kind)
     pool = _pool(rng, S=S, HV=2, K=16, V=16, dtype=sdt, sentinels=0)
-    stash = vf.DeltaStash.init(S, num_v_heads=2, head_k_dim=16, head_v_dim=16,
+    stash = vf.DeltaStash.init(S, num_v_heads=2, num_k_heads=1, head_k_dim=16, head_v_dim=16,
                                per_channel_gate=kind == "kda")
     return toks, pool, stash
 
@@ -423,8 +424,14 @@ def test_bad_inputs_raise_value_error_naming_the_argument():
     with pytest.raises(ValueError, match="^stash holds scalar"):
         call(g=jnp.broadcast_to(g[..., None], g.shape + (16,)))
     with pytest.raises(ValueError, match="stash capacity"):
-        small = vf.DeltaStash.init(5, num_v_heads=2, head_k_dim=16, head_v_dim=16, capacity=2)
+        small = vf.DeltaStash.init(5, num_v_heads=2, num_k_heads=1, head_k_dim=16, head_v_dim=16,
+                                   capacity=2)
         call(stash=small)
+    with pytest.raises(ValueError, match="^stash does not match the pool.*one row per key head"):
+        per_value_head = vf.DeltaStash.init(5, num_v_heads=2, head_k_dim=16, head_v_dim=16)
+        call(stash=per_value_head)             # k rows for 2 heads, the tokens have 1 key head
+    with pytest.raises(ValueError, match="^num_v_heads=3 must be a multiple of num_k_heads=2"):
+        vf.DeltaStash.init(5, num_v_heads=3, num_k_heads=2, head_k_dim=16, head_v_dim=16)
     with pytest.raises(ValueError, match="^pool is bfloat16: the fast flavour"):
         call(pool=pool.astype(BF16), exact=False)
     with pytest.raises(ValueError, match="^impl must be one of"):
@@ -537,7 +544,7 @@ def test_kernels_lower_to_triton_ir(monkeypatch, per_channel, sdt, exact, proj):
     q, v = jnp.ones((B, T, HK, K), BF16), jnp.ones((B, T, HV, K), BF16)
     g = jnp.ones((B, T, HV, K) if per_channel else (B, T, HV))
     pool = jax.ShapeDtypeStruct((S, HV, K, K), sdt)
-    sk, su = jnp.ones((S, 2, HV, C, K)), jnp.ones((S, 2, HV, C, K))
+    sk, su = jnp.ones((S, 2, HK, C, K)), jnp.ones((S, 2, HV, C, K))
     sg = jnp.ones((S, 2, HV, C, K) if per_channel else (S, 2, HV, C))
     ints, slots = jnp.zeros(S, jnp.int32), jnp.zeros(B, jnp.int32)
     spec = kv._spec_from(q, v, g, scale=None, use_qk_l2norm=True, exact=exact)
@@ -549,7 +556,7 @@ def test_kernels_lower_to_triton_ir(monkeypatch, per_channel, sdt, exact, proj):
     assert "__gpu$xla.gpu.triton" in hlo and "output_operand_aliases" in hlo
     hlo = lower(kv._verify_states_launch, q, q, v, g, jnp.ones((B, T, HV)), pool, slots, spec=spec)
     assert "__gpu$xla.gpu.triton" in hlo
-    fspec = dataclasses.replace(spec, num_k_heads=HV, num_tokens=1)
+    fspec = dataclasses.replace(spec, num_tokens=1)
     hlo = lower(kv._flush_launch, pool, sk, su, sg, ints, ints, slots, spec=fspec)
     assert "__gpu$xla.gpu.triton" in hlo and "output_operand_aliases" in hlo
 
@@ -566,7 +573,8 @@ def test_gpu_fold_operand_order_report(capsys):
     for rank1_first in (True, False):
         pool = _pool(rng, S=case.S, HV=4, K=128, V=128, dtype=F32, sentinels=0)
         oracle = jnp.array(pool, copy=True)
-        stash = vf.DeltaStash.init(case.S, num_v_heads=4, head_k_dim=128, head_v_dim=128)
+        stash = vf.DeltaStash.init(case.S, num_v_heads=4, num_k_heads=2, head_k_dim=128,
+                                   head_v_dim=128)
         slots = jnp.arange(case.B, dtype=jnp.int32)
         toks = _tokens(rng, B=case.B, T=4, HK=2, HV=4, K=128, V=128, kind="gdn")
         acc = jnp.full((case.B,), 4, jnp.int32)
@@ -591,7 +599,8 @@ def _fast_variant_rounds(case, block, *, seed, rounds=3):
     rng = np.random.default_rng(seed)
     pool0 = _pool(rng, S=case.S, HV=case.HV, K=case.K, V=case.V, dtype=F32, sentinels=case.sentinels)
     kind = case.kind
-    mk = lambda: vf.DeltaStash.init(case.S, num_v_heads=case.HV, head_k_dim=case.K, head_v_dim=case.V,
+    mk = lambda: vf.DeltaStash.init(case.S, num_v_heads=case.HV, num_k_heads=case.HK, head_k_dim=case.K,
+                                    head_v_dim=case.V,
                                     per_channel_gate=kind == "kda")
     got = [jnp.array(pool0, copy=True), mk()]
     want = [jnp.array(pool0, copy=True), mk()]

@@ -98,7 +98,7 @@ def _check_exact(interp) -> bool:
     from gdn_jax import verify as vf
     T = 4
     q, k, v, g, beta, pool, slots = _inputs(B, T, B, seed=99)
-    st = vf.DeltaStash.init(B, num_v_heads=HV, head_k_dim=K, head_v_dim=V)
+    st = vf.DeltaStash.init(B, num_v_heads=HV, num_k_heads=HK, head_k_dim=K, head_v_dim=V)
     o, pc, st = vf.carried_verify(q, k, v, g, beta, jnp.array(pool, copy=True), st, slots,
                                   use_qk_l2norm=True, impl="pallas", interpret=interp)
     st, _ = vf.accept(st, slots, jnp.full((B,), T, jnp.int32))
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
         add("states verify + commit", T, sec, (2 + T) * state_bytes + state_bytes + tok_bytes(T))
         results[("states", T)] = sec
 
-        stash_rw = lambda t: B * HV * t * (2 * (K + V + 1)) * 4
+        stash_rw = lambda t: B * t * (HK * K + HV * (V + 1)) * 2 * 4   # k rows per key head
 
         def carried_round(carry, c, exact=True, block=None, accept_impl="auto"):
             pool, stash = carry
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
             return pool, vf.accept(stash, slots, acc, impl=accept_impl, interpret=interp)[0]
 
         def fresh_carry():
-            st = vf.DeltaStash.init(S, num_v_heads=HV, head_k_dim=K, head_v_dim=V)
+            st = vf.DeltaStash.init(S, num_v_heads=HV, num_k_heads=HK, head_k_dim=K, head_v_dim=V)
             return (jnp.array(pool, copy=True), st)
 
         sec = _time(carried_round, fresh_carry(), (*toks, accepted), args.unroll, args.calls,

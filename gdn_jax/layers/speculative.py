@@ -136,8 +136,8 @@ def init_speculative_state(block, num_slots, *, dtype=jnp.float32, conv_dtype=jn
     base = block.init_state(num_slots, dtype=dtype, conv_dtype=conv_dtype)
     return SpeculativeState(
         recurrent=base.recurrent, conv=base.conv,
-        delta=vf.DeltaStash.init(num_slots, num_v_heads=d.num_v_heads, head_k_dim=d.head_k_dim,
-                                 head_v_dim=d.head_v_dim, capacity=capacity,
+        delta=vf.DeltaStash.init(num_slots, num_v_heads=d.num_v_heads, num_k_heads=d.num_k_heads,
+                                 head_k_dim=d.head_k_dim, head_v_dim=d.head_v_dim, capacity=capacity,
                                  per_channel_gate=d.per_channel_gate),
         conv_stash=vf.ConvStash.init(num_slots, conv_dim=base.conv.shape[2], capacity=capacity,
                                      dtype=conv_dtype))
