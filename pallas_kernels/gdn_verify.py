@@ -407,19 +407,17 @@ def _wy_solve(C, D, betas):
     return A, E
 
 
-def _wy_scalars(sq_q, sq_k, kk, qk, gs, betas, spec):
-    """Row factors and WY matrices of one (row, head) from the raw Gram entries: sq_q/sq_k the
-    squared norms, kk[i][j] = k_i.k_j (j < i), qk[i][j] = q_i.k_j (j <= i), gs the scalar log
+def _wy_scalars(rq, rk, kk, qk, gs, betas):
+    """WY matrices of one (row, head) from the raw Gram entries: rq/rk the row factors
+    (`_row_factors`), kk[i][j] = k_i.k_j (j < i), qk[i][j] = q_i.k_j (j <= i), gs the scalar log
     decays, betas. Elementwise: runs on scalars in a kernel or on arrays in XLA."""
     T = len(gs)
-    rq, rk = _row_factors(sq_q, sq_k, spec)
     G = [gs[0]]
     for t in range(1, T):
         G.append(G[-1] + gs[t])
     C = [[kk[i][j] * rk[i] * rk[j] * jnp.exp(G[i] - G[j]) for j in range(i)] for i in range(T)]
     D = [[qk[i][j] * rq[i] * rk[j] * jnp.exp(G[i] - G[j]) for j in range(i + 1)] for i in range(T)]
-    A, E = _wy_solve(C, D, betas)
-    return rq, rk, A, E
+    return _wy_solve(C, D, betas)
 
 
 def _fast_prelude(q, k, g, beta, spec):
@@ -453,12 +451,12 @@ def _fast_prelude(q, k, g, beta, spec):
         rq, rk = _row_factors([gram[0][:, t, t] for t in range(T)],
                               [gram[1][:, t, t] for t in range(T)], spec)
         r = jnp.stack(rq + rk, axis=1)                                           # [B, 2T, HK]
-        qq, kk, qk = (jnp.repeat(a, grp, axis=-1) for a in gram)                 # [B, T, T, HV]
+        rep = lambda a: jnp.repeat(a, grp, axis=-1)                              # HK -> HV
+        kk, qk = rep(gram[1]), rep(gram[2])                                      # [B, T, T, HV]
         gs = [g[:, t].astype(F32) for t in range(T)]
-        _, _, A, E = _wy_scalars([qq[:, t, t] for t in range(T)], [kk[:, t, t] for t in range(T)],
-                                 [[kk[:, i, j] for j in range(i)] for i in range(T)],
-                                 [[qk[:, i, j] for j in range(i + 1)] for i in range(T)],
-                                 gs, bt, spec)
+        A, E = _wy_scalars([rep(x) for x in rq], [rep(x) for x in rk],
+                           [[kk[:, i, j] for j in range(i)] for i in range(T)],
+                           [[qk[:, i, j] for j in range(i + 1)] for i in range(T)], gs, bt)
     zero = jnp.zeros_like(bt[0])
     rows = [[A[i][l] if l <= i else zero for l in range(T)] for i in range(T)]
     rows += [[E[i][l] if l <= i else zero for l in range(T)] for i in range(T)]
@@ -533,11 +531,12 @@ def _carried_fast_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, 
               for t in range(T)]
         if _wy_in_kernel(spec, block):      # scalar math on this head's Gram entries
             beta_ref, qq_ref, kk_ref, qk_ref = wy_refs
-            rq, rk, A, E = _wy_scalars(
-                [qq_ref[b, t, t, kh] for t in range(T)], [kk_ref[b, t, t, kh] for t in range(T)],
-                [[kk_ref[b, i, jj, kh] for jj in range(i)] for i in range(T)],
+            rq, rk = _row_factors([qq_ref[b, t, t, kh] for t in range(T)],
+                                  [kk_ref[b, t, t, kh] for t in range(T)], spec)
+            A, E = _wy_scalars(
+                rq, rk, [[kk_ref[b, i, jj, kh] for jj in range(i)] for i in range(T)],
                 [[qk_ref[b, i, jj, kh] for jj in range(i + 1)] for i in range(T)],
-                gs, [beta_ref[b, t, h].astype(F32) for t in range(T)], spec)
+                gs, [beta_ref[b, t, h].astype(F32) for t in range(T)])
         else:
             r_ref, ae_ref = wy_refs
             rq = [r_ref[b, t, kh] for t in range(T)]
