@@ -1,0 +1,389 @@
+"""Chunked Gated DeltaNet prefill on tensor cores: two Pallas kernels over packed sequences.
+
+Every call is packed: the sequences of a batch lie one after another along the token axis
+(q, k [T_total, HK, K]; v [T_total, HV, V]; g, beta [T_total, HV]) and `cu_seqlens` [N + 1]
+names where each starts (a dense [B, T] batch is the packing cu_seqlens = 0, T, 2T, ...). No
+sequence is padded to another's length; empty and one-token sequences are legal.
+
+The sequences are cut into chunks of C = 64 tokens (the last chunk of a sequence may be
+shorter). With G_i the cumulative log decay from the chunk start, beta_i the write strength and
+keys already L2-normalised, the chunk's deltas solve a unit lower-triangular system (the WY / UT
+form of the delta rule):
+
+    (I + A) U = beta * V - W' S0,   A_ij = beta_i (k_i . k_j) e^{G_i - G_j}  (j < i)
+    T = (I + A)^-1,   W = T (beta e^G k),   U = T (beta v)      -> deltas  U - W S0
+    O = (q e^G) S0 + (q k^T  o  e^{G_i - G_j}, j <= i) (U - W S0)
+    S_C = e^{G_C} S0 + (k e^{G_C - G})^T (U - W S0)
+
+1. `_prep_kernel` (one program per chunk and value head, all in parallel) does everything that
+   does not depend on the state: gates from raw projections, in-chunk cumulative decay, the
+   q/k L2 norms (kept as row factors: q and k are never rewritten), A and its inverse; it writes
+   W and U, the masked intra-chunk attention matrix, the two row factors (q: norm * scale * e^G;
+   k: norm * e^{G_C - G}) and the chunk's total decay e^{G_C}.
+2. `_scan_kernel` (one program per sequence, value head and block of value columns) walks the
+   chunks of its sequence in order with the [K, block_v] state slab in registers: four matrix
+   products per chunk on the tensor cores (the raw q and k rows, the row factors applied to the
+   products), the outputs written as it goes, optionally the state after every chunk, and
+   finally the final state (or the pool slot it came from, in place).
+
+Numerics. Gates are clamped at GATE_FLOOR (e^-88 is below fp32's smallest normal number, so a
+clamped decay is still a full reset) so every cumulative sum is finite and a -inf gate cannot
+produce -inf - (-inf). The cumulative decay is kept as two sums, of hi = g rounded to a multiple
+of 1/16 and lo = g - hi: the hi sums are exact in fp32 (|sum| <= 64 * 88 * 16 < 2^24), so the
+pairwise differences G_i - G_j lose no precision however negative the gates before j were.
+
+Dots: fp32 inputs use three-pass TF32 (fp32 accuracy on tensor cores), 16-bit inputs one-pass
+TF32 on fp32 operands. Intermediates go through memory in the input dtype (bf16 for bf16 input).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+F32 = jnp.float32
+CHUNK = 64
+SUB = 16                 # diagonal blocks inverted by substitution
+GATE_FLOOR = -88.0
+GATE_QUANTUM = 16.0      # hi parts of the gates are multiples of 1 / GATE_QUANTUM
+L2NORM_EPS = 1e-6
+SOFTPLUS_THRESHOLD = 20.0
+
+__all__ = ["PrefillSpec", "PrefillBlockSizes", "unsupported_reason", "chunk_table",
+           "chunk_prefill"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillSpec:
+    """Static description of one prefill call (validated by the caller)."""
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    scale: float
+    use_qk_l2norm: bool = False
+    raw_gates: bool = False          # g, beta hold the raw projections a, b; A_log, dt_bias given
+    has_initial_state: bool = False  # initial_state [N, HV, K, V]
+    pooled: bool = False             # states live in a pool [P, HV, K, V] named by slots [N]
+    output_final_state: bool = True
+    boundary_states: bool = False    # also the state after every chunk
+    precise: bool = True             # fp32 inputs: three-pass TF32 dots
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillBlockSizes:
+    """Launch shape: the scan kernel's programs each own `block_v` value columns of one head."""
+    block_v: int = 64
+    num_warps_prep: int = 4
+    num_warps_scan: int = 4
+    num_stages_scan: int = 2
+
+    @staticmethod
+    def get_default(spec: PrefillSpec, num_sequences: int) -> "PrefillBlockSizes":
+        # Few (sequence, head) pairs: narrower column blocks give the scan enough programs, and
+        # software pipelining of the next chunk's loads pays; with many pairs the GPU is full
+        # and wider blocks read each chunk's rows fewer times (BENCHMARKS.md, prefill sweep).
+        if num_sequences * spec.num_v_heads < 128:
+            return PrefillBlockSizes(block_v=min(32, spec.head_v_dim), num_stages_scan=3)
+        return PrefillBlockSizes(block_v=min(64, spec.head_v_dim), num_stages_scan=1)
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None) -> str | None:
+    """None when the kernels can take the call, else why not."""
+    if not _pow2(spec.head_k_dim) or spec.head_k_dim > 256:
+        return f"head_k_dim={spec.head_k_dim} must be a power of two in [16, 256]"
+    if not _pow2(spec.head_v_dim) or spec.head_v_dim > 256:
+        return f"head_v_dim={spec.head_v_dim} must be a power of two in [16, 256]"
+    if block is not None:
+        if not _pow2(block.block_v) or spec.head_v_dim % block.block_v:
+            return f"block_v={block.block_v} must be a power of two >= 16 dividing V={spec.head_v_dim}"
+        for w in (block.num_warps_prep, block.num_warps_scan):
+            if w not in (1, 2, 4, 8):
+                return f"num_warps={w} must be 1, 2, 4 or 8"
+    return None
+
+
+# --------------------------------------------------------------------------- chunk bookkeeping
+
+def chunk_table(cu_seqlens: jax.Array, total_tokens: int):
+    """Chunks of every packed sequence, as XLA arrays (works on traced offsets).
+
+    Returns (chunk_start [S], chunk_len [S], first_chunk [N]) for S = ceil(T_total / C) + N chunk
+    slots, an upper bound of the number of chunks: slot s holds tokens
+    [chunk_start[s], chunk_start[s] + chunk_len[s]) of one sequence; unused slots have length 0.
+    Sequence n's chunks are slots first_chunk[n], first_chunk[n] + 1, ... in order."""
+    cu = cu_seqlens.astype(jnp.int32)
+    n = cu.shape[0] - 1
+    num_slots = pl.cdiv(total_tokens, CHUNK) + n
+    lens = cu[1:] - cu[:-1]
+    nch = (lens + CHUNK - 1) // CHUNK
+    ends = jnp.cumsum(nch)
+    first = ends - nch
+    s = jnp.arange(num_slots, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, s, side="right"), n - 1).astype(jnp.int32)
+    start = cu[seq] + (s - first[seq]) * CHUNK
+    length = jnp.where(s < ends[-1], jnp.clip(cu[seq + 1] - start, 0, CHUNK), 0)
+    return start, length.astype(jnp.int32), first.astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------- in-kernel math
+
+def _dot(a, b, precise, *, trans_a=False, trans_b=False, interpret=False):
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    if a.dtype != F32:  # 16-bit operands: exact products, fp32 accumulation
+        prec = None
+    elif interpret:
+        prec = lax.Precision.HIGHEST
+    elif precise:
+        prec = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    else:
+        prec = lax.DotAlgorithmPreset.TF32_TF32_F32
+    return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=F32)
+
+
+def _l2_normalize(x):
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def _softplus(x):
+    return jnp.where(x > SOFTPLUS_THRESHOLD, x,
+                     jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
+
+
+def _split_cumsum(g):
+    """In-chunk cumulative log decay as (hi, lo) sums; see the module docstring."""
+    g = jnp.maximum(g, GATE_FLOOR)
+    hi = jnp.floor(g * GATE_QUANTUM + 0.5) * (1.0 / GATE_QUANTUM)
+    lo = g - hi
+    return jnp.cumsum(hi, axis=0), jnp.cumsum(lo, axis=0)
+
+
+def _invert_unit_lower(A, precise, interpret):
+    """(I + A)^-1 for a strictly lower-triangular [C, C] A.
+
+    The SUB x SUB diagonal blocks are inverted together by forward substitution (row i of every
+    block per step, as one matrix product); with D that block-diagonal inverse and N = D A_off
+    (strictly block-lower, so N^4 = 0 for C / SUB = 4 blocks):
+        (I + A)^-1 = (I + N)^-1 D = (I - N)(I + N^2) D.
+    Substitution rather than the shorter product (I - A_d)(I + A_d^2)(I + A_d^4)(I + A_d^8):
+    for repeated keys with beta near 1 the powers of A_d grow to ~C(15, 7) while the inverse stays
+    O(1), so the product form loses about three digits exactly where prompts repeat tokens."""
+    c = A.shape[0]
+    r = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    eye = (r == col).astype(F32)
+    same = (r // SUB) == (col // SUB)
+    A_diag = jnp.where(same, A, 0.0)
+    A_off = jnp.where(same, 0.0, A)
+    dot = functools.partial(_dot, precise=precise, interpret=interpret)
+
+    def substitute(i, D):
+        rows = (r % SUB) == i
+        return jnp.where(rows, eye - dot(jnp.where(rows, A_diag, 0.0), D), D)
+
+    D = lax.fori_loop(1, SUB, substitute, eye)
+    N = dot(D, A_off)
+    N2 = dot(N, N)
+    P = eye - N + N2 - dot(N, N2)
+    return dot(P, D)
+
+
+# --------------------------------------------------------------------------- kernel 1: chunk prep
+
+def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log_ref, dt_ref,
+                 w_ref, u_ref, aqk_ref, fq_ref, fk_ref, decay_ref, *, spec: PrefillSpec,
+                 interpret: bool):
+    s, h = pl.program_id(0), pl.program_id(1)
+    hk = h // (spec.num_v_heads // spec.num_k_heads)
+    t0, n = start_ref[s], len_ref[s]
+    C = CHUNK
+
+    @pl.when(n > 0)
+    def _():
+        # q and k stay raw: their L2 norms and the decays are per-row factors applied to the dot
+        # products (for 16-bit inputs the raw rows are exact tensor-core operands).
+        rows = lax.broadcasted_iota(jnp.int32, (C,), 0) < n
+        rows2 = rows[:, None]
+        tok = pl.ds(t0, C)
+        load = lambda ref, mask: plgpu.load(ref, mask=mask, other=0).astype(F32)
+        store = lambda ref, x, mask: plgpu.store(ref, x.astype(ref.dtype), mask=mask)
+        dot = functools.partial(_dot, precise=spec.precise, interpret=interpret)
+        g = load(g_ref.at[tok, h], rows)
+        beta = load(beta_ref.at[tok, h], rows)
+        if spec.raw_gates:
+            g = -jnp.exp(A_log_ref[h].astype(F32)) * _softplus(g + dt_ref[h].astype(F32))
+            beta = jax.nn.sigmoid(beta)
+            g = jnp.where(rows, g, 0.0)
+            beta = jnp.where(rows, beta, 0.0)
+        k_in = plgpu.load(k_ref.at[tok, hk, :], mask=rows2, other=0)
+        q_in = plgpu.load(q_ref.at[tok, hk, :], mask=rows2, other=0)
+        k, q = k_in.astype(F32), q_in.astype(F32)
+        if spec.use_qk_l2norm:
+            rk = lax.rsqrt(jnp.sum(k * k, axis=1) + L2NORM_EPS)
+            rq = lax.rsqrt(jnp.sum(q * q, axis=1) + L2NORM_EPS) * jnp.float32(spec.scale)
+        else:
+            rk = jnp.ones((C,), F32)
+            rq = jnp.full((C,), spec.scale, F32)
+
+        G_hi, G_lo = _split_cumsum(g)
+        i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
+        j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+        seg = (G_hi[:, None] - G_hi[None, :]) + (G_lo[:, None] - G_lo[None, :])
+        decay = jnp.exp(jnp.where(i >= j, seg, -jnp.inf))                   # e^{G_i - G_j}, j <= i
+        last_hi = jnp.sum(jnp.where(j == C - 1, G_hi[None, :], 0.0), axis=1)  # [C], all G_C
+        last_lo = jnp.sum(jnp.where(j == C - 1, G_lo[None, :], 0.0), axis=1)
+        eG = jnp.exp(G_hi + G_lo)
+        decay_ref[s, h] = jnp.exp(jnp.max(last_hi + last_lo))
+        store(fq_ref.at[tok, h], rq * eG, rows)
+        store(fk_ref.at[tok, h], rk * jnp.exp((last_hi - G_hi) + (last_lo - G_lo)), rows)
+
+        qk = dot(q_in, k_in, trans_b=True) * (rq[:, None] * rk[None, :])
+        store(aqk_ref.at[tok, h, :], qk * decay, rows2)
+        kk = dot(k_in, k_in, trans_b=True) * (rk[:, None] * rk[None, :])
+        A = jnp.where(i > j, beta[:, None] * kk * decay, 0.0)
+        T = _invert_unit_lower(A, spec.precise, interpret)
+        store(w_ref.at[tok, h, :], dot(T * (beta * eG * rk)[None, :], k), rows2)
+        v = load(v_ref.at[tok, h, :], rows2)
+        store(u_ref.at[tok, h, :], dot(T * beta[None, :], v), rows2)
+
+
+# --------------------------------------------------------------------------- kernel 2: state scan
+
+def _scan_kernel(cu_ref, first_ref, slots_ref, q_ref, k_ref, w_ref, u_ref, aqk_ref, fq_ref,
+                 fk_ref, decay_ref, h0_ref, o_ref, hT_ref, hb_ref, *, spec: PrefillSpec,
+                 block_v: int, interpret: bool):
+    n, h, jv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // (spec.num_v_heads // spec.num_k_heads)
+    C, K = CHUNK, spec.head_k_dim
+    cols = pl.ds(jv * block_v, block_v)
+    bos, eos = cu_ref[n], cu_ref[n + 1]
+    num_chunks = (eos - bos + C - 1) // C
+    first = first_ref[n]
+    dot = functools.partial(_dot, precise=spec.precise, interpret=interpret)
+
+    if spec.pooled:
+        slot = slots_ref[n]
+        live = (slot >= 0) & (slot < h0_ref.shape[0])
+        safe = jnp.where(live, slot, 0)
+        S = plgpu.load(h0_ref.at[safe, h, :, cols], mask=jnp.full((K, block_v), live),
+                       other=0).astype(F32)
+    elif spec.has_initial_state:
+        S = h0_ref[n, h, :, cols].astype(F32)
+    else:
+        S = jnp.zeros((K, block_v), F32)
+
+    def chunk(c, S):
+        t0 = bos + c * C
+        rows = lax.broadcasted_iota(jnp.int32, (C,), 0) < eos - t0
+        rows2 = rows[:, None]
+        tok = pl.ds(t0, C)
+        load = lambda ref, mask: plgpu.load(ref, mask=mask, other=0).astype(F32)
+        q, k, w = (load(r.at[tok, hh, :], rows2) for r, hh in ((q_ref, hk), (k_ref, hk), (w_ref, h)))
+        u, aqk = load(u_ref.at[tok, h, cols], rows2), load(aqk_ref.at[tok, h, :], rows2)
+        fq, fk = load(fq_ref.at[tok, h], rows), load(fk_ref.at[tok, h], rows)
+        delta = u - dot(w, S)
+        o = dot(q, S) * fq[:, None] + dot(aqk, delta)
+        if spec.pooled:
+            o = jnp.where(live, o, 0.0)
+        plgpu.store(o_ref.at[tok, h, cols], o.astype(o_ref.dtype), mask=rows2)
+        S = S * decay_ref[first + c, h] + dot(k, delta * fk[:, None], trans_a=True)
+        if spec.boundary_states:
+            hb_ref[first + c, h, :, cols] = S.astype(hb_ref.dtype)
+        return S
+
+    S = lax.fori_loop(0, num_chunks, chunk, S)
+    if spec.pooled:
+        plgpu.store(hT_ref.at[safe, h, :, cols], S.astype(hT_ref.dtype),
+                    mask=jnp.full((K, block_v), live))
+    elif spec.output_final_state:
+        hT_ref[n, h, :, cols] = S.astype(hT_ref.dtype)
+
+
+# --------------------------------------------------------------------------- launchers
+
+def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, interpret):
+    T_total, HV, V, K = q.shape[0], v.shape[1], v.shape[2], q.shape[2]
+    mid = v.dtype  # intermediates go through memory in the input dtype
+    return pl.pallas_call(
+        functools.partial(_prep_kernel, spec=spec, interpret=interpret),
+        out_shape=(jax.ShapeDtypeStruct((T_total, HV, K), mid),      # W
+                   jax.ShapeDtypeStruct((T_total, HV, V), mid),      # U
+                   jax.ShapeDtypeStruct((T_total, HV, CHUNK), mid),  # q k^T e^{G_i - G_j}, j <= i
+                   jax.ShapeDtypeStruct((T_total, HV), F32),         # q row factor: norm, scale, e^G
+                   jax.ShapeDtypeStruct((T_total, HV), F32),         # k row factor: norm, e^{G_C - G}
+                   jax.ShapeDtypeStruct((start.shape[0], HV), F32)),  # e^{G_C}
+        grid=(start.shape[0], HV),
+        compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
+        interpret=interpret,
+        name="gdn_prefill_prep",
+    )(start, length, q, k, v, g, beta, A_log, dt_bias)
+
+
+def _scan(cu, first, slots, q, k, w, u, aqk, fq, fk, decay, h0, *, spec, block, state_dtype,
+          num_boundary, interpret):
+    v_dtype = u.dtype
+    T_total, HV, V = u.shape
+    K = w.shape[2]
+    N = cu.shape[0] - 1
+    final_shape = (h0.shape if spec.pooled else (N, HV, K, V) if spec.output_final_state
+                   else (1, 1, 1, 1))
+    final_dtype = h0.dtype if spec.pooled else state_dtype
+    bshape = (num_boundary, HV, K, V) if spec.boundary_states else (1, 1, 1, 1)
+    return pl.pallas_call(
+        functools.partial(_scan_kernel, spec=spec, block_v=block.block_v, interpret=interpret),
+        out_shape=(jax.ShapeDtypeStruct((T_total, HV, V), v_dtype),
+                   jax.ShapeDtypeStruct(final_shape, final_dtype),
+                   jax.ShapeDtypeStruct(bshape, state_dtype)),
+        grid=(N, HV, V // block.block_v),
+        input_output_aliases={11: 1} if spec.pooled else {},
+        compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_scan,
+                                             num_stages=block.num_stages_scan),
+        interpret=interpret,
+        name="gdn_prefill_scan",
+    )(cu, first, slots, q, k, w, u, aqk, fq, fk, decay, h0)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "block", "state_dtype", "interpret"),
+                   donate_argnames=("pool",))
+def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: PrefillBlockSizes,
+                  A_log=None, dt_bias=None, initial_state=None, pool=None, slots=None,
+                  state_dtype=jnp.float32, interpret: bool = False):
+    """Run the two kernels on packed, validated inputs (the caller checks shapes; see module doc).
+
+    q, k [T, HK, K]; v [T, HV, V]; g, beta [T, HV] (raw a, b with A_log, dt_bias [HV] when
+    spec.raw_gates); cu_seqlens [N + 1] int32. Pooled: pool [P, HV, K, V] (donated, updated in
+    place) and slots [N] int32 (outside [0, P): padding, nothing read or written, zero outputs).
+    Returns (o [T, HV, V] in v's dtype, final [N, HV, K, V] or the pool or None,
+    boundary [S, HV, K, V] or None — slot first_chunk[n] + c holds sequence n's state after its
+    chunk c — and the chunk table (start, length, first_chunk))."""
+    HV = v.shape[1]
+    N = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.astype(jnp.int32)
+    start, length, first = chunk_table(cu, q.shape[0])
+    A_log = jnp.zeros((HV,), F32) if A_log is None else A_log
+    dt_bias = jnp.zeros((HV,), F32) if dt_bias is None else dt_bias
+    mids = _prep(q, k, v, g, beta, start, length, A_log, dt_bias,
+                                       spec=spec, block=block, interpret=interpret)
+    if spec.pooled:
+        h0 = pool
+    elif spec.has_initial_state:
+        h0 = initial_state
+    else:
+        h0 = jnp.zeros((1, 1, 1, 1), F32)  # unused placeholder
+    slots = jnp.zeros((N,), jnp.int32) if slots is None else slots.astype(jnp.int32)
+    o, final, boundary = _scan(cu, first, slots, q, k, *mids, h0, spec=spec,
+                               block=block, state_dtype=state_dtype,
+                               num_boundary=start.shape[0], interpret=interpret)
+    final = final if (spec.pooled or spec.output_final_state) else None
+    boundary = boundary if spec.boundary_states else None
+    return o, final, boundary, (start, length, first)

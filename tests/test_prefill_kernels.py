@@ -1,0 +1,232 @@
+"""Chunked prefill kernels (pallas_kernels/gdn_prefill.py) vs a float64 oracle and the references.
+
+Every test runs in Pallas interpret mode on the CPU ("interpret") and compiled on the GPU ("gpu",
+marked `gpu`). Inputs are fresh random draws (never zeros); pools carry 1e30 sentinels so a
+write to a slot that was not named, or a read of padding, shows.
+"""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from gdn_jax import reference as ref
+from helpers import rel_err
+from pallas_kernels import gdn_prefill as kern
+from test_reference import numpy_delta_rule
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+MODES = [pytest.param("interpret", id="interpret"),
+         pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
+
+
+def _packed_inputs(seed, lens, *, HK, HV, K, V, dtype=F32, gate="normal"):
+    rng = np.random.default_rng(seed)
+    T = int(sum(lens))
+    n = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
+    q, k, v = n(T, HK, K), n(T, HK, K), n(T, HV, V)
+    if gate == "normal":
+        g = -np.logaddexp(0.0, n(T, HV) - 1.0)
+    elif gate == "extreme":  # resets, near-zero decays and huge decays mixed within chunks
+        choice = rng.integers(0, 5, (T, HV))
+        g = np.select([choice == 0, choice == 1, choice == 2, choice == 3],
+                      [-np.inf, -1e-6 * rng.random((T, HV)), -1e4, -3e38],
+                      -np.logaddexp(0.0, n(T, HV)))
+        g = g.astype(np.float32)
+    beta = 1.0 / (1.0 + np.exp(-n(T, HV)))
+    h0 = 0.3 * n(len(lens), HV, K, V)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cast = lambda x: jnp.asarray(x).astype(dtype)
+    return (cast(q), cast(k), cast(v), jnp.asarray(g, F32), jnp.asarray(beta, F32),
+            jnp.asarray(h0), jnp.asarray(cu))
+
+
+def _spec(HK, HV, K, V, **kw):
+    kw.setdefault("use_qk_l2norm", True)
+    kw.setdefault("precise", True)
+    return kern.PrefillSpec(num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=V,
+                            scale=K ** -0.5, **kw)
+
+
+def _run(mode, q, k, v, g, beta, cu, spec, *, block_v=16, **kw):
+    block = kern.PrefillBlockSizes(block_v=min(block_v, spec.head_v_dim))
+    return kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
+                              interpret=mode == "interpret", **kw)
+
+
+def _oracle(q, k, v, g, beta, h0, cu, *, l2=True):
+    """float64 token loop per packed sequence: (o [T, HV, V], states [N, HV, K, V])."""
+    outs, states = [], []
+    cu = np.asarray(cu)
+    for n in range(len(cu) - 1):
+        a, b = cu[n], cu[n + 1]
+        s0 = None if h0 is None else h0[n:n + 1]
+        if a == b:
+            outs.append(np.zeros((0,) + v.shape[1:]))
+            states.append(np.asarray(h0[n]) if h0 is not None else
+                          np.zeros((v.shape[1], q.shape[2], v.shape[2])))
+            continue
+        o, s = numpy_delta_rule(q[None, a:b], k[None, a:b], v[None, a:b], g[None, a:b],
+                                beta[None, a:b], s0, l2=l2)
+        outs.append(o[0])
+        states.append(s[0])
+    return np.concatenate(outs), np.stack(states)
+
+
+# --------------------------------------------------------------------------- against float64
+
+CASES = [  # lens, HK, HV, K (= V), initial state
+    ([1, 2, 17, 63, 64, 65, 300], 1, 1, 64, True),  # every awkward T in one packed call
+    ([65, 65, 65], 2, 4, 32, False),                # B = 3 dense, GVA 2x, no initial state
+    ([17] * 7, 1, 4, 64, True),                     # B = 7, GVA 4x
+    ([0, 1, 0, 130, 1], 2, 2, 128, True),           # empty and one-token sequences, K = 128
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lens,HK,HV,K,init", CASES)
+def test_prefill_matches_float64(mode, lens, HK, HV, K, init):
+    q, k, v, g, beta, h0, cu = _packed_inputs(1, lens, HK=HK, HV=HV, K=K, V=K)
+    spec = _spec(HK, HV, K, K, has_initial_state=init)
+    o, hT, _, _ = _run(mode, q, k, v, g, beta, cu, spec, initial_state=h0 if init else None)
+    ro, rs = _oracle(q, k, v, g, beta, h0 if init else None, cu)
+    assert rel_err(o, ro) <= 1e-5
+    assert rel_err(hT, rs) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bf16_inputs_against_float64(mode):
+    lens = [200, 37]
+    q, k, v, g, beta, h0, cu = _packed_inputs(2, lens, HK=2, HV=4, K=64, V=64, dtype=BF16)
+    spec = _spec(2, 4, 64, 64, has_initial_state=True, precise=False)
+    o, hT, _, _ = _run(mode, q, k, v, g, beta, cu, spec, initial_state=h0)
+    assert o.dtype == BF16
+    ro, rs = _oracle(q, k, v, g, beta, h0, cu)
+    assert rel_err(o, ro) <= 5e-3
+    assert rel_err(hT, rs) <= 5e-3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_extreme_gates_no_nan(mode):
+    """-inf (a reset), -3e38, -1e4 and near-zero gates mixed inside chunks: finite and exact."""
+    lens = [150, 70]
+    q, k, v, g, beta, h0, cu = _packed_inputs(3, lens, HK=1, HV=2, K=32, V=32, gate="extreme")
+    spec = _spec(1, 2, 32, 32, has_initial_state=True)
+    o, hT, _, _ = _run(mode, q, k, v, g, beta, cu, spec, initial_state=h0)
+    assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(hT)))
+    ro, rs = _oracle(q, k, v, g, beta, h0, cu)
+    assert rel_err(o, ro) <= 1e-5
+    assert rel_err(hT, rs) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_raw_gates_in_kernel(mode):
+    lens = [90, 40]
+    HK, HV, K = 1, 2, 32
+    q, k, v, a, b, h0, cu = _packed_inputs(4, lens, HK=HK, HV=HV, K=K, V=K)
+    rng = np.random.default_rng(5)
+    a = jnp.asarray(rng.standard_normal(a.shape) * 2, F32)
+    b = jnp.asarray(rng.standard_normal(b.shape), F32)
+    A_log = jnp.asarray(rng.standard_normal(HV), F32)
+    dt_bias = jnp.asarray(rng.standard_normal(HV), F32)
+    spec = _spec(HK, HV, K, K, has_initial_state=True, raw_gates=True)
+    o, hT, _, _ = _run(mode, q, k, v, a, b, cu, spec, initial_state=h0, A_log=A_log,
+                       dt_bias=dt_bias)
+    g, beta = ref.gdn_gate(a, A_log, dt_bias), ref.gdn_beta(b)
+    ro, rs = _oracle(q, k, v, g, beta, h0, cu)
+    assert rel_err(o, ro) <= 1e-5
+    assert rel_err(hT, rs) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_boundary_states_equal_split_calls(mode):
+    """The state after every chunk equals the final state of a call that stops there."""
+    lens = [150, 64, 10]
+    HK, HV, K = 1, 2, 32
+    q, k, v, g, beta, h0, cu = _packed_inputs(6, lens, HK=HK, HV=HV, K=K, V=K)
+    spec = _spec(HK, HV, K, K, has_initial_state=True, boundary_states=True)
+    _, hT, hb, (_, _, first) = _run(mode, q, k, v, g, beta, cu, spec, initial_state=h0)
+    cu_np = np.asarray(cu)
+    for n, length in enumerate(lens):
+        for c in range(-(-length // kern.CHUNK)):
+            end = min((c + 1) * kern.CHUNK, length)
+            a = cu_np[n]
+            _, want = numpy_delta_rule(q[None, a:a + end], k[None, a:a + end], v[None, a:a + end],
+                                       g[None, a:a + end], beta[None, a:a + end], h0[n:n + 1],
+                                       l2=True)
+            assert rel_err(hb[int(first[n]) + c], want[0]) <= 1e-5, (n, c)
+        assert np.array_equal(np.asarray(hb[int(first[n]) + c]), np.asarray(hT[n]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pool_slots_in_place(mode):
+    """Initial states come from the named pool slots and the final states land there; padding
+    (-1, or past the pool) reads nothing, writes nothing and outputs zeros; other slots keep
+    their bits."""
+    lens = [70, 5, 33, 20]
+    HK, HV, K = 1, 2, 32
+    q, k, v, g, beta, h0, cu = _packed_inputs(7, lens, HK=HK, HV=HV, K=K, V=K)
+    P = 6
+    pool = np.full((P, HV, K, K), 1e30, np.float32)
+    slots = np.array([4, -1, 1, 9], np.int32)
+    pool[4], pool[1] = h0[0], h0[2]
+    before = pool.copy()
+    spec = _spec(HK, HV, K, K, pooled=True)
+    o, new_pool, _, _ = _run(mode, q, k, v, g, beta, cu, spec, pool=jnp.asarray(pool),
+                             slots=jnp.asarray(slots))
+    new_pool, o = np.asarray(new_pool), np.asarray(o)
+    cu_np = np.asarray(cu)
+    for n, slot in enumerate(slots):
+        a, b = cu_np[n], cu_np[n + 1]
+        if 0 <= slot < P:
+            ro, rs = numpy_delta_rule(q[None, a:b], k[None, a:b], v[None, a:b], g[None, a:b],
+                                      beta[None, a:b], h0[n:n + 1], l2=True)
+            assert rel_err(o[a:b], ro[0]) <= 1e-5
+            assert rel_err(new_pool[slot], rs[0]) <= 1e-5
+        else:
+            assert np.all(o[a:b] == 0)
+    untouched = [s for s in range(P) if s not in (4, 1)]
+    assert np.array_equal(new_pool[untouched], before[untouched])
+
+
+def test_unsupported_shapes_say_why():
+    assert "head_k_dim=96" in kern.unsupported_reason(_spec(1, 1, 96, 64))
+    assert "block_v" in kern.unsupported_reason(_spec(1, 1, 64, 64),
+                                                kern.PrefillBlockSizes(block_v=24))
+    assert kern.unsupported_reason(_spec(2, 4, 128, 128), kern.PrefillBlockSizes()) is None
+
+
+def test_chunk_table_packs_sequences_without_padding():
+    cu = jnp.asarray([0, 0, 1, 65, 200, 200], jnp.int32)
+    start, length, first = kern.chunk_table(cu, 200)
+    used = np.asarray(length) > 0
+    assert np.asarray(length)[used].tolist() == [1, 64, 64, 64, 7]
+    assert np.asarray(start)[used].tolist() == [0, 1, 65, 129, 193]
+    assert np.asarray(first).tolist() == [0, 0, 1, 2, 5]
+
+
+# --------------------------------------------------------------------------- Triton lowering on CPU
+
+@pytest.mark.parametrize("raw,pooled,boundary,dtype", [(False, False, False, BF16),
+                                                       (True, True, True, F32)])
+def test_variants_lower_to_triton_ir(monkeypatch, raw, pooled, boundary, dtype):
+    """Both kernels lower to Triton IR for an H200 without a GPU (only PTX needs the device)."""
+    try:
+        from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
+    except ImportError:
+        pytest.skip("this jax has no Pallas Triton lowering module")
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    T, HK, HV, K = 256, 2, 4, 128
+    spec = _spec(HK, HV, K, K, raw_gates=raw, pooled=pooled, boundary_states=boundary,
+                 precise=dtype == F32)
+    x = jnp.ones((T, HK, K), dtype)
+    y = jnp.ones((T, HV, K), dtype)
+    gate = jnp.ones((T, HV))
+    kw = dict(pool=jnp.ones((5, HV, K, K)), slots=jnp.array([1, -1])) if pooled else {}
+    if raw:
+        kw.update(A_log=jnp.ones(HV), dt_bias=jnp.ones(HV))
+    hlo = kern.chunk_prefill.trace(x, x, y, gate, gate, jnp.array([0, 100, T], jnp.int32),
+                                   spec=spec, block=kern.PrefillBlockSizes(), interpret=False,
+                                   **kw).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("__gpu$xla.gpu.triton") == 2
