@@ -72,8 +72,8 @@ def validate_delta_inputs(kind, q, k, v, g, beta, initial_state=None, cu_seqlens
             c = np.asarray(cu)
             if c[0] != 0 or c[-1] != t:
                 raise ValueError(f"cu_seqlens must start at 0 and end at T={t}, got {c.tolist()}")
-            if np.any(np.diff(c) <= 0):
-                raise ValueError(f"cu_seqlens must be strictly increasing, got {c.tolist()}")
+            if np.any(np.diff(c) < 0):
+                raise ValueError(f"cu_seqlens must be non-decreasing, got {c.tolist()}")
     if initial_state is not None:
         if getattr(initial_state, "shape", None) != (n, hv, kd, vd):
             raise ValueError(f"initial_state must have shape {(n, hv, kd, vd)} "

@@ -230,3 +230,64 @@ def test_variants_lower_to_triton_ir(monkeypatch, raw, pooled, boundary, dtype):
                                    spec=spec, block=kern.PrefillBlockSizes(), interpret=False,
                                    **kw).lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count("__gpu$xla.gpu.triton") == 2
+
+
+# --------------------------------------------------------------------------- public entry points
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gdn_prefill_dense_raw_gates_and_chunk_states(mode):
+    """gdn_prefill on a dense [B, T] batch with raw gates equals the reference scan; its chunk
+    states equal the final states of calls cut at every chunk boundary."""
+    from gdn_jax.prefill import gdn_prefill
+    B, T, HK, HV, K = 3, 70, 1, 2, 32
+    rng = np.random.default_rng(11)
+    n = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32))
+    q, k, v = n(B, T, HK, K), n(B, T, HK, K), n(B, T, HV, K)
+    a, b, A_log, dt_bias = 2 * n(B, T, HV), n(B, T, HV), n(HV), n(HV)
+    h0 = 0.3 * n(B, HV, K, K)
+    o, hT, chunks = gdn_prefill(q, k, v, a, b, initial_state=h0, use_qk_l2norm=True,
+                                A_log=A_log, dt_bias=dt_bias, chunk_states=True,
+                                interpret=mode == "interpret")
+    g, beta = ref.gdn_gate(a, A_log, dt_bias), ref.gdn_beta(b)
+    ro, rs = numpy_delta_rule(q, k, v, g, beta, h0, l2=True)
+    assert rel_err(o, ro) <= 1e-5 and rel_err(hT, rs) <= 1e-5
+    assert np.asarray(chunks.count).tolist() == [2, 2, 2]
+    _, cut = numpy_delta_rule(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], h0, l2=True)
+    first = np.asarray(chunks.first)
+    for bi in range(B):
+        assert rel_err(chunks.states[first[bi]], cut[bi]) <= 1e-5
+        assert rel_err(chunks.states[first[bi] + 1], rs[bi]) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gdn_prefill_pool_matches_its_reference(mode):
+    from gdn_jax.prefill import gdn_prefill_pool, reference_prefill_pool
+    lens = [40, 1, 0, 90]
+    HK, HV, K = 2, 4, 32
+    q, k, v, g, beta, h0, cu = _packed_inputs(12, lens, HK=HK, HV=HV, K=K, V=K)
+    pool = np.full((7, HV, K, K), 1e30, np.float32)
+    slots = jnp.asarray([2, 5, 0, -1], jnp.int32)
+    pool[2], pool[5], pool[0] = h0[0], h0[1], h0[2]
+    args = (q[None], k[None], v[None], g[None], beta[None])
+    want_o, want_pool = reference_prefill_pool(*args, jnp.asarray(pool), slots, cu_seqlens=cu,
+                                               use_qk_l2norm=True)
+    o, got_pool = gdn_prefill_pool(*args, jnp.asarray(pool), slots, cu_seqlens=cu,
+                                   use_qk_l2norm=True, interpret=mode == "interpret")
+    assert rel_err(o, want_o) <= 1e-5
+    live = [2, 5, 0]
+    assert rel_err(np.asarray(got_pool)[live], np.asarray(want_pool)[live]) <= 1e-5
+    others = [1, 3, 4, 6]
+    assert np.array_equal(np.asarray(got_pool)[others], pool[others])
+
+
+def test_gdn_prefill_pool_bad_arguments():
+    from gdn_jax.prefill import gdn_prefill_pool
+    q, k, v, g, beta, _, _ = _packed_inputs(13, [8], HK=1, HV=2, K=16, V=16)
+    args = (q[None], k[None], v[None], g[None], beta[None])
+    with pytest.raises(ValueError, match="pool"):
+        gdn_prefill_pool(*args, jnp.zeros((3, 2, 16, 8)), jnp.zeros(1, jnp.int32))
+    with pytest.raises(ValueError, match="slots"):
+        gdn_prefill_pool(*args, jnp.zeros((3, 2, 16, 16)), jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match="A_log"):
+        gdn_prefill_pool(*args, jnp.zeros((3, 2, 16, 16)), jnp.zeros(1, jnp.int32),
+                         A_log=jnp.zeros(2))

@@ -1,0 +1,172 @@
+"""GDN prefill through the chunked Pallas kernels (pallas_kernels/gdn_prefill.py).
+
+    gdn_prefill(q, k, v, g, beta, ...)                 dense [B, T] or packed (cu_seqlens) batch;
+                                                       optional raw gates, chunk-boundary states
+    gdn_prefill_pool(q, k, v, g, beta, pool, slots)    initial and final states in pool slots,
+                                                       updated in place (pool donated)
+    prefill_kernel_reason(...)                         why the kernel cannot take a call (or None)
+
+`gated_delta_rule(..., impl="pallas" | "auto")` runs the same kernels for T > 1. Every sequence
+of a batch is processed without padding: a dense batch is the packing of B sequences of T tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gdn_jax import reference as ref
+from pallas_kernels import gdn_prefill as kern
+
+CHUNK = kern.CHUNK
+
+__all__ = ["ChunkStates", "gdn_prefill", "gdn_prefill_pool", "prefill_kernel_reason", "CHUNK"]
+
+
+class ChunkStates(NamedTuple):
+    """The state after every chunk of C = 64 tokens (after min((c + 1) * C, len) tokens).
+
+    states [S, HV, K, V] (fp32); sequence n's chunk c is states[first[n] + c], for
+    c < count[n] = ceil(len_n / C). Slots past every sequence's chunks are unspecified."""
+    states: jax.Array
+    first: jax.Array
+    count: jax.Array
+
+
+def prefill_kernel_reason(*, head_k_dim: int, head_v_dim: int, backend: str,
+                          interpret: bool) -> str | None:
+    """None when the prefill kernels can take a call with these head dims here, else why not."""
+    if backend != "gpu" and not interpret:
+        return (f"the Pallas prefill kernels need a GPU (backend is {backend!r}; "
+                "interpret mode runs them on the CPU)")
+    spec = kern.PrefillSpec(num_k_heads=1, num_v_heads=1, head_k_dim=head_k_dim,
+                            head_v_dim=head_v_dim, scale=1.0)
+    return kern.unsupported_reason(spec)
+
+
+def _pack(x):
+    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates",
+                                             "output_final_state", "chunk_states", "interpret"))
+def _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, *, scale, use_qk_l2norm,
+         raw_gates, output_final_state, chunk_states, interpret):
+    B, T, HK, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = cu.shape[0] - 1
+    spec = kern.PrefillSpec(num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=V,
+                            scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
+                            has_initial_state=initial_state is not None,
+                            output_final_state=output_final_state, boundary_states=chunk_states,
+                            precise=v.dtype == jnp.float32)
+    state_dtype = jnp.float32 if initial_state is None else initial_state.dtype
+    o, final, bounds, (_, _, first) = kern.chunk_prefill(
+        _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
+        block=kern.PrefillBlockSizes.get_default(spec, N), A_log=A_log, dt_bias=dt_bias,
+        initial_state=initial_state, state_dtype=jnp.dtype(state_dtype), interpret=interpret)
+    lens = cu[1:] - cu[:-1]
+    chunks = ChunkStates(bounds, first, (lens + CHUNK - 1) // CHUNK) if chunk_states else None
+    return o.reshape(B, T, HV, V), final, chunks
+
+
+def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=True,
+                use_qk_l2norm=False, cu_seqlens=None, A_log=None, dt_bias=None,
+                chunk_states=False, interpret=False):
+    """GDN over whole prompts with the chunked Pallas kernels (validated by the caller's front
+    door, or call it directly with FLA-layout arrays).
+
+    q, k [B, T, HK, K]; v [B, T, HV, V]; g, beta [B, T, HV] — or, with `A_log` and `dt_bias`
+    [HV], the raw projections a and b (g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)
+    in the kernel). cu_seqlens [N + 1]: B = 1 packed sequences (empty and one-token ones legal).
+    initial_state [N, HV, K, V]. Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V]
+    in initial_state's dtype (fp32 without one) or None, ChunkStates or None)."""
+    B, T = q.shape[:2]
+    K, V = q.shape[3], v.shape[3]
+    scale = float(K ** -0.5 if scale is None else scale)
+    cu = (jnp.arange(B + 1, dtype=jnp.int32) * T if cu_seqlens is None
+          else jnp.asarray(cu_seqlens, jnp.int32))
+    raw = A_log is not None
+    o, final, chunks = _run(q, k, v, g, beta, cu, initial_state,
+                            None if not raw else jnp.asarray(A_log, jnp.float32),
+                            None if not raw else jnp.asarray(dt_bias, jnp.float32),
+                            scale=scale, use_qk_l2norm=bool(use_qk_l2norm), raw_gates=raw,
+                            output_final_state=bool(output_final_state),
+                            chunk_states=bool(chunk_states), interpret=bool(interpret))
+    return o, final if output_final_state else None, chunks
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "interpret"),
+                   donate_argnames=("pool",))
+def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, *, scale, use_qk_l2norm,
+              raw_gates, interpret):
+    B, T, HK, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    spec = kern.PrefillSpec(num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=V,
+                            scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
+                            pooled=True, precise=v.dtype == jnp.float32)
+    o, pool, _, _ = kern.chunk_prefill(
+        _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
+        block=kern.PrefillBlockSizes.get_default(spec, cu.shape[0] - 1), A_log=A_log,
+        dt_bias=dt_bias, pool=pool, slots=slots, interpret=interpret)
+    return o.reshape(B, T, HV, V), pool
+
+
+def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=False,
+                     cu_seqlens=None, A_log=None, dt_bias=None, interpret=False):
+    """Prefill that lands in a state pool: sequence n starts from pool[slots[n]] and its final
+    state is written there, in place (the pool is donated: use the returned one). A slot outside
+    [0, P) (-1 by convention) is padding: nothing is read or written and its outputs are zero;
+    slots not named keep their bits. Shapes as `gdn_prefill`; pool [P, HV, K, V] (fp32, fp16 or
+    bf16: math in fp32, one rounding at the store); slots [N] int32 (N = B, or len(cu_seqlens)-1).
+    Returns (o, pool)."""
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else int(np.shape(cu_seqlens)[0]) - 1
+    if getattr(pool, "ndim", None) != 4 or pool.shape[1:] != (HV, K, V):
+        raise ValueError(f"pool must have shape [P, HV={HV}, K={K}, V={V}], got "
+                         f"{getattr(pool, 'shape', None)}")
+    if not jnp.issubdtype(pool.dtype, jnp.floating):
+        raise ValueError(f"pool must be a floating-point array, got dtype {pool.dtype}")
+    slots = jnp.asarray(slots)
+    if slots.shape != (N,) or not jnp.issubdtype(slots.dtype, jnp.integer):
+        raise ValueError(f"slots must be an integer array of shape ({N},), got shape "
+                         f"{slots.shape} dtype {slots.dtype}")
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("A_log and dt_bias must be given together (raw gates) or not at all")
+    scale = float(K ** -0.5 if scale is None else scale)
+    cu = (jnp.arange(B + 1, dtype=jnp.int32) * T if cu_seqlens is None
+          else jnp.asarray(cu_seqlens, jnp.int32))
+    raw = A_log is not None
+    return _run_pool(q, k, v, g, beta, cu, pool, slots.astype(jnp.int32),
+                     None if not raw else jnp.asarray(A_log, jnp.float32),
+                     None if not raw else jnp.asarray(dt_bias, jnp.float32),
+                     scale=scale, use_qk_l2norm=bool(use_qk_l2norm), raw_gates=raw,
+                     interpret=bool(interpret))
+
+
+def reference_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=False,
+                           cu_seqlens=None, A_log=None, dt_bias=None):
+    """The pure-JAX meaning of `gdn_prefill_pool` (the oracle its kernel is tested against)."""
+    if A_log is not None:
+        g, beta = ref.gdn_gate(g, A_log, dt_bias), ref.gdn_beta(beta)
+    P = pool.shape[0]
+    slots = jnp.asarray(slots, jnp.int32)
+    live = (slots >= 0) & (slots < P)
+    h0 = jnp.where(live[:, None, None, None], pool[jnp.clip(slots, 0, P - 1)], 0).astype(jnp.float32)
+    from gdn_jax.ops import gated_delta_rule
+    o, hT = gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0,
+                             output_final_state=True, use_qk_l2norm=use_qk_l2norm,
+                             cu_seqlens=cu_seqlens, impl="reference")
+    if cu_seqlens is None:
+        o = jnp.where(live[:, None, None, None], o, 0)
+    else:
+        cu = jnp.asarray(cu_seqlens, jnp.int32)
+        seq = jnp.searchsorted(cu, jnp.arange(q.shape[1]), side="right") - 1
+        o = jnp.where(live[seq][None, :, None, None], o, 0)
+    target = jnp.where(live, slots, P)  # padding rows scatter out of bounds: dropped
+    return o, pool.at[target].set(hT.astype(pool.dtype), mode="drop")
