@@ -82,9 +82,9 @@ DECODE_CASES = [
     # B, HK, HV, K, state dtype, l2, block sizes (None: tuning table)
     (1, 2, 2, 64, F32, True, None),
     (3, 1, 2, 64, F32, False, None),
-    (7, 2, 4, 64, F32, True, kern.DecodeBlockSizes(block_v=16, tile_v=8, num_warps=2, evict_first=True)),
-    (3, 1, 4, 64, F32, True, kern.DecodeBlockSizes(block_v=32, tile_v=16, heads=2, num_warps=2)),
-    (3, 2, 4, 64, F16, False, kern.DecodeBlockSizes(block_v=64, tile_v=32, heads=4, prefetch=False)),
+    (7, 2, 4, 64, F32, True, kern.DecodeBlockSizes(block_v=16, tile_v=8, num_warps=2)),
+    (3, 1, 4, 64, F32, True, kern.DecodeBlockSizes(block_v=32, tile_v=16, num_warps=2)),
+    (3, 2, 4, 64, F16, False, kern.DecodeBlockSizes(block_v=64, tile_v=16, num_warps=4)),
     (3, 2, 4, 128, F32, True, None),
     (3, 2, 4, 64, F16, True, None),
     (7, 1, 2, 64, BF16, True, kern.DecodeBlockSizes(block_v=64, tile_v=32, num_warps=4)),
@@ -242,7 +242,7 @@ POOL_CASES = [
     (1, 2, 2, 128, [3], 4, BF16, False, True, False, None),
     (3, 1, 2, 64, [1, -1, 0], 3, F32, True, False, True, None),
     (3, 1, 4, 64, [-1, 4, 0], 6, F32, True, True, False,
-     kern.DecodeBlockSizes(block_v=64, tile_v=32, heads=2)),
+     kern.DecodeBlockSizes(block_v=64, tile_v=32)),
 ]
 
 
@@ -456,8 +456,8 @@ def test_variants_lower_to_triton_ir(monkeypatch, raw, pc, l2, pooled, norm, sdt
             jnp.zeros(B, jnp.int32) if pooled else None, jnp.ones((B, HV * K)) if norm else None,
             jnp.ones(K) if norm else None, state)
     block = kern.default_block_sizes(B, K, sdt, norm)
-    if sdt == F16:  # cover the evict-first load/store path too
-        block = dataclasses_replace(block, evict_first=True, heads=2)
+    if sdt == F16:  # cover the walk over several register tiles too
+        block = dataclasses_replace(block, block_v=K, tile_v=K // 4)
     hlo = kern._launch.trace(*args, spec=spec, block=block, out_dtype=jnp.dtype(BF16),
                              interpret=False).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in hlo and "output_operand_aliases" in hlo
