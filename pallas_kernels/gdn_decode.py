@@ -27,7 +27,7 @@ Static flags of the one kernel body (`DecodeSpec`):
 The per-token math lives in `token_update` (and its helpers `l2_normalize`, `gdn_gate_value`,
 `kda_gate_value`, `gated_rmsnorm_value`): plain jnp on in-register values, so any Pallas kernel
 body (the K-token verify in gdn_verify.py) can call them and get bit-identical results, provided
-it uses the same tile shape [K, block_v] and num_warps (Triton's reduction order follows the
+it uses the same tile shape [K, tile_v] and num_warps (Triton's reduction order follows the
 layout).
 """
 
@@ -132,7 +132,7 @@ class DecodeBlockSizes:
 # on the H200 (K = V = 128, HV = 32; BENCHMARKS.md): with the column-block-fastest grid, one
 # [K, 64] register tile per program with 4 warps is the fastest shape measured from B = 32 up,
 # for fp32 and 16-bit states alike (narrower [K, 32] programs and whole-head programs are
-# 1.5-20% slower); tiny batches want more, smaller programs to fill the chip. The fused norm
+# 1.5-21% slower); tiny batches want more, smaller programs to fill the chip. The fused norm
 # needs the whole head in one program: two [K, 64] tiles.
 TUNING_TABLE: tuple[tuple[int, int, bool, DecodeBlockSizes], ...] = (
     (8, 4, False, DecodeBlockSizes(block_v=32, num_warps=4)),

@@ -89,6 +89,7 @@ DECODE_CASES = [
     (3, 2, 4, 64, F16, True, None),
     (7, 1, 2, 64, BF16, True, kern.DecodeBlockSizes(block_v=64, tile_v=32, num_warps=4)),
     (1, 2, 4, 128, F16, False, None),
+    (3, 2, 4, 128, F16, True, kern.DecodeBlockSizes(block_v=64)),  # the large-batch table shape
 ]
 
 
@@ -480,6 +481,20 @@ def test_gpu_large_shapes_and_in_place(B, sdt):
     assert s.unsafe_buffer_pointer() == ptr, "the donated state was not updated in place"
     assert rel_err(o, ro32) <= 5e-3
     assert rel_err(s, rs) <= (1e-5 if sdt == F32 else 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [128, 131])
+def test_gpu_kda_large_batch(B):
+    """KDA at serving size (HK = HV = 32) with the table's large-batch block, vs the reference."""
+    HK = HV = 32
+    K = 128
+    q, k, v, g, beta, h0 = _step_inputs(95 + B, B=B, HK=HK, HV=HV, K=K, V=K, kind="kda", dtype=BF16)
+    ro32, rs = ref.decode_step(q.astype(F32), k, v, g, beta, h0, use_qk_l2norm=True)
+    _poison((B, HV, K), BF16)
+    o, s = dec.gdn_decode(q, k, v, g, beta, h0.copy(), use_qk_l2norm=True, impl="pallas")
+    assert rel_err(o, ro32) <= 5e-3
+    assert rel_err(s, rs) <= 1e-5
 
 
 @pytest.mark.gpu
