@@ -33,13 +33,11 @@ import numpy as np
 
 from gdn_jax import reference as ref
 from pallas_kernels import gdn_decode as kern
-from pallas_kernels import gdn_decode_mgpu as mgpu_kern
 from pallas_kernels import state_convert as conv_kern
 
 DECODE_IMPLS = ("auto", "pallas", "reference")
 
-__all__ = ["DECODE_IMPLS", "DecodeChoice", "select_decode_impl", "select_decode_backend",
-           "select_convert_impl",
+__all__ = ["DECODE_IMPLS", "DecodeChoice", "select_decode_impl", "select_convert_impl",
            "gdn_decode", "gdn_decode_pool", "convert_state"]
 
 
@@ -80,49 +78,6 @@ def select_decode_impl(impl: str, *, backend: str, spec: kern.DecodeSpec,
     return _choose(impl, backend=backend, interpret=interpret, what="decode kernel",
                    kernel_reason=lambda: (kern.unsupported_reason(spec, block, state_dtype)
                                           or kern.index_overflow_reason(num_state_elements)))
-
-
-# Mosaic GPU experiment (pallas_kernels/gdn_decode_mgpu.py, TMA ring in shared memory). Same run
-# on the H200, 2026-11-30 (BENCHMARKS.md, "GDN decode (Mosaic GPU experiment)"): fp32 state
-# B=128 150.5 us vs 153.7 us Triton, B=256 291.1 vs 300.2; slower at B=32 (45.1 vs 43.8) and for
-# fp16 states (111.3 vs 89.4). So only the plain fp32 step at B >= 128 on Hopper takes it.
-MGPU_MIN_BATCH = 128
-
-
-def select_decode_backend(*, spec: kern.DecodeSpec, state_dtype, batch: int, hopper: bool,
-                          block_given: bool, operand_dtypes=(), out_dtype=None,
-                          interpret: bool = False) -> str:
-    """Which Pallas kernel runs a call that `select_decode_impl` sent to Pallas: "mosaic" (the
-    Mosaic GPU kernel) or "triton" (the Triton-lowered kernel with every variant). Pure.
-
-    Mosaic only for the plain step (precomputed g/beta, no in-kernel L2 norm, no fused norm,
-    contiguous batch, fp32 state) at B >= MGPU_MIN_BATCH on a Hopper GPU, with fp32 g/beta, q's
-    dtype for the output, and no Triton block shape asked for; never in interpret mode."""
-    plain = not (spec.raw_gates or spec.per_channel_gate or spec.use_qk_l2norm or spec.pooled
-                 or spec.fused_norm or spec.q_col or spec.k_col or spec.v_col or spec.g_col
-                 or spec.beta_col)
-    dtypes = [jnp.dtype(d) for d in operand_dtypes]  # q, k, v, g, beta
-    dtypes_ok = (len(dtypes) == 5 and dtypes[0] == dtypes[1] == dtypes[2]
-                 and dtypes[3] == dtypes[4] == jnp.dtype(jnp.float32)
-                 and (out_dtype is None or jnp.dtype(out_dtype) == dtypes[0]))
-    if not (plain and dtypes_ok and hopper and not block_given and not interpret
-            and batch >= MGPU_MIN_BATCH and jnp.dtype(state_dtype) == jnp.dtype(jnp.float32)):
-        return "triton"
-    in_itemsize = dtypes[0].itemsize
-    block = mgpu_kern.default_block_sizes(batch, spec.num_v_heads, spec.v_dim, state_dtype,
-                                          k_dim=spec.k_dim, num_k_heads=spec.num_k_heads,
-                                          in_itemsize=in_itemsize)
-    reason = mgpu_kern.unsupported_reason(spec.k_dim, spec.v_dim, spec.num_k_heads,
-                                          spec.num_v_heads, state_dtype, block, in_itemsize)
-    return "mosaic" if reason is None else "triton"
-
-
-def _is_hopper() -> bool:
-    d = jax.devices()[0]
-    try:
-        return d.platform == "gpu" and float(getattr(d, "compute_capability", "0")) >= 9.0
-    except ValueError:
-        return False
 
 
 def select_convert_impl(impl: str, *, backend: str, x_dtype, dtype, size: int,
@@ -245,15 +200,8 @@ def gdn_decode(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False, A_lo
     choice = select_decode_impl(impl, backend=jax.default_backend(), spec=spec, block=block,
                                 state_dtype=state.dtype, num_state_elements=state.size,
                                 interpret=interpret)
-    which = choice.impl
-    if which == "pallas" and select_decode_backend(   # Mosaic GPU experiment, see above
-            spec=spec, state_dtype=state.dtype, batch=b, hopper=_is_hopper(),
-            block_given=block_sizes is not None,
-            operand_dtypes=(q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype), out_dtype=out_dtype,
-            interpret=bool(interpret)) == "mosaic":
-        which = "mosaic"
     return _gdn_decode_jit(q, k, v, g, beta, state, A_log, dt_bias, z, norm_weight, spec=spec,
-                           block=block, out_dtype=out_dtype, which=which,
+                           block=block, out_dtype=out_dtype, which=choice.impl,
                            interpret=bool(interpret))
 
 
@@ -262,9 +210,6 @@ def gdn_decode(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False, A_lo
 def _gdn_decode_jit(q, k, v, g, beta, state, A_log, dt_bias, z, norm_weight, *, spec, block,
                     out_dtype, which, interpret):
     b = q.shape[0]
-    if which == "mosaic":  # plain fp32 step (select_decode_backend); default launch shape
-        return mgpu_kern.gdn_decode_mgpu(q, k, v, g, beta, state, scale=spec.scale,
-                                         interpret=interpret)
     if which == "reference":
         gf, bf = _ref_gates(g, beta, A_log, dt_bias, spec.per_channel_gate, spec.gate_lower_bound)
         return _ref_step(q, k, v, gf, bf, state, scale=spec.scale, use_qk_l2norm=spec.use_qk_l2norm,

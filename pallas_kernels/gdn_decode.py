@@ -27,7 +27,7 @@ Static flags of the one kernel body (`DecodeSpec`):
 The per-token math lives in `token_update` (and its helpers `l2_normalize`, `gdn_gate_value`,
 `kda_gate_value`, `gated_rmsnorm_value`): plain jnp on in-register values, so any Pallas kernel
 body (the K-token verify in gdn_verify.py) can call them and get bit-identical results, provided
-it uses the same tile shape [K, block_v] and num_warps (Triton's reduction order follows the
+it uses the same tile shape [K, tile_v] and num_warps (Triton's reduction order follows the
 layout).
 """
 
@@ -113,17 +113,15 @@ def gated_rmsnorm_value(o: jax.Array, z: jax.Array, weight: jax.Array, eps: floa
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
-    """Launch shape. A program owns value columns [j * block_v, (j + 1) * block_v) of `heads`
-    consecutive value heads of one sequence; it walks them in static [K, tile_v] register tiles
-    (head-major), and with `prefetch` issues the next tile's loads before the current tile's
-    math (a two-deep pipeline in registers). Grid = (B, HV // heads, V // block_v)."""
+    """Launch shape. A program owns value columns [j * block_v, (j + 1) * block_v) of one value
+    head of one sequence; it walks them in static [K, tile_v] register tiles, issuing the next
+    tile's loads before the current tile's math (a two-deep pipeline in registers).
+    Grid = (V // block_v, HV, B), column block fastest: programs that run side by side stream
+    neighbouring bytes of one head's state (see `_launch`)."""
     block_v: int = 32
     tile_v: int | None = None  # None: one tile of block_v columns
     num_warps: int = 4
     num_stages: int = 1
-    evict_first: bool = False  # state loads/stores marked evict-first (no reuse within a step)
-    heads: int = 1             # value heads per program
-    prefetch: bool = True      # load item n+1 before computing item n
 
     @property
     def tile(self) -> int:
@@ -131,15 +129,16 @@ class DecodeBlockSizes:
 
 
 # (largest batch, state itemsize, fused norm) -> block sizes. First match wins. From the sweeps
-# on the H200 of 2026-11-30 (K = V = 128, HV = 32; BENCHMARKS.md, docs/decode.md): past a few
-# sequences every shape with >= 64 columns per program and 4 warps lands within 2% (a [K, 64]
-# register tile, the next one prefetched, is the best fp32 shape; a whole [K, 128] head in one
-# tile is best for 16-bit states); tiny batches want more, smaller programs to fill the chip.
+# on the H200 (K = V = 128, HV = 32; BENCHMARKS.md): with the column-block-fastest grid, one
+# [K, 64] register tile per program with 4 warps is the fastest shape measured from B = 32 up,
+# for fp32 and 16-bit states alike (narrower [K, 32] programs and whole-head programs are
+# 1.5-21% slower); tiny batches want more, smaller programs to fill the chip. The fused norm
+# needs the whole head in one program: two [K, 64] tiles.
 TUNING_TABLE: tuple[tuple[int, int, bool, DecodeBlockSizes], ...] = (
     (8, 4, False, DecodeBlockSizes(block_v=32, num_warps=4)),
-    (1 << 30, 4, False, DecodeBlockSizes(block_v=128, tile_v=64, num_warps=4)),
+    (1 << 30, 4, False, DecodeBlockSizes(block_v=64, num_warps=4)),
     (8, 2, False, DecodeBlockSizes(block_v=32, num_warps=4)),
-    (1 << 30, 2, False, DecodeBlockSizes(block_v=128, num_warps=4)),
+    (1 << 30, 2, False, DecodeBlockSizes(block_v=64, num_warps=4)),
     (1 << 30, 4, True, DecodeBlockSizes(block_v=128, tile_v=64, num_warps=4)),
     (1 << 30, 2, True, DecodeBlockSizes(block_v=128, num_warps=4)),
 )
@@ -202,8 +201,6 @@ def unsupported_reason(spec: DecodeSpec, block: DecodeBlockSizes, state_dtype) -
         return f"block_v={block.block_v} must be a power of two dividing V={spec.v_dim}"
     if not (_pow2(block.tile) and block.block_v % block.tile == 0):
         return f"tile_v={block.tile} must be a power of two dividing block_v={block.block_v}"
-    if block.heads < 1 or spec.num_v_heads % block.heads:
-        return f"heads={block.heads} (per program) must divide HV={spec.num_v_heads}"
     if spec.fused_norm and block.block_v != spec.v_dim:
         return f"the fused norm needs a whole head per program (block_v={block.block_v} != V={spec.v_dim})"
     if spec.norm_activation not in ("silu", "sigmoid"):
@@ -224,19 +221,6 @@ def index_overflow_reason(num_state_elements: int) -> str | None:
 
 # --------------------------------------------------------------------------- kernel body
 
-def _load(ref, block: DecodeBlockSizes):
-    # (Cache modifiers such as .cg cannot be asked for: jax 0.11.2's Triton lowering looks up
-    # ".cg" in a table keyed "cg" and fails.)
-    return plgpu.load(ref, eviction_policy="evict_first") if block.evict_first else ref[...]
-
-
-def _store(ref, val, evict_first: bool):
-    if evict_first:
-        plgpu.store(ref, val, eviction_policy="evict_first")
-    else:
-        ref[...] = val
-
-
 def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
     refs = list(refs)
     q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:5]
@@ -251,13 +235,11 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
     state_in_ref, o_ref, state_out_ref = rest
 
     K, V, T = spec.k_dim, spec.v_dim, block.tile
-    group = spec.num_v_heads // spec.num_k_heads
-    b = pl.program_id(0)
-    h0 = pl.program_id(1) * block.heads
-    col0 = pl.program_id(2) * block.block_v
+    col0 = pl.program_id(0) * block.block_v
+    h = pl.program_id(1)
+    b = pl.program_id(2)
+    kh = h // (spec.num_v_heads // spec.num_k_heads)
     n_tiles = block.block_v // T
-    # Work items of this program: (head offset, column tile), head-major. Static.
-    items = [(i, t) for i in range(block.heads) for t in range(n_tiles)]
 
     if spec.pooled:
         slot = slots_ref[b]
@@ -267,41 +249,34 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
     else:
         valid, row = None, b
 
-    def fetch(i, t):
-        """Issue every load of one item together (one memory latency for all of them)."""
-        h = h0 + i
+    def fetch(t):
+        """Issue every load of one column tile together (one memory latency for all of them)."""
         c = col0 + t * T
-        x = {"S": _load(state_in_ref.at[row, h, :, pl.ds(c, T)], block),
+        x = {"S": state_in_ref[row, h, :, pl.ds(c, T)],
              "v": v_ref[b, pl.ds(spec.v_col + h * V + c, T)]}
-        if t == 0:  # per-head operands, once per head
-            kh = h // group
-            x["q"] = q_ref[b, pl.ds(spec.q_col + kh * K, K)]
-            x["k"] = k_ref[b, pl.ds(spec.k_col + kh * K, K)]
-            x["g"] = (g_ref[b, pl.ds(spec.g_col + h * K, K)] if spec.per_channel_gate
-                      else g_ref[b, spec.g_col + h])
-            x["beta"] = beta_ref[b, spec.beta_col + h]
-            if spec.raw_gates:
-                x["A_log"] = A_log_ref[h]
-                x["dt"] = dt_bias_ref[pl.ds(h * K, K)] if spec.per_channel_gate else dt_bias_ref[h]
         if spec.fused_norm:
             x["z"] = z_ref[b, pl.ds(spec.z_col + h * V + t * T, T)]
         return x
 
-    def head_operands(x):
-        q, k = x["q"].astype(F32), x["k"].astype(F32)
+    def head_operands():
+        q = q_ref[b, pl.ds(spec.q_col + kh * K, K)].astype(F32)
+        k = k_ref[b, pl.ds(spec.k_col + kh * K, K)].astype(F32)
+        g = (g_ref[b, pl.ds(spec.g_col + h * K, K)] if spec.per_channel_gate
+             else g_ref[b, spec.g_col + h]).astype(F32)
+        beta = beta_ref[b, spec.beta_col + h].astype(F32)
         if spec.use_qk_l2norm:
             q, k = l2_normalize(q), l2_normalize(k)
         q = q * jnp.float32(spec.scale)
-        g, beta = x["g"].astype(F32), x["beta"].astype(F32)
         if spec.raw_gates:
-            A_log, dt = x["A_log"].astype(F32), x["dt"].astype(F32)
+            A_log = A_log_ref[h].astype(F32)
+            dt = (dt_bias_ref[pl.ds(h * K, K)] if spec.per_channel_gate
+                  else dt_bias_ref[h]).astype(F32)
             g = (kda_gate_value(g, A_log, dt, spec.gate_lower_bound) if spec.per_channel_gate
                  else gdn_gate_value(g, A_log, dt))
             beta = jax.nn.sigmoid(beta)
         return q, k, g, beta
 
-    def store_outputs(i, outs):
-        h = h0 + i
+    def store_outputs(outs):
         if spec.fused_norm:  # block_v == V: this program holds the whole head's output
             sumsq = sum(jnp.sum(o * o) for o, _ in outs)
             inv = lax.rsqrt(sumsq / V + jnp.float32(spec.norm_eps))
@@ -315,27 +290,19 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
                 o_ref[b, pl.ds(h * V + col0 + t * T, T)] = o.astype(o_ref.dtype)
 
     def step():
-        # Software pipeline in registers: the next item's loads are issued before this item's
-        # math, so a program always has a tile in flight while it reduces the current one.
-        pending = fetch(*items[0])
-        head, outs = None, []
-        for n, (i, t) in enumerate(items):
+        # The first tile's state load is issued before the per-head operand math, and each next
+        # tile's before the current tile's update, so a program always has a tile in flight.
+        pending = fetch(0)
+        q, k, g, beta = head_operands()
+        outs = []
+        for t in range(n_tiles):
             x = pending
-            if block.prefetch and n + 1 < len(items):
-                pending = fetch(*items[n + 1])
-            if t == 0:
-                head = head_operands(x)
-            q, k, g, beta = head
-            cols = pl.ds(col0 + t * T, T)
+            if t + 1 < n_tiles:
+                pending = fetch(t + 1)
             o, S = token_update(x["S"].astype(F32), q, k, x["v"].astype(F32), g, beta)
-            _store(state_out_ref.at[row, h0 + i, :, cols], S.astype(state_out_ref.dtype),
-                   block.evict_first)
+            state_out_ref[row, h, :, pl.ds(col0 + t * T, T)] = S.astype(state_out_ref.dtype)
             outs.append((o, x.get("z")))
-            if t == n_tiles - 1:
-                store_outputs(i, outs)
-                outs = []
-            if not block.prefetch and n + 1 < len(items):
-                pending = fetch(*items[n + 1])
+        store_outputs(outs)
 
     if valid is None:
         step()
@@ -344,9 +311,7 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
 
         @pl.when(jnp.logical_not(valid))
         def _():
-            for i in range(block.heads):
-                o_ref[b, pl.ds((h0 + i) * V + col0, block.block_v)] = jnp.zeros(
-                    (block.block_v,), o_ref.dtype)
+            o_ref[b, pl.ds(h * V + col0, block.block_v)] = jnp.zeros((block.block_v,), o_ref.dtype)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -424,7 +389,11 @@ def _launch(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, z_
     kernel = functools.partial(_decode_kernel, spec=spec, block=block)
     return pl.pallas_call(
         kernel,
-        grid=(batch, spec.num_v_heads // block.heads, spec.v_dim // block.block_v),
+        # Column block fastest, then head, then sequence: the GPU starts programs in grid order,
+        # so programs resident at the same time stream one contiguous stretch of the state. With
+        # the sequence fastest, neighbours are a whole sequence's state apart and a narrow block
+        # reads rows of one head whose other columns come much later.
+        grid=(spec.v_dim // block.block_v, spec.num_v_heads, batch),
         out_shape=(jax.ShapeDtypeStruct((batch, spec.num_v_heads * spec.v_dim), out_dtype),
                    jax.ShapeDtypeStruct(state.shape, state.dtype)),
         input_output_aliases={len(inputs) - 1: 1},

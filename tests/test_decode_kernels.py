@@ -82,13 +82,14 @@ DECODE_CASES = [
     # B, HK, HV, K, state dtype, l2, block sizes (None: tuning table)
     (1, 2, 2, 64, F32, True, None),
     (3, 1, 2, 64, F32, False, None),
-    (7, 2, 4, 64, F32, True, kern.DecodeBlockSizes(block_v=16, tile_v=8, num_warps=2, evict_first=True)),
-    (3, 1, 4, 64, F32, True, kern.DecodeBlockSizes(block_v=32, tile_v=16, heads=2, num_warps=2)),
-    (3, 2, 4, 64, F16, False, kern.DecodeBlockSizes(block_v=64, tile_v=32, heads=4, prefetch=False)),
+    (7, 2, 4, 64, F32, True, kern.DecodeBlockSizes(block_v=16, tile_v=8, num_warps=2)),
+    (3, 1, 4, 64, F32, True, kern.DecodeBlockSizes(block_v=32, tile_v=16, num_warps=2)),
+    (3, 2, 4, 64, F16, False, kern.DecodeBlockSizes(block_v=64, tile_v=16, num_warps=4)),
     (3, 2, 4, 128, F32, True, None),
     (3, 2, 4, 64, F16, True, None),
     (7, 1, 2, 64, BF16, True, kern.DecodeBlockSizes(block_v=64, tile_v=32, num_warps=4)),
     (1, 2, 4, 128, F16, False, None),
+    (3, 2, 4, 128, F16, True, kern.DecodeBlockSizes(block_v=64)),  # the large-batch table shape
 ]
 
 
@@ -242,7 +243,7 @@ POOL_CASES = [
     (1, 2, 2, 128, [3], 4, BF16, False, True, False, None),
     (3, 1, 2, 64, [1, -1, 0], 3, F32, True, False, True, None),
     (3, 1, 4, 64, [-1, 4, 0], 6, F32, True, True, False,
-     kern.DecodeBlockSizes(block_v=64, tile_v=32, heads=2)),
+     kern.DecodeBlockSizes(block_v=64, tile_v=32)),
 ]
 
 
@@ -456,8 +457,8 @@ def test_variants_lower_to_triton_ir(monkeypatch, raw, pc, l2, pooled, norm, sdt
             jnp.zeros(B, jnp.int32) if pooled else None, jnp.ones((B, HV * K)) if norm else None,
             jnp.ones(K) if norm else None, state)
     block = kern.default_block_sizes(B, K, sdt, norm)
-    if sdt == F16:  # cover the evict-first load/store path too
-        block = dataclasses_replace(block, evict_first=True, heads=2)
+    if sdt == F16:  # cover the walk over several register tiles too
+        block = dataclasses_replace(block, block_v=K, tile_v=K // 4)
     hlo = kern._launch.trace(*args, spec=spec, block=block, out_dtype=jnp.dtype(BF16),
                              interpret=False).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in hlo and "output_operand_aliases" in hlo
@@ -480,6 +481,20 @@ def test_gpu_large_shapes_and_in_place(B, sdt):
     assert s.unsafe_buffer_pointer() == ptr, "the donated state was not updated in place"
     assert rel_err(o, ro32) <= 5e-3
     assert rel_err(s, rs) <= (1e-5 if sdt == F32 else 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [128, 131])
+def test_gpu_kda_large_batch(B):
+    """KDA at serving size (HK = HV = 32) with the table's large-batch block, vs the reference."""
+    HK = HV = 32
+    K = 128
+    q, k, v, g, beta, h0 = _step_inputs(95 + B, B=B, HK=HK, HV=HV, K=K, V=K, kind="kda", dtype=BF16)
+    ro32, rs = ref.decode_step(q.astype(F32), k, v, g, beta, h0, use_qk_l2norm=True)
+    _poison((B, HV, K), BF16)
+    o, s = dec.gdn_decode(q, k, v, g, beta, h0.copy(), use_qk_l2norm=True, impl="pallas")
+    assert rel_err(o, ro32) <= 5e-3
+    assert rel_err(s, rs) <= 1e-5
 
 
 @pytest.mark.gpu
