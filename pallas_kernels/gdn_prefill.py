@@ -1,4 +1,4 @@
-"""Chunked Gated DeltaNet prefill on tensor cores: two Pallas kernels over packed sequences.
+"""Chunked Gated DeltaNet / KDA prefill on tensor cores: two Pallas kernels over packed sequences.
 
 Every call is packed: the sequences of a batch lie one after another along the token axis
 (q, k [T_total, HK, K]; v [T_total, HV, V]; g, beta [T_total, HV]) and `cu_seqlens` [N + 1]
@@ -25,6 +25,11 @@ form of the delta rule):
    products per chunk on the tensor cores (the raw q and k rows, the row factors applied to the
    products), the outputs written as it goes, optionally the state after every chunk, and
    finally the final state (or the pool slot it came from, in place).
+
+KDA (`per_channel_gate`): the decay is per key channel, e^{G_ic - G_jc}, so A and the intra-chunk
+attention matrix cannot be row-scaled products; the prep forms them one column j at a time with
+every pairwise decay exact, and hands the scan the decayed rows q e^G and k e^{G_C - G} instead
+of row factors. The rest of both kernels is shared.
 
 Numerics. Gates are clamped at GATE_FLOOR (e^-88 is below fp32's smallest normal number, so a
 clamped decay is still a full reset) so every cumulative sum is finite and a -inf gate cannot
@@ -69,6 +74,8 @@ class PrefillSpec:
     scale: float
     use_qk_l2norm: bool = False
     raw_gates: bool = False          # g, beta hold the raw projections a, b; A_log, dt_bias given
+    per_channel_gate: bool = False   # KDA: g [T, HV, K], one decay per key channel
+    gate_lower_bound: float | None = None  # KDA raw gate: lb * sigmoid(e^A_log (a + dt_bias))
     has_initial_state: bool = False  # initial_state [N, HV, K, V]
     pooled: bool = False             # states live in a pool [P, HV, K, V] named by slots [N]
     output_final_state: bool = True
@@ -218,12 +225,19 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
         load = lambda ref, mask: plgpu.load(ref, mask=mask, other=0).astype(F32)
         store = lambda ref, x, mask: plgpu.store(ref, x.astype(ref.dtype), mask=mask)
         dot = functools.partial(_dot, precise=spec.precise, interpret=interpret)
-        g = load(g_ref.at[tok, h], rows)
+        gmask = rows2 if spec.per_channel_gate else rows
+        g = load(g_ref.at[tok, h, :] if spec.per_channel_gate else g_ref.at[tok, h], gmask)
         beta = load(beta_ref.at[tok, h], rows)
         if spec.raw_gates:
-            g = -jnp.exp(A_log_ref[h].astype(F32)) * _softplus(g + dt_ref[h].astype(F32))
+            A_log = A_log_ref[h].astype(F32)
+            dt = (dt_ref[pl.ds(h * spec.head_k_dim, spec.head_k_dim)][None, :]
+                  if spec.per_channel_gate else dt_ref[h]).astype(F32)
+            if spec.gate_lower_bound is None:
+                g = -jnp.exp(A_log) * _softplus(g + dt)
+            else:
+                g = jnp.float32(spec.gate_lower_bound) * jax.nn.sigmoid(jnp.exp(A_log) * (g + dt))
             beta = jax.nn.sigmoid(beta)
-            g = jnp.where(rows, g, 0.0)
+            g = jnp.where(gmask, g, 0.0)
             beta = jnp.where(rows, beta, 0.0)
         k_in = plgpu.load(k_ref.at[tok, hk, :], mask=rows2, other=0)
         q_in = plgpu.load(q_ref.at[tok, hk, :], mask=rows2, other=0)
@@ -238,21 +252,51 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
         G_hi, G_lo = _split_cumsum(g)
         i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
         j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
-        seg = (G_hi[:, None] - G_hi[None, :]) + (G_lo[:, None] - G_lo[None, :])
-        decay = jnp.exp(jnp.where(i >= j, seg, -jnp.inf))                   # e^{G_i - G_j}, j <= i
-        last_hi = jnp.sum(jnp.where(j == C - 1, G_hi[None, :], 0.0), axis=1)  # [C], all G_C
-        last_lo = jnp.sum(jnp.where(j == C - 1, G_lo[None, :], 0.0), axis=1)
-        eG = jnp.exp(G_hi + G_lo)
-        decay_ref[s, h] = jnp.exp(jnp.max(last_hi + last_lo))
-        store(fq_ref.at[tok, h], rq * eG, rows)
-        store(fk_ref.at[tok, h], rk * jnp.exp((last_hi - G_hi) + (last_lo - G_lo)), rows)
+        if spec.per_channel_gate:
+            # KDA: no per-row factorisation of e^{G_ic - G_jc}; every (i, j, c) decay is formed
+            # exactly, one column j at a time (the pairwise exponent is <= 0 wherever used).
+            row = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
+            kn, qn = k * rk[:, None], q * rq[:, None]
+            pick = lambda x, r: jnp.sum(jnp.where(row == r, x, 0.0), axis=0)   # row r of x
+            last_hi, last_lo = pick(G_hi, C - 1), pick(G_lo, C - 1)              # [K]
+            eG = jnp.exp(G_hi + G_lo)
+            decay_ref[s, h, :] = jnp.exp(last_hi + last_lo)
+            store(fq_ref.at[tok, h, :], qn * eG, rows2)
+            store(fk_ref.at[tok, h, :],
+                  kn * jnp.exp((last_hi[None, :] - G_hi) + (last_lo[None, :] - G_lo)), rows2)
 
-        qk = dot(q_in, k_in, trans_b=True) * (rq[:, None] * rk[None, :])
-        store(aqk_ref.at[tok, h, :], qk * decay, rows2)
-        kk = dot(k_in, k_in, trans_b=True) * (rk[:, None] * rk[None, :])
-        A = jnp.where(i > j, beta[:, None] * kk * decay, 0.0)
-        T = _invert_unit_lower(A, spec.precise, interpret)
-        store(w_ref.at[tok, h, :], dot(T * (beta * eG * rk)[None, :], k), rows2)
+            def column(c, mats):
+                kk, qk = mats
+                e = jnp.exp(jnp.where(row >= c, (G_hi - pick(G_hi, c)[None, :])
+                                      + (G_lo - pick(G_lo, c)[None, :]), -jnp.inf))
+                kc = pick(kn, c)[None, :] * e
+                at = j == c
+                return (jnp.where(at, jnp.sum(kn * kc, axis=1)[:, None], kk),
+                        jnp.where(at, jnp.sum(qn * kc, axis=1)[:, None], qk))
+
+            zero = jnp.zeros((C, C), F32)
+            kk, qk = lax.fori_loop(0, C, column, (zero, zero))
+            store(aqk_ref.at[tok, h, :], qk, rows2)
+            A = jnp.where(i > j, beta[:, None] * kk, 0.0)
+            T = _invert_unit_lower(A, spec.precise, interpret)
+            store(w_ref.at[tok, h, :], dot(T * beta[None, :], eG * kn), rows2)
+        else:
+            # GDN: q and k stay raw; their L2 norms and the decays are per-row factors applied
+            # to the products (for 16-bit inputs the raw rows are exact tensor-core operands).
+            seg = (G_hi[:, None] - G_hi[None, :]) + (G_lo[:, None] - G_lo[None, :])
+            decay = jnp.exp(jnp.where(i >= j, seg, -jnp.inf))               # e^{G_i - G_j}, j <= i
+            last_hi = jnp.sum(jnp.where(j == C - 1, G_hi[None, :], 0.0), axis=1)  # [C], all G_C
+            last_lo = jnp.sum(jnp.where(j == C - 1, G_lo[None, :], 0.0), axis=1)
+            eG = jnp.exp(G_hi + G_lo)
+            decay_ref[s, h] = jnp.exp(jnp.max(last_hi + last_lo))
+            store(fq_ref.at[tok, h], rq * eG, rows)
+            store(fk_ref.at[tok, h], rk * jnp.exp((last_hi - G_hi) + (last_lo - G_lo)), rows)
+            qk = dot(q_in, k_in, trans_b=True) * (rq[:, None] * rk[None, :])
+            store(aqk_ref.at[tok, h, :], qk * decay, rows2)
+            kk = dot(k_in, k_in, trans_b=True) * (rk[:, None] * rk[None, :])
+            A = jnp.where(i > j, beta[:, None] * kk * decay, 0.0)
+            T = _invert_unit_lower(A, spec.precise, interpret)
+            store(w_ref.at[tok, h, :], dot(T * (beta * eG * rk)[None, :], k), rows2)
         v = load(v_ref.at[tok, h, :], rows2)
         store(u_ref.at[tok, h, :], dot(T * beta[None, :], v), rows2)
 
@@ -288,15 +332,24 @@ def _scan_kernel(cu_ref, first_ref, slots_ref, q_ref, k_ref, w_ref, u_ref, aqk_r
         rows2 = rows[:, None]
         tok = pl.ds(t0, C)
         load = lambda ref, mask: plgpu.load(ref, mask=mask, other=0).astype(F32)
-        q, k, w = (load(r.at[tok, hh, :], rows2) for r, hh in ((q_ref, hk), (k_ref, hk), (w_ref, h)))
+        w = load(w_ref.at[tok, h, :], rows2)
         u, aqk = load(u_ref.at[tok, h, cols], rows2), load(aqk_ref.at[tok, h, :], rows2)
-        fq, fk = load(fq_ref.at[tok, h], rows), load(fk_ref.at[tok, h], rows)
         delta = u - dot(w, S)
-        o = dot(q, S) * fq[:, None] + dot(aqk, delta)
+        if spec.per_channel_gate:  # decayed, normalised q and k rows come from the prep
+            q, k = load(fq_ref.at[tok, h, :], rows2), load(fk_ref.at[tok, h, :], rows2)
+            o = dot(q, S) + dot(aqk, delta)
+            k_delta = delta
+            state_decay = decay_ref[first + c, h, :][:, None]
+        else:  # raw q and k rows with per-row factors
+            q, k = load(q_ref.at[tok, hk, :], rows2), load(k_ref.at[tok, hk, :], rows2)
+            fq, fk = load(fq_ref.at[tok, h], rows), load(fk_ref.at[tok, h], rows)
+            o = dot(q, S) * fq[:, None] + dot(aqk, delta)
+            k_delta = delta * fk[:, None]
+            state_decay = decay_ref[first + c, h]
         if spec.pooled:
             o = jnp.where(live, o, 0.0)
         plgpu.store(o_ref.at[tok, h, cols], o.astype(o_ref.dtype), mask=rows2)
-        S = S * decay_ref[first + c, h] + dot(k, delta * fk[:, None], trans_a=True)
+        S = S * state_decay + dot(k, k_delta, trans_a=True)
         if spec.boundary_states:
             hb_ref[first + c, h, :, cols] = S.astype(hb_ref.dtype)
         return S
@@ -314,14 +367,17 @@ def _scan_kernel(cu_ref, first_ref, slots_ref, q_ref, k_ref, w_ref, u_ref, aqk_r
 def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, interpret):
     T_total, HV, V, K = q.shape[0], v.shape[1], v.shape[2], q.shape[2]
     mid = v.dtype  # intermediates go through memory in the input dtype
+    # Row factors (GDN) or whole decayed rows, kept in fp32 (KDA); per-channel total decays.
+    rows = (T_total, HV, K) if spec.per_channel_gate else (T_total, HV)
+    chunk = (start.shape[0], HV, K) if spec.per_channel_gate else (start.shape[0], HV)
     return pl.pallas_call(
         functools.partial(_prep_kernel, spec=spec, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((T_total, HV, K), mid),      # W
                    jax.ShapeDtypeStruct((T_total, HV, V), mid),      # U
                    jax.ShapeDtypeStruct((T_total, HV, CHUNK), mid),  # q k^T e^{G_i - G_j}, j <= i
-                   jax.ShapeDtypeStruct((T_total, HV), F32),         # q row factor: norm, scale, e^G
-                   jax.ShapeDtypeStruct((T_total, HV), F32),         # k row factor: norm, e^{G_C - G}
-                   jax.ShapeDtypeStruct((start.shape[0], HV), F32)),  # e^{G_C}
+                   jax.ShapeDtypeStruct(rows, F32),                  # q: norm * scale * e^G
+                   jax.ShapeDtypeStruct(rows, F32),                  # k: norm * e^{G_C - G}
+                   jax.ShapeDtypeStruct(chunk, F32)),                # e^{G_C}
         grid=(start.shape[0], HV),
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
         interpret=interpret,
@@ -360,8 +416,8 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
                   state_dtype=jnp.float32, interpret: bool = False):
     """Run the two kernels on packed, validated inputs (the caller checks shapes; see module doc).
 
-    q, k [T, HK, K]; v [T, HV, V]; g, beta [T, HV] (raw a, b with A_log, dt_bias [HV] when
-    spec.raw_gates); cu_seqlens [N + 1] int32. Pooled: pool [P, HV, K, V] (donated, updated in
+    q, k [T, HK, K]; v [T, HV, V]; g [T, HV] (KDA: [T, HV, K]), beta [T, HV] (raw a, b with
+    A_log [HV] and dt_bias [HV] (KDA: [HV * K]) when spec.raw_gates); cu_seqlens [N + 1] int32. Pooled: pool [P, HV, K, V] (donated, updated in
     place) and slots [N] int32 (outside [0, P): padding, nothing read or written, zero outputs).
     Returns (o [T, HV, V] in v's dtype, final [N, HV, K, V] or the pool or None,
     boundary [S, HV, K, V] or None — slot first_chunk[n] + c holds sequence n's state after its

@@ -207,9 +207,10 @@ def test_chunk_table_packs_sequences_without_padding():
 
 # --------------------------------------------------------------------------- Triton lowering on CPU
 
-@pytest.mark.parametrize("raw,pooled,boundary,dtype", [(False, False, False, BF16),
-                                                       (True, True, True, F32)])
-def test_variants_lower_to_triton_ir(monkeypatch, raw, pooled, boundary, dtype):
+@pytest.mark.parametrize("raw,pooled,boundary,dtype,kda", [(False, False, False, BF16, False),
+                                                           (True, True, True, F32, False),
+                                                           (True, False, True, BF16, True)])
+def test_variants_lower_to_triton_ir(monkeypatch, raw, pooled, boundary, dtype, kda):
     """Both kernels lower to Triton IR for an H200 without a GPU (only PTX needs the device)."""
     try:
         from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
@@ -219,14 +220,14 @@ def test_variants_lower_to_triton_ir(monkeypatch, raw, pooled, boundary, dtype):
                         lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
     T, HK, HV, K = 256, 2, 4, 128
     spec = _spec(HK, HV, K, K, raw_gates=raw, pooled=pooled, boundary_states=boundary,
-                 precise=dtype == F32)
+                 precise=dtype == F32, per_channel_gate=kda, gate_lower_bound=-5.0 if kda else None)
     x = jnp.ones((T, HK, K), dtype)
     y = jnp.ones((T, HV, K), dtype)
     gate = jnp.ones((T, HV))
     kw = dict(pool=jnp.ones((5, HV, K, K)), slots=jnp.array([1, -1])) if pooled else {}
     if raw:
-        kw.update(A_log=jnp.ones(HV), dt_bias=jnp.ones(HV))
-    hlo = kern.chunk_prefill.trace(x, x, y, gate, gate, jnp.array([0, 100, T], jnp.int32),
+        kw.update(A_log=jnp.ones(HV), dt_bias=jnp.ones(HV * K if kda else HV))
+    hlo = kern.chunk_prefill.trace(x, x, y, jnp.ones((T, HV, K)) if kda else gate, gate, jnp.array([0, 100, T], jnp.int32),
                                    spec=spec, block=kern.PrefillBlockSizes(), interpret=False,
                                    **kw).lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count("__gpu$xla.gpu.triton") == 2
@@ -291,3 +292,50 @@ def test_gdn_prefill_pool_bad_arguments():
     with pytest.raises(ValueError, match="A_log"):
         gdn_prefill_pool(*args, jnp.zeros((3, 2, 16, 16)), jnp.zeros(1, jnp.int32),
                          A_log=jnp.zeros(2))
+
+
+# --------------------------------------------------------------------------- KDA (per-channel gate)
+
+def _kda_inputs(seed, lens, *, HK, HV, K, dtype=F32, spread=False):
+    q, k, v, _, beta, h0, cu = _packed_inputs(seed, lens, HK=HK, HV=HV, K=K, V=K, dtype=dtype)
+    rng = np.random.default_rng(seed + 100)
+    T = int(sum(lens))
+    g = -np.logaddexp(0.0, rng.standard_normal((T, HV, K)) - 1.0)
+    if spread:  # channels from ~0 to very negative (and resets) inside every chunk
+        mag = 10.0 ** rng.uniform(-7, 3, (T, HV, K))
+        g = -mag
+        g[rng.random((T, HV, K)) < 0.02] = -np.inf
+    return q, k, v, jnp.asarray(g, F32), beta, h0, cu
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lens,HK,HV,K,spread", [([1, 2, 17, 65, 130], 1, 2, 32, False),
+                                                 ([0, 70, 64], 2, 4, 64, True)])
+def test_kda_prefill_matches_float64(mode, lens, HK, HV, K, spread):
+    q, k, v, g, beta, h0, cu = _kda_inputs(21, lens, HK=HK, HV=HV, K=K, spread=spread)
+    spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True)
+    o, hT, _, _ = _run(mode, q, k, v, g, beta, cu, spec, initial_state=h0)
+    assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(hT)))
+    ro, rs = _oracle(q, k, v, g, beta, h0, cu)
+    assert rel_err(o, ro) <= 1e-5
+    assert rel_err(hT, rs) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_kda_raw_gates_bf16_against_float64(mode, lower_bound):
+    lens = [100, 30]
+    HK, HV, K = 1, 2, 32
+    q, k, v, _, b, h0, cu = _kda_inputs(22, lens, HK=HK, HV=HV, K=K, dtype=BF16)
+    rng = np.random.default_rng(23)
+    a = jnp.asarray(2 * rng.standard_normal((sum(lens), HV, K)), F32)
+    A_log = jnp.asarray(rng.standard_normal(HV), F32)
+    dt_bias = jnp.asarray(rng.standard_normal(HV * K), F32)
+    spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True, raw_gates=True,
+                 gate_lower_bound=lower_bound, precise=False)
+    o, hT, _, _ = _run(mode, q, k, v, a, b, cu, spec, initial_state=h0, A_log=A_log,
+                       dt_bias=dt_bias)
+    g = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=lower_bound)
+    ro, rs = _oracle(q, k, v, g, ref.gdn_beta(b), h0, cu)
+    assert rel_err(o, ro) <= 5e-3
+    assert rel_err(hT, rs) <= 5e-3
