@@ -1,4 +1,4 @@
-"""GDN prefill through the chunked Pallas kernels (pallas_kernels/gdn_prefill.py).
+"""GDN and KDA prefill through the chunked Pallas kernels (pallas_kernels/gdn_prefill.py).
 
     gdn_prefill(q, k, v, g, beta, ...)                 dense [B, T] or packed (cu_seqlens) batch;
                                                        optional raw gates, chunk-boundary states
@@ -52,15 +52,16 @@ def _pack(x):
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates",
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",
                                              "output_final_state", "chunk_states", "interpret"))
 def _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, *, scale, use_qk_l2norm,
-         raw_gates, output_final_state, chunk_states, interpret):
+         raw_gates, lower_bound, output_final_state, chunk_states, interpret):
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = cu.shape[0] - 1
     spec = kern.PrefillSpec(num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=V,
                             scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
+                            per_channel_gate=g.ndim == 4, gate_lower_bound=lower_bound,
                             has_initial_state=initial_state is not None,
                             output_final_state=output_final_state, boundary_states=chunk_states,
                             precise=v.dtype == jnp.float32)
@@ -75,14 +76,16 @@ def _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, *, scale, use_qk_l
 
 
 def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=True,
-                use_qk_l2norm=False, cu_seqlens=None, A_log=None, dt_bias=None,
+                use_qk_l2norm=False, cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None,
                 chunk_states=False, interpret=False):
     """GDN over whole prompts with the chunked Pallas kernels (validated by the caller's front
     door, or call it directly with FLA-layout arrays).
 
     q, k [B, T, HK, K]; v [B, T, HV, V]; g, beta [B, T, HV] — or, with `A_log` and `dt_bias`
     [HV], the raw projections a and b (g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)
-    in the kernel). cu_seqlens [N + 1]: B = 1 packed sequences (empty and one-token ones legal).
+    in the kernel). KDA: g [B, T, HV, K] per key channel (raw: dt_bias [HV * K], and
+    `lower_bound` < 0 for the GLM form g = lb * sigmoid(exp(A_log) * (a + dt_bias))).
+    cu_seqlens [N + 1]: B = 1 packed sequences (empty and one-token ones legal).
     initial_state [N, HV, K, V]. Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V]
     in initial_state's dtype (fp32 without one) or None, ChunkStates or None)."""
     B, T = q.shape[:2]
@@ -95,19 +98,22 @@ def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
                             None if not raw else jnp.asarray(A_log, jnp.float32),
                             None if not raw else jnp.asarray(dt_bias, jnp.float32),
                             scale=scale, use_qk_l2norm=bool(use_qk_l2norm), raw_gates=raw,
+                            lower_bound=None if lower_bound is None else float(lower_bound),
                             output_final_state=bool(output_final_state),
                             chunk_states=bool(chunk_states), interpret=bool(interpret))
     return o, final if output_final_state else None, chunks
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "interpret"),
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",
+                                             "interpret"),
                    donate_argnames=("pool",))
 def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, *, scale, use_qk_l2norm,
-              raw_gates, interpret):
+              raw_gates, lower_bound, interpret):
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     spec = kern.PrefillSpec(num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=V,
                             scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
+                            per_channel_gate=g.ndim == 4, gate_lower_bound=lower_bound,
                             pooled=True, precise=v.dtype == jnp.float32)
     o, pool, _, _ = kern.chunk_prefill(
         _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
@@ -117,7 +123,7 @@ def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, *, scale, use_q
 
 
 def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=False,
-                     cu_seqlens=None, A_log=None, dt_bias=None, interpret=False):
+                     cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None, interpret=False):
     """Prefill that lands in a state pool: sequence n starts from pool[slots[n]] and its final
     state is written there, in place (the pool is donated: use the returned one). A slot outside
     [0, P) (-1 by convention) is padding: nothing is read or written and its outputs are zero;
@@ -146,20 +152,26 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
                      None if not raw else jnp.asarray(A_log, jnp.float32),
                      None if not raw else jnp.asarray(dt_bias, jnp.float32),
                      scale=scale, use_qk_l2norm=bool(use_qk_l2norm), raw_gates=raw,
+                     lower_bound=None if lower_bound is None else float(lower_bound),
                      interpret=bool(interpret))
 
 
 def reference_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=False,
-                           cu_seqlens=None, A_log=None, dt_bias=None):
+                           cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None):
     """The pure-JAX meaning of `gdn_prefill_pool` (the oracle its kernel is tested against)."""
     if A_log is not None:
-        g, beta = ref.gdn_gate(g, A_log, dt_bias), ref.gdn_beta(beta)
+        if g.ndim == 4:
+            HV, K = g.shape[2], g.shape[3]
+            g = ref.kda_gate(g, A_log, jnp.reshape(dt_bias, (HV, K)), lower_bound=lower_bound)
+        else:
+            g = ref.gdn_gate(g, A_log, dt_bias)
+        beta = ref.gdn_beta(beta)
     P = pool.shape[0]
     slots = jnp.asarray(slots, jnp.int32)
     live = (slots >= 0) & (slots < P)
     h0 = jnp.where(live[:, None, None, None], pool[jnp.clip(slots, 0, P - 1)], 0).astype(jnp.float32)
-    from gdn_jax.ops import gated_delta_rule
-    o, hT = gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0,
+    from gdn_jax.ops import gated_delta_rule, kda
+    o, hT = (kda if g.ndim == 4 else gated_delta_rule)(q, k, v, g, beta, scale=scale, initial_state=h0,
                              output_final_state=True, use_qk_l2norm=use_qk_l2norm,
                              cu_seqlens=cu_seqlens, impl="reference")
     if cu_seqlens is None:

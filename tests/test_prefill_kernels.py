@@ -339,3 +339,25 @@ def test_kda_raw_gates_bf16_against_float64(mode, lower_bound):
     ro, rs = _oracle(q, k, v, g, ref.gdn_beta(b), h0, cu)
     assert rel_err(o, ro) <= 5e-3
     assert rel_err(hT, rs) <= 5e-3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kda_prefill_pool_lower_bound_gate(mode):
+    """KDA (GLM-5.3-Flash form: lower-bound raw gate) through gdn_prefill_pool."""
+    from gdn_jax.prefill import gdn_prefill_pool, reference_prefill_pool
+    lens = [50, 80]
+    HK, HV, K = 1, 2, 32
+    q, k, v, _, b, h0, cu = _kda_inputs(31, lens, HK=HK, HV=HV, K=K)
+    rng = np.random.default_rng(32)
+    a = jnp.asarray(2 * rng.standard_normal((1, sum(lens), HV, K)), F32)
+    A_log, dt_bias = jnp.asarray(rng.standard_normal(HV), F32), jnp.asarray(rng.standard_normal(HV * K), F32)
+    pool_np = np.concatenate([np.asarray(h0), np.full((2, HV, K, K), 1e30, np.float32)])
+    pool = jnp.asarray(pool_np)
+    slots = jnp.asarray([1, 0], jnp.int32)
+    kw = dict(cu_seqlens=cu, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    args = (q[None], k[None], v[None], a, b[None])
+    want_o, want_pool = reference_prefill_pool(*args, pool, slots, **kw)
+    o, got = gdn_prefill_pool(*args, pool, slots, interpret=mode == "interpret", **kw)
+    assert rel_err(o, want_o) <= 1e-5
+    assert rel_err(got[:2], want_pool[:2]) <= 1e-5
+    assert np.array_equal(np.asarray(got[2:]), pool_np[2:])  # the argument pool was donated
