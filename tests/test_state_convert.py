@@ -4,6 +4,7 @@ Narrowing must be round-to-nearest-even, bit for bit (ties included); widening e
 place. Interpret mode on the CPU, compiled on the GPU (`-m gpu`)."""
 
 import jax
+import gdn_jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -61,20 +62,20 @@ def test_convert_dispatch_and_errors():
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 2, 16, 16)), jnp.float32)
     # auto on CPU takes the reference (same bits)
     if jax.default_backend() != "gpu":
-        choice = dec.select_convert_impl("auto", backend="cpu", x_dtype=x.dtype, dtype=jnp.float16,
-                                         size=x.size)
+        choice = gdn_jax.explain("convert_state", x, jnp.float16, interpret=False)
         assert choice.impl == "reference" and "GPU" in choice.reason
-        with pytest.raises(ValueError, match="needs a GPU"):
-            dec.convert_state(x, jnp.float16, impl="pallas")
+        with pytest.raises(ValueError, match="need a GPU"):
+            dec.convert_state(x, jnp.float16, impl="pallas", interpret=False)
     y = dec.convert_state(x, jnp.float16)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x).astype(np.float16))
     with pytest.raises(ValueError, match="between fp32 and a 16-bit"):
         dec.convert_state(x, jnp.float32, impl="pallas", interpret=True)
     with pytest.raises(ValueError, match="multiple of 16"):
         dec.convert_state(x.reshape(-1)[:15], jnp.float16, impl="pallas", interpret=True)
-    with pytest.raises(ValueError, match="float32/float16/bfloat16"):
+    with pytest.raises(ValueError, match="^state must be a floating-point array"):
         dec.convert_state(x.astype(jnp.int32), jnp.float16, impl="pallas", interpret=True)
     with pytest.raises(ValueError, match="impl must be"):
         dec.convert_state(x, jnp.float16, impl="fast")
-    assert dec.select_convert_impl("auto", backend="gpu", x_dtype=jnp.float32, dtype=jnp.bfloat16,
-                                   size=1 << 20).impl == "pallas"
+    from gdn_jax import dispatch
+    assert dispatch.select("convert_state", dec.ConvertCall("float32", "bfloat16", 1 << 20), "auto",
+                           backend="gpu").impl == "pallas"
