@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import KERNEL_MODES as MODES, interpret_flag
+
 from gdn_jax import decode as dec
 from gdn_jax import reference as ref
 from gdn_jax.ops import gated_delta_rule
@@ -19,12 +21,9 @@ from helpers import rel_err
 from pallas_kernels import gdn_decode as kern
 
 F32, F16, BF16 = jnp.float32, jnp.float16, jnp.bfloat16
-MODES = [pytest.param("interpret", id="interpret"),
-         pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
 
 
-def _interp(mode):
-    return mode == "interpret"
+_interp = interpret_flag
 
 
 def _poison(shape, dtype=F32):

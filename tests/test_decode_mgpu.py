@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import KERNEL_MODES as MODES, interpret_flag
+
 from gdn_jax import reference as ref
 from helpers import rel_err
 from pallas_kernels import gdn_decode_mgpu as mg
 
 F32, F16, BF16 = jnp.float32, jnp.float16, jnp.bfloat16
-MODES = [pytest.param("interpret", id="interpret"),
-         pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
 D = mg.MgpuDecodeBlockSizes
 
 
@@ -38,7 +38,7 @@ def _inputs(seed, B, HK, HV, K, V, in_dtype=F32, state_dtype=F32):
 def _run(mode, q, k, v, g, beta, s, block):
     if mode == "gpu":  # poison: leave a freed NaN buffer the size of the output
         jax.block_until_ready(jnp.full(v.shape, jnp.nan, q.dtype)).delete()
-    return mg.gdn_decode_mgpu(q, k, v, g, beta, s, block=block, interpret=mode == "interpret")
+    return mg.gdn_decode_mgpu(q, k, v, g, beta, s, block=block, interpret=interpret_flag(mode))
 
 
 def _check(o, s2, ro, rs, tol_o, tol_s):

@@ -10,11 +10,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from conftest import KERNEL_MODES as MODES, interpret_flag
+
 from gdn_jax import decode as dec
 from gdn_jax import reference as ref
 
-MODES = [pytest.param("interpret", id="interpret"),
-         pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
 
 
 def _state_with_ties(shape, dtype, seed):
@@ -39,7 +39,7 @@ def test_narrowing_is_round_to_nearest_even(mode, dtype, shape):
     with np.errstate(over="ignore"):
         want = x.astype(npdt)  # numpy / ml_dtypes cast: IEEE round to nearest even
     xs = jnp.asarray(x)
-    y = dec.convert_state(xs, dtype, impl="pallas", interpret=mode == "interpret")
+    y = dec.convert_state(xs, dtype, impl="pallas", interpret=interpret_flag(mode))
     assert y.dtype == dtype and y.shape == shape
     np.testing.assert_array_equal(np.asarray(y).view(np.uint16), want.view(np.uint16))
     np.testing.assert_array_equal(np.asarray(xs), x)  # out of place: the input is intact
@@ -53,7 +53,7 @@ def test_widening_is_exact(mode, dtype):
     npdt = np.float16 if dtype == jnp.float16 else ml_dtypes.bfloat16
     with np.errstate(over="ignore"):
         x16 = _state_with_ties((4, 2, 32, 32), npdt, seed=5).astype(npdt)
-    y = dec.convert_state(jnp.asarray(x16), jnp.float32, impl="pallas", interpret=mode == "interpret")
+    y = dec.convert_state(jnp.asarray(x16), jnp.float32, impl="pallas", interpret=interpret_flag(mode))
     assert y.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(y), x16.astype(np.float32))
 

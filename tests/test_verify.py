@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ON_GPU
+from conftest import MODES, ON_GPU
 from gdn_jax import carry
 from gdn_jax import conv_carry
 from gdn_jax import decode as dec
@@ -33,9 +33,6 @@ from pallas_kernels import gdn_verify as kv
 F32, F16, BF16 = jnp.float32, jnp.float16, jnp.bfloat16
 NO_FUSION = {"xla_disable_hlo_passes": "fusion", "xla_backend_optimization_level": 0}
 SENTINEL = 1e30
-MODES = [pytest.param("reference", id="reference"),
-         pytest.param("interpret", id="interpret"),
-         pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
 
 
 def _jit(f, mode="reference", **kw):
