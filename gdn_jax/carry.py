@@ -60,7 +60,7 @@ from gdn_jax import validate as chk
 from gdn_jax.state import ConvPool, DeltaPool, DeltaStash
 from gdn_jax.verify import (F32, _chain_exact, _chain_wy, _fold_pending, _gather,
                             _live, _mask_rows, _prepare_tokens, _scatter, check_accepted,
-                            check_tokens, check_pool, kernel_reason, normalise_slots, verify_call)
+                            check_tokens, kernel_reason, normalise_slots, verify_call)
 
 VERIFY_WIDTHS = (2, 3, 4)           # T for which the carried verify engages
 
@@ -161,11 +161,11 @@ def awaiting_verdict(drafted, slots):
     return live & (_gather(drafted, slots) > 0)
 
 
-def _refuse_pending_verdicts(drafted, slots, what):
-    """ValueError when the slot table and counters are concrete and a named slot still awaits
-    its verdict; nothing (the device flags it) otherwise."""
-    if chk.is_concrete(slots) and chk.is_concrete(drafted):
-        s, d = np.asarray(slots), np.asarray(drafted)
+def _refuse_pending_verdicts(drafted, host_slots, what):
+    """ValueError when the slot table (its host copy) and the counters are concrete and a named
+    slot still awaits its verdict; nothing (the device flags it) otherwise."""
+    if host_slots is not None and chk.is_concrete(drafted):
+        s, d = host_slots, np.asarray(drafted)
         live = s[(s >= 0) & (s < d.shape[0])]
         waiting = live[d[live] > 0]
         if waiting.size:
@@ -213,6 +213,7 @@ def carried_verify(q, k, v, g, beta, pool: DeltaPool, slots, *, exact=True, scal
     check_delta_pool(pool, kind, num_k_heads=hk)
     call = verify_call(q, k, v, g, beta, pool.states, slots, scale=scale, use_qk_l2norm=use_qk_l2norm,
                        exact=exact, block_sizes=block_sizes)
+    host_slots = np.asarray(slots) if chk.is_concrete(slots) else None
     stash = pool.stash
     if t > stash.capacity:
         raise ValueError(f"q holds T={t} tokens, more than the stash capacity {stash.capacity}")
@@ -220,7 +221,7 @@ def carried_verify(q, k, v, g, beta, pool: DeltaPool, slots, *, exact=True, scal
         raise ValueError(f"pool.states is {pool.states.dtype}: the fast flavour (exact=False) needs "
                          "an fp32 state; a 16-bit state carries only with exact=True")
     choice = dispatch.select("carried_verify", call, impl, interpret=interpret)
-    _refuse_pending_verdicts(stash.drafted, slots, "verify")
+    _refuse_pending_verdicts(stash.drafted, host_slots, "verify")
     slots = normalise_slots(slots, pool.num_slots)
     refused = awaiting_verdict(stash.drafted, slots)
     slots = jnp.where(refused, -1, slots)
@@ -365,9 +366,15 @@ def flush(pool, slots=None, *, impl="auto", interpret=None, block_sizes=None):
         slots = jnp.arange(pool.num_slots, dtype=jnp.int32)
     chk.array("slots", slots, rank=1, integer=True)
     chk.slot_table("slots", slots, slots.shape[0], pool.num_slots)
+    return flush_validated(pool, normalise_slots(slots, pool.num_slots), impl=impl,
+                           interpret=interpret, block_sizes=block_sizes)
+
+
+def flush_validated(pool: DeltaPool, slots, *, impl="auto", interpret=None, block_sizes=None):
+    """`flush` for callers that have validated the pool and normalised the slot table (the
+    public decode, conversion and block paths), so the table is not read on the host again."""
     call = _flush_spec_of(pool, slots, block_sizes)
     choice = dispatch.select("flush", call, impl, interpret=interpret)
-    slots = normalise_slots(slots, pool.num_slots)
     if choice.impl == "pallas":
         states, stash = _flush_pallas(pool.states, pool.stash, slots, block=block_sizes,
                                       interpret=dispatch.interpret_enabled(interpret))

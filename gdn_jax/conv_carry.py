@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gdn_jax import reference as ref
 from gdn_jax import validate as chk
@@ -89,7 +90,8 @@ def conv_carried_verify(x, conv_pool: ConvPool, slots, weight, bias=None, *, act
         raise ValueError(f"x must hold at least one token (T >= 1), got shape {x.shape}")
     if t > conv_pool.stash.capacity:
         raise ValueError(f"x holds T={t} tokens, more than the conv stash capacity {conv_pool.stash.capacity}")
-    _refuse_pending_verdicts(conv_pool.stash.drafted, slots, "conv verify")
+    _refuse_pending_verdicts(conv_pool.stash.drafted,
+                             np.asarray(slots) if chk.is_concrete(slots) else None, "conv verify")
     slots = normalise_slots(slots, conv_pool.num_slots)
     refused = awaiting_verdict(conv_pool.stash.drafted, slots)
     y, conv_pool = _conv_carried_verify(x, conv_pool, jnp.where(refused, -1, slots), weight, bias,

@@ -344,7 +344,10 @@ def gdn_decode_pool(qkv, g, beta, pool, slots, *, num_k_heads, num_v_heads, head
     slots = slots.astype(jnp.int32)
     if carried:
         from gdn_jax import carry
-        pool = carry.flush(pool, slots, impl=impl, interpret=interpret)
+        from gdn_jax.verify import normalise_slots
+        carry.check_delta_pool(pool)
+        pool = carry.flush_validated(pool, normalise_slots(slots, states.shape[0]), impl=impl,
+                                     interpret=interpret)
         states = pool.states
     o, states = _gdn_decode_pool_jit(qkv, g, beta, states, slots, A_log, dt_bias, z, norm_weight,
                                      spec=call.spec, block=call.block,
@@ -397,7 +400,9 @@ def convert_state(state, dtype, *, impl="auto", interpret=None):
     choice = dispatch.select("convert_state", call, impl, interpret=interpret)
     if isinstance(state, DeltaPool):
         from gdn_jax import carry
-        pool = carry.flush(state, impl=impl, interpret=interpret)
+        carry.check_delta_pool(state)
+        pool = carry.flush_validated(state, jnp.arange(state.num_slots, dtype=jnp.int32),
+                                     impl=impl, interpret=interpret)
         return dataclasses.replace(pool, states=_convert(pool.states, dtype, choice, interpret))
     return _convert(state, dtype, choice, interpret)
 

@@ -124,13 +124,6 @@ for _op in ("gated_delta_rule", "kda"):
     dispatch.register(_op, dispatch.KernelFamily("decode", _decode_supports, _decode_run))
 
 
-def select_impl(impl: str, *, seq_len: int, kind: str, varlen: bool = False) -> str:
-    """Which pure-JAX form "auto" runs for a sequence of this length (kept for callers that
-    only need that part of the choice; the full choice is `gdn_jax.explain`)."""
-    spec = DeltaSpec(kind, 1, seq_len, 1, 1, 1, 1, 1, varlen, 1.0, False, "float32", "float32")
-    return impl if impl in ("reference", "chunked") else _fallback(spec)
-
-
 # --------------------------------------------------------------------------- pure-JAX paths
 
 @functools.partial(jax.jit, static_argnames=("impl", "scale", "use_qk_l2norm"))

@@ -140,7 +140,8 @@ def heads(hk: int, hv: int, kd: int, vd: int):
 
 
 def slot_table(name, slots, batch, num_slots):
-    """slots [B] integer; concrete entries in [-1, num_slots) and no live slot twice."""
+    """slots [B] integer; concrete entries in [-1, num_slots) and no live slot twice. Returns the
+    host copy when the table is concrete (one device-to-host read per public call), else None."""
     array(name, slots, rank=1, integer=True)
     if slots.shape[0] != batch:
         raise ValueError(f"{name} must have shape [B={batch}], got {shape_of(slots)}")
@@ -151,6 +152,8 @@ def slot_table(name, slots, batch, num_slots):
         live = s[s >= 0]
         if np.unique(live).size != live.size:
             raise ValueError(f"{name} names a slot twice (each live slot at most once per batch): {s.tolist()}")
+        return s
+    return None
 
 
 # --------------------------------------------------------------------------- checked mode

@@ -1,7 +1,6 @@
 """One front door per operation: the dispatch (`gdn_jax.dispatch`), validation at the public
 functions, the interpret switch, and the exact verify against the public decode on the GPU."""
 
-import dataclasses
 import logging
 
 import jax

@@ -15,7 +15,7 @@ from helpers import delta_inputs, rel_err
 # ------------------------------------------------------------------ independent float64 oracle
 
 def numpy_delta_rule(q, k, v, g, beta, h0=None, scale=None, l2=False):
-    """Token loop in float64, written from DESIGN.md's semantics without any gdn_jax code."""
+    """Token loop in float64, written from docs/design.md's semantics without any gdn_jax code."""
     q, k, v, g, beta = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v, g, beta))
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]

@@ -8,8 +8,7 @@ of `--unroll` chained rounds with the pool (and stash) donated, divided by the r
   states        verify with intermediate states (T outputs, T states written) + commit_states
   carried-exact carried verify (fold pending rows, write H once, T outputs, stash) + accept,
                 every row accepting all T tokens (the most rows to fold next round)
-  carried-fast  the same with the WY-form outputs (the default and FAST_VARIANTS: projection
-                form x block shape)
+  carried-fast  the same with the WY-form outputs (the default and FAST_VARIANTS: block shapes)
   flush         folding T pending rows into H (what a decode that follows a verify pays)
 
 Bytes per round: the state read + written once (+ the T states for `states`), plus the stash
@@ -24,11 +23,7 @@ import dataclasses
 import functools
 
 B, HV, HK, K, V = 128, 32, 16, 128, 128
-# fast-flavour shapes timed besides the default: (proj, block_v, num_warps, wy_in_kernel); "legacy"
-# is the first fast kernel (per-row fold, in-kernel WY reductions), kept as the baseline;
-# wy_in_kernel=False solves GDN's WY scalars in an XLA prelude instead of in the kernel
-FAST_VARIANTS = (("legacy", 64, 4, True), ("reduce", 64, 4, True), ("dot", 64, 4, True),
-                 ("dot", 64, 4, False), ("dot", 32, 4, True))
+FAST_VARIANTS = ((64, 4), (32, 4))  # fast-flavour (block_v, num_warps) timed besides the default
 
 
 def _inputs(b, t, slots_n, seed=0):
@@ -203,12 +198,11 @@ def main(argv=None) -> int:
 
         dflt = kv.default_block_sizes(B, V, jnp.float32, False)
         fast_blocks = [None] if args.smoke else [None] + [
-            blk for blk in (kv.VerifyBlockSizes(bv, w, proj=pr, wy_in_kernel=wy)
-                            for pr, bv, w, wy in FAST_VARIANTS) if blk != dflt]
+            blk for blk in (kv.VerifyBlockSizes(bv, w) for bv, w in FAST_VARIANTS) if blk != dflt]
         best = None
         for blk in fast_blocks:
             fn = functools.partial(carried_round, exact=False, block=blk)
-            name = lambda b: f"{b.proj} bv{b.block_v}w{b.num_warps}" + ("" if b.wy_in_kernel else ", XLA prelude")
+            name = lambda b: f"bv{b.block_v}w{b.num_warps}"
             label = f"default = {name(dflt)}" if blk is None else name(blk)
             try:
                 sec = _time(fn, fresh_carry(), (*toks, accepted), args.unroll, args.calls,

@@ -161,7 +161,8 @@ class DeltaBlockMixin:
         self._refuse_candidates(serving, "a prefill")
         chk.slot_table("slots", slots, x.shape[0], serving.num_slots)
         slots = verify_ops.normalise_slots(slots, serving.num_slots)
-        delta = carry_ops.flush(serving.delta, slots, impl=_pool_impl(impl))
+        carry_ops.check_delta_pool(serving.delta)
+        delta = carry_ops.flush_validated(serving.delta, slots, impl=_pool_impl(impl))
         conv = conv_carry.conv_flush(serving.conv, slots)
         live = slots >= 0
         safe = jnp.where(live, slots, 0)
