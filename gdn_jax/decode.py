@@ -1,9 +1,8 @@
-"""Single-token decode: the public entry points and the choice of kernel.
+"""Single-token decode: the public entry points and their kernel family.
 
     gdn_decode(q, k, v, g, beta, state, ...)            contiguous batch, state [B, HV, K, V]
     gdn_decode_pool(qkv, g, beta, pool, slots, ...)     packed rows + a state pool and slot table
     convert_state(state, dtype)                          fp32 <-> fp16/bf16 state (out of place)
-    select_decode_impl(...)                              which implementation runs, and why
 
 Variants are keyword arguments of the same two functions:
   * raw gates: pass `A_log` and `dt_bias`; `g` and `beta` then hold the raw projections a, b and
@@ -17,9 +16,10 @@ Variants are keyword arguments of the same two functions:
 The state argument is donated: the kernel updates it in place and the caller must use the
 returned state (the argument's buffer is invalid afterwards, as for any donated jit argument).
 
-`impl`: "pallas" runs the Pallas kernel (raises ValueError with the reason when it cannot take
-the call), "reference" the pure-JAX path, "auto" the kernel when it can, else the reference.
-`interpret=True` runs the kernel in Pallas interpret mode (CPU tests).
+`impl` follows `gdn_jax.dispatch`: every call of every kind runs the one Triton-lowered decode
+kernel (`pallas_kernels.gdn_decode`) when it can take the call, so the exact carried verify
+(which calls that kernel's per-token function) is bit-identical to what these functions run.
+`interpret`: None follows `gdn_jax.interpret()` / GDN_JAX_INTERPRET.
 """
 
 from __future__ import annotations
@@ -29,107 +29,187 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from gdn_jax import dispatch
 from gdn_jax import reference as ref
-from pallas_kernels import gdn_decode as kern
-from pallas_kernels import state_convert as conv_kern
+from gdn_jax import validate as chk
+from pallas_kernels import gdn_decode as decode_kernel
+from pallas_kernels import state_convert as convert_kernel
 
 DECODE_IMPLS = ("auto", "pallas", "reference")
 
-__all__ = ["DECODE_IMPLS", "DecodeChoice", "select_decode_impl", "select_convert_impl",
-           "gdn_decode", "gdn_decode_pool", "convert_state"]
+__all__ = ["DecodeCall", "gdn_decode", "gdn_decode_pool", "convert_state", "decode_call",
+           "decode_pool_call", "convert_call"]
 
 
-# --------------------------------------------------------------------------- the choice
+# --------------------------------------------------------------------------- specs and family
 
 @dataclasses.dataclass(frozen=True)
-class DecodeChoice:
-    impl: str                 # "pallas" or "reference"
-    reason: str | None = None  # why the kernel was not taken (None when it was)
+class DecodeCall:
+    """A validated decode call: the kernel's static spec plus what the choice reads."""
+    spec: decode_kernel.DecodeSpec
+    block: decode_kernel.DecodeBlockSizes
+    state_dtype: str
+    num_state_elements: int
+    batch: int
+    out_dtype: str
 
 
-def _choose(impl: str, *, backend: str, interpret: bool, what: str, kernel_reason) -> DecodeChoice:
-    """The rule both selections share: "reference" when asked; else the kernel unless it needs a
-    GPU it does not have or `kernel_reason()` names why it cannot run; then "pallas" raises and
-    "auto" falls back to the reference with the reason."""
-    if impl not in DECODE_IMPLS:
-        raise ValueError(f"impl must be one of {DECODE_IMPLS}, got {impl!r}")
-    if impl == "reference":
-        return DecodeChoice("reference", "impl='reference' was asked for")
-    if backend != "gpu" and not interpret:
-        reason = f"the Pallas {what} needs a GPU (backend is {backend!r}; interpret=True runs it on CPU)"
-    else:
-        reason = kernel_reason()
-    if reason is None:
-        return DecodeChoice("pallas")
-    if impl == "pallas":
-        raise ValueError(f"impl='pallas': {reason}")
-    return DecodeChoice("reference", reason)
+def _decode_supports(call: DecodeCall):
+    return (decode_kernel.unsupported_reason(call.spec, call.block, call.state_dtype)
+            or decode_kernel.index_overflow_reason(call.num_state_elements))
 
 
-def select_decode_impl(impl: str, *, backend: str, spec: kern.DecodeSpec,
-                       block: kern.DecodeBlockSizes, state_dtype, num_state_elements: int,
-                       interpret: bool = False) -> DecodeChoice:
-    """Which decode implementation runs. Pure (no device work): testable without a GPU.
-
-    impl="pallas" raises ValueError naming the reason when the kernel cannot take the call;
-    impl="auto" then falls back to the reference and reports the reason."""
-    return _choose(impl, backend=backend, interpret=interpret, what="decode kernel",
-                   kernel_reason=lambda: (kern.unsupported_reason(spec, block, state_dtype)
-                                          or kern.index_overflow_reason(num_state_elements)))
+@dataclasses.dataclass(frozen=True)
+class ConvertCall:
+    x_dtype: str
+    dtype: str
+    size: int
 
 
-def select_convert_impl(impl: str, *, backend: str, x_dtype, dtype, size: int,
-                        interpret: bool = False) -> DecodeChoice:
-    """Which state converter runs (same rules as `select_decode_impl`)."""
-    return _choose(impl, backend=backend, interpret=interpret, what="converter",
-                   kernel_reason=lambda: conv_kern.unsupported_reason(x_dtype, dtype, size))
+def _convert_supports(call: ConvertCall):
+    return convert_kernel.unsupported_reason(call.x_dtype, call.dtype, call.size)
 
 
 # --------------------------------------------------------------------------- validation
 
-def _shape(x):
-    return getattr(x, "shape", None)
+_shape = chk.shape_of
+_need = chk.shape
 
 
-def _need(name, x, shape):
-    if _shape(x) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {_shape(x)}")
-
-
-def _need_float(name, x):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{name} must be a floating-point array, got dtype {x.dtype}")
-
-
-def _check_norm(z, norm_weight, b, hv, vd, norm_activation):
+def _check_norm(z, norm_weight, norm_eps, norm_activation, vd):
     if (z is None) != (norm_weight is None):
         raise ValueError("z and norm_weight go together (both for the fused gated RMSNorm, or neither)")
-    if norm_activation not in ("silu", "sigmoid"):
-        raise ValueError(f"norm_activation must be 'silu' or 'sigmoid', got {norm_activation!r}")
+    chk.activation("norm_activation", norm_activation, ("silu", "sigmoid"))
+    eps = chk.eps("norm_eps", norm_eps)
     if norm_weight is not None:
+        chk.array("norm_weight", norm_weight, floating=True)
         _need("norm_weight", norm_weight, (vd,))
+    return eps
 
 
 def _check_gate_params(A_log, dt_bias, hv, kd, per_channel, lower_bound):
     if (A_log is None) != (dt_bias is None):
         raise ValueError("A_log and dt_bias go together (raw gates), or neither (precomputed g, beta)")
-    if lower_bound is not None:
-        if A_log is None or not per_channel:
-            raise ValueError("lower_bound applies to the raw per-channel (KDA) gate only")
-        if not float(lower_bound) < 0.0:
-            raise ValueError(f"lower_bound must be < 0, got {lower_bound}")
+    lower_bound = chk.lower_bound(lower_bound)
+    if lower_bound is not None and (A_log is None or not per_channel):
+        raise ValueError("lower_bound applies to the raw per-channel (KDA) gate only")
     if A_log is not None:
+        chk.array("A_log", A_log, floating=True)
+        chk.array("dt_bias", dt_bias, floating=True)
         if A_log.size != hv:
             raise ValueError(f"A_log must hold HV={hv} values, got shape {_shape(A_log)}")
         want = hv * kd if per_channel else hv
         if dt_bias.size != want:
             raise ValueError(f"dt_bias must hold {want} values, got shape {_shape(dt_bias)}")
+    return lower_bound
 
 
-def _scale(scale, kd):
-    return float(kd ** -0.5 if scale is None else scale)
+def decode_call(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False, A_log=None,
+                dt_bias=None, lower_bound=None, z=None, norm_weight=None, norm_eps=1e-6,
+                norm_activation="silu", out_dtype=None, block_sizes=None) -> DecodeCall:
+    """Validate `gdn_decode`'s arguments (ValueError naming the argument) into a DecodeCall."""
+    for name, x, rank in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("beta", beta, 2), ("state", state, 4)):
+        chk.array(name, x, rank=rank, floating=True)
+    b, hk, kd = q.shape
+    _need("k", k, q.shape)
+    if v.shape[0] != b:
+        raise ValueError(f"v must be [B={b}, HV, V], got {v.shape}")
+    hv, vd = v.shape[1:]
+    chk.heads(hk, hv, kd, vd)
+    chk.array("g", g, floating=True)
+    if len(g.shape) not in (2, 3):
+        raise ValueError(f"g must be [B, HV] (GDN) or [B, HV, K] (KDA), got {_shape(g)}")
+    per_channel = len(g.shape) == 3
+    _need("g", g, (b, hv, kd) if per_channel else (b, hv))
+    _need("beta", beta, (b, hv))
+    _need("state", state, (b, hv, kd, vd))
+    chk.state_dtype("state", state.dtype)
+    lower_bound = _check_gate_params(A_log, dt_bias, hv, kd, per_channel, lower_bound)
+    eps = _check_norm(z, norm_weight, norm_eps, norm_activation, vd)
+    if z is not None:
+        chk.array("z", z, floating=True)
+        _need("z", z, (b, hv, vd))
+    out = chk.float_dtype("out_dtype", out_dtype, jnp.bfloat16 if z is not None else q.dtype)
+    spec = decode_kernel.DecodeSpec(
+        num_k_heads=hk, num_v_heads=hv, k_dim=kd, v_dim=vd, scale=chk.scale(scale, kd),
+        raw_gates=A_log is not None, per_channel_gate=per_channel, gate_lower_bound=lower_bound,
+        use_qk_l2norm=bool(use_qk_l2norm), fused_norm=z is not None, norm_eps=eps,
+        norm_activation=norm_activation)
+    block = block_sizes or decode_kernel.default_block_sizes(b, vd, state.dtype, spec.fused_norm)
+    return DecodeCall(spec, block, str(jnp.dtype(state.dtype)), int(state.size), b, str(out))
+
+
+def decode_pool_call(qkv, g, beta, pool, slots, *, num_k_heads, num_v_heads, head_k_dim,
+                     head_v_dim, g_col=0, beta_col=0, per_channel_gate=False, scale=None,
+                     use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, z=None,
+                     z_col=0, norm_weight=None, norm_eps=1e-6, norm_activation="silu",
+                     out_dtype=None, block_sizes=None) -> DecodeCall:
+    """Validate `gdn_decode_pool`'s arguments into a DecodeCall (`pool` is the state array)."""
+    hk, hv, kd, vd = (chk.count(n, x) for n, x in (("num_k_heads", num_k_heads),
+                                                   ("num_v_heads", num_v_heads),
+                                                   ("head_k_dim", head_k_dim),
+                                                   ("head_v_dim", head_v_dim)))
+    chk.heads(hk, hv, kd, vd)
+    g_col, beta_col, z_col = (chk.column(n, x) for n, x in (("g_col", g_col), ("beta_col", beta_col),
+                                                             ("z_col", z_col)))
+    chk.array("qkv", qkv, rank=2, floating=True)
+    b = qkv.shape[0]
+    conv_dim = 2 * hk * kd + hv * vd
+    if qkv.shape[1] != conv_dim:
+        raise ValueError(f"qkv must be [B, conv_dim={conv_dim}] (q | k | v), got {qkv.shape}")
+    gk = kd if per_channel_gate else 1
+    for name, x, col, width in (("g", g, g_col, hv * gk), ("beta", beta, beta_col, hv)):
+        chk.array(name, x, rank=2, floating=True)
+        if x.shape[0] != b:
+            raise ValueError(f"{name} must be a row array [B={b}, width], got {_shape(x)}")
+        if col + width > x.shape[1]:
+            raise ValueError(f"{name}: columns {col}..{col + width} fall outside its width {x.shape[1]}")
+    chk.array("pool", pool, rank=4, floating=True)
+    if tuple(pool.shape[1:]) != (hv, kd, vd):
+        raise ValueError(f"pool must be [slots, HV={hv}, K={kd}, V={vd}], got {_shape(pool)}")
+    chk.state_dtype("pool", pool.dtype)
+    chk.slot_table("slots", slots, b, pool.shape[0])
+    lower_bound = _check_gate_params(A_log, dt_bias, hv, kd, per_channel_gate, lower_bound)
+    eps = _check_norm(z, norm_weight, norm_eps, norm_activation, vd)
+    if z is not None:
+        chk.array("z", z, rank=2, floating=True)
+        if z.shape[0] != b or z_col + hv * vd > z.shape[1]:
+            raise ValueError(f"z must be a row array [B={b}, width >= z_col + HV * V = "
+                             f"{z_col + hv * vd}], got {_shape(z)}")
+    out = chk.float_dtype("out_dtype", out_dtype, jnp.bfloat16 if z is not None else qkv.dtype)
+    spec = decode_kernel.DecodeSpec(
+        num_k_heads=hk, num_v_heads=hv, k_dim=kd, v_dim=vd, scale=chk.scale(scale, kd),
+        q_col=0, k_col=hk * kd, v_col=2 * hk * kd, g_col=g_col, beta_col=beta_col,
+        z_col=z_col, raw_gates=A_log is not None, per_channel_gate=bool(per_channel_gate),
+        gate_lower_bound=lower_bound, use_qk_l2norm=bool(use_qk_l2norm), pooled=True,
+        fused_norm=z is not None, norm_eps=eps, norm_activation=norm_activation)
+    block = block_sizes or decode_kernel.default_block_sizes(b, vd, pool.dtype, spec.fused_norm)
+    return DecodeCall(spec, block, str(jnp.dtype(pool.dtype)), int(pool.size), b, str(out))
+
+
+def _pool_spec_of(qkv, g, beta, pool, slots, **kw):
+    from gdn_jax.state import DeltaPool
+    return decode_pool_call(qkv, g, beta, pool.states if isinstance(pool, DeltaPool) else pool,
+                            slots, **kw)
+
+
+def convert_call(state, dtype) -> ConvertCall:
+    from gdn_jax.state import DeltaPool
+    if isinstance(state, DeltaPool):
+        state = state.states
+    chk.array("state", state, floating=True)
+    chk.state_dtype("state", state.dtype)
+    d = chk.state_dtype("dtype", dtype)
+    return ConvertCall(str(jnp.dtype(state.dtype)), str(d), int(state.size))
+
+
+dispatch.define("gdn_decode", spec_of=decode_call)
+dispatch.register("gdn_decode", dispatch.KernelFamily("triton decode", _decode_supports))
+dispatch.define("gdn_decode_pool", spec_of=_pool_spec_of)
+dispatch.register("gdn_decode_pool", dispatch.KernelFamily("triton decode", _decode_supports))
+dispatch.define("convert_state", spec_of=convert_call)
+dispatch.register("convert_state", dispatch.KernelFamily("state convert", _convert_supports))
 
 
 # --------------------------------------------------------------------------- reference paths
@@ -160,49 +240,24 @@ def _ref_step(q, k, v, g, beta, state, *, scale, use_qk_l2norm, z, norm_weight, 
 
 def gdn_decode(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False, A_log=None,
                dt_bias=None, lower_bound=None, z=None, norm_weight=None, norm_eps=1e-6,
-               norm_activation="silu", out_dtype=None, impl="auto", interpret=False,
-               block_sizes: kern.DecodeBlockSizes | None = None):
+               norm_activation="silu", out_dtype=None, impl="auto", interpret=None,
+               block_sizes: decode_kernel.DecodeBlockSizes | None = None):
     """One decode token for a contiguous batch. Returns (o [B, HV, V], new state [B, HV, K, V]).
 
     q, k [B, HK, K]; v [B, HV, V]; g [B, HV] (GDN) or [B, HV, K] (KDA) log decay, or the raw `a`
     with A_log [HV] and dt_bias [HV] (KDA: [HV, K]); beta [B, HV] (or raw `b`); state
     [B, HV, K, V] fp32/fp16/bf16, donated. z [B, HV, V] and norm_weight [V] fuse the gated
-    RMSNorm. o has out_dtype (default: q's dtype, bf16 with the fused norm)."""
-    for name, x, rank in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("beta", beta, 2), ("state", state, 4)):
-        if getattr(x, "ndim", None) != rank:
-            raise ValueError(f"{name} must have rank {rank}, got shape {_shape(x)}")
-        _need_float(name, x)
-    b, hk, kd = q.shape
-    _need("k", k, q.shape)
-    if v.shape[0] != b:
-        raise ValueError(f"v must be [B={b}, HV, V], got {v.shape}")
-    hv, vd = v.shape[1:]
-    if hk == 0 or hv % hk:
-        raise ValueError(f"v's head count HV={hv} must be a multiple of q/k's head count HK={hk}")
-    if getattr(g, "ndim", None) not in (2, 3):
-        raise ValueError(f"g must be [B, HV] (GDN) or [B, HV, K] (KDA), got {_shape(g)}")
-    per_channel = g.ndim == 3
-    _need("g", g, (b, hv, kd) if per_channel else (b, hv))
-    _need_float("g", g)
-    _need("beta", beta, (b, hv))
-    _need("state", state, (b, hv, kd, vd))
-    _check_gate_params(A_log, dt_bias, hv, kd, per_channel, lower_bound)
-    _check_norm(z, norm_weight, b, hv, vd, norm_activation)
-    if z is not None:
-        _need("z", z, (b, hv, vd))
-    out_dtype = jnp.dtype(out_dtype or (jnp.bfloat16 if z is not None else q.dtype))
-    spec = kern.DecodeSpec(
-        num_k_heads=hk, num_v_heads=hv, k_dim=kd, v_dim=vd, scale=_scale(scale, kd),
-        raw_gates=A_log is not None, per_channel_gate=per_channel, gate_lower_bound=lower_bound,
-        use_qk_l2norm=bool(use_qk_l2norm), fused_norm=z is not None, norm_eps=float(norm_eps),
-        norm_activation=norm_activation)
-    block = block_sizes or kern.default_block_sizes(b, vd, state.dtype, spec.fused_norm)
-    choice = select_decode_impl(impl, backend=jax.default_backend(), spec=spec, block=block,
-                                state_dtype=state.dtype, num_state_elements=state.size,
-                                interpret=interpret)
-    return _gdn_decode_jit(q, k, v, g, beta, state, A_log, dt_bias, z, norm_weight, spec=spec,
-                           block=block, out_dtype=out_dtype, which=choice.impl,
-                           interpret=bool(interpret))
+    RMSNorm. o has out_dtype (a floating dtype; default: q's dtype, bf16 with the fused norm).
+    scale: positive finite (default K^-0.5); norm_eps >= 0; lower_bound finite and < 0."""
+    dispatch.check_impl("gdn_decode", impl)
+    call = decode_call(q, k, v, g, beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                       A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, z=z,
+                       norm_weight=norm_weight, norm_eps=norm_eps, norm_activation=norm_activation,
+                       out_dtype=out_dtype, block_sizes=block_sizes)
+    choice = dispatch.select("gdn_decode", call, impl, interpret=interpret)
+    return _gdn_decode_jit(q, k, v, g, beta, state, A_log, dt_bias, z, norm_weight, spec=call.spec,
+                           block=call.block, out_dtype=jnp.dtype(call.out_dtype), which=choice.impl,
+                           interpret=dispatch.interpret_enabled(interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "block", "out_dtype", "which", "interpret"),
@@ -216,7 +271,7 @@ def _gdn_decode_jit(q, k, v, g, beta, state, A_log, dt_bias, z, norm_weight, *, 
                          z=z, norm_weight=norm_weight, norm_eps=spec.norm_eps,
                          norm_activation=spec.norm_activation, out_dtype=out_dtype)
     rows = lambda x: None if x is None else x.reshape(b, -1)  # free: row-major views
-    o, state = kern.gdn_decode(
+    o, state = decode_kernel.gdn_decode(
         rows(q), rows(k), rows(v), rows(g), rows(beta), state, spec=spec,
         A_log=None if A_log is None else A_log.reshape(-1),
         dt_bias=None if dt_bias is None else dt_bias.reshape(-1),
@@ -225,14 +280,41 @@ def _gdn_decode_jit(q, k, v, g, beta, state, A_log, dt_bias, z, norm_weight, *, 
     return o.reshape(b, spec.num_v_heads, spec.v_dim), state
 
 
+def _sequence_call(spec, state_dtype=None) -> DecodeCall:
+    """The decode call a single-token sequence call (`gdn_jax.ops.DeltaSpec`) makes."""
+    dspec = decode_kernel.DecodeSpec(
+        num_k_heads=spec.num_k_heads, num_v_heads=spec.num_v_heads, k_dim=spec.head_k_dim,
+        v_dim=spec.head_v_dim, scale=spec.scale, per_channel_gate=spec.kind == "kda",
+        use_qk_l2norm=spec.use_qk_l2norm)
+    sdt = spec.state_dtype if state_dtype is None else state_dtype
+    block = decode_kernel.default_block_sizes(spec.batch, spec.head_v_dim, sdt, False)
+    n = spec.batch * spec.num_v_heads * spec.head_k_dim * spec.head_v_dim
+    return DecodeCall(dspec, block, str(sdt), n, spec.batch, spec.input_dtype)
+
+
+def sequence_step_reason(spec):
+    """Why the decode kernel cannot run this single-token sequence call (None when it can)."""
+    return _decode_supports(_sequence_call(spec))
+
+
+def sequence_step(spec, q, k, v, g, beta, state):
+    """The decode kernel as the sequence operations' "decode" family: T = 1 of q [B, 1, HK, K]
+    ... from `state` (donated). Returns (o [B, 1, HV, V], new state)."""
+    call = _sequence_call(spec, jnp.dtype(state.dtype))
+    o, s = _gdn_decode_jit(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, None, None, None,
+                           None, spec=call.spec, block=call.block, out_dtype=jnp.dtype(q.dtype),
+                           which="pallas", interpret=dispatch.interpret_enabled())
+    return o[:, None], s
+
+
 # --------------------------------------------------------------------------- pool + packed rows
 
 def gdn_decode_pool(qkv, g, beta, pool, slots, *, num_k_heads, num_v_heads, head_k_dim,
                     head_v_dim, g_col=0, beta_col=0, per_channel_gate=False, scale=None,
                     use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, z=None,
                     z_col=0, norm_weight=None, norm_eps=1e-6, norm_activation="silu",
-                    out_dtype=None, impl="auto", interpret=False,
-                    block_sizes: kern.DecodeBlockSizes | None = None):
+                    out_dtype=None, impl="auto", interpret=None,
+                    block_sizes: decode_kernel.DecodeBlockSizes | None = None):
     """One decode token for B sequences whose states live in a pool. Returns (o [B, HV, V], pool).
 
     qkv [B, conv_dim]: the packed conv output, q | k | v (conv_dim = 2 * HK * K + HV * V); the
@@ -240,62 +322,38 @@ def gdn_decode_pool(qkv, g, beta, pool, slots, *, num_k_heads, num_v_heads, head
     is at column g_col + h (g_col + h * K .. + K with per_channel_gate) and its beta at
     beta_col + h, so a packed gate projection is passed as the same array twice with two
     offsets. With A_log [HV] and dt_bias [HV] (or [HV * K]) they are the raw a, b.
-    pool [slots, HV, K, V] fp32/fp16/bf16, donated; slots [B] int32: the pool row of each
-    sequence, -1 for padding (its state is neither read nor written and its output row is
-    zero). Rows not named are bit-for-bit untouched. Two sequences must not name one slot.
+    pool: the state pool [slots, HV, K, V] fp32/fp16/bf16, or a `gdn_jax.DeltaPool` (pool with
+    its carried-verify stash), donated; a DeltaPool's pending rows of the named slots are folded
+    in first (decode reads H), and its rows awaiting a verdict stay stashed.
+    slots [B] int32: the pool row of each sequence, -1 for padding (and any index outside the
+    pool: its state is neither read nor written and its output row is zero). Rows not named are
+    bit-for-bit untouched. Two sequences must not name one slot.
     z [B, width] (head h at z_col + h * V) and norm_weight [V] fuse the gated RMSNorm."""
-    hk, hv, kd, vd = (int(x) for x in (num_k_heads, num_v_heads, head_k_dim, head_v_dim))
-    if min(hk, hv, kd, vd) <= 0 or hv % hk:
-        raise ValueError(f"num_v_heads={hv} must be a positive multiple of num_k_heads={hk}, "
-                         f"head dims positive (K={kd}, V={vd})")
-    if getattr(qkv, "ndim", None) != 2:
-        raise ValueError(f"qkv must be the packed conv output [B, conv_dim], got {_shape(qkv)}")
-    _need_float("qkv", qkv)
-    b = qkv.shape[0]
-    conv_dim = 2 * hk * kd + hv * vd
-    if qkv.shape[1] != conv_dim:
-        raise ValueError(f"qkv must be [B, conv_dim={conv_dim}] (q | k | v), got {qkv.shape}")
-    gk = kd if per_channel_gate else 1
-    for name, x, col, width in (("g", g, g_col, hv * gk), ("beta", beta, beta_col, hv)):
-        if getattr(x, "ndim", None) != 2 or x.shape[0] != b:
-            raise ValueError(f"{name} must be a row array [B={b}, width], got {_shape(x)}")
-        _need_float(name, x)
-        if col < 0 or col + width > x.shape[1]:
-            raise ValueError(f"{name}: columns {col}..{col + width} fall outside its width {x.shape[1]}")
-    if getattr(pool, "ndim", None) != 4 or tuple(pool.shape[1:]) != (hv, kd, vd):
-        raise ValueError(f"pool must be [slots, HV={hv}, K={kd}, V={vd}], got {_shape(pool)}")
-    _need_float("pool", pool)
-    if _shape(slots) != (b,) or not jnp.issubdtype(slots.dtype, jnp.integer):
-        raise ValueError(f"slots must be an int32 array of shape ({b},), got {_shape(slots)} "
-                         f"{getattr(slots, 'dtype', None)}")
-    if not isinstance(slots, jax.core.Tracer):
-        s = np.asarray(slots)
-        if np.any((s < -1) | (s >= pool.shape[0])):
-            raise ValueError(f"slots must be -1 (padding) or a pool row in [0, {pool.shape[0]}), "
-                             f"got {s.tolist()}")
-        named = s[s >= 0]
-        if np.unique(named).size != named.size:
-            raise ValueError(f"slots names a pool row twice: {s.tolist()}")
-    _check_gate_params(A_log, dt_bias, hv, kd, per_channel_gate, lower_bound)
-    _check_norm(z, norm_weight, b, hv, vd, norm_activation)
-    if z is not None:
-        if getattr(z, "ndim", None) != 2 or z.shape[0] != b or z_col < 0 or z_col + hv * vd > z.shape[1]:
-            raise ValueError(f"z must be a row array [B={b}, width >= z_col + HV * V = "
-                             f"{z_col + hv * vd}], got {_shape(z)}")
-    out_dtype = jnp.dtype(out_dtype or (jnp.bfloat16 if z is not None else qkv.dtype))
-    spec = kern.DecodeSpec(
-        num_k_heads=hk, num_v_heads=hv, k_dim=kd, v_dim=vd, scale=_scale(scale, kd),
-        q_col=0, k_col=hk * kd, v_col=2 * hk * kd, g_col=int(g_col), beta_col=int(beta_col),
-        z_col=int(z_col), raw_gates=A_log is not None, per_channel_gate=bool(per_channel_gate),
-        gate_lower_bound=lower_bound, use_qk_l2norm=bool(use_qk_l2norm), pooled=True,
-        fused_norm=z is not None, norm_eps=float(norm_eps), norm_activation=norm_activation)
-    block = block_sizes or kern.default_block_sizes(b, vd, pool.dtype, spec.fused_norm)
-    choice = select_decode_impl(impl, backend=jax.default_backend(), spec=spec, block=block,
-                                state_dtype=pool.dtype, num_state_elements=pool.size,
-                                interpret=interpret)
-    return _gdn_decode_pool_jit(qkv, g, beta, pool, slots.astype(jnp.int32), A_log, dt_bias, z,
-                                norm_weight, spec=spec, block=block, out_dtype=out_dtype,
-                                which=choice.impl, interpret=bool(interpret))
+    from gdn_jax.state import DeltaPool
+    dispatch.check_impl("gdn_decode_pool", impl)
+    carried = isinstance(pool, DeltaPool)
+    states = pool.states if carried else pool
+    call = decode_pool_call(qkv, g, beta, states, slots, num_k_heads=num_k_heads,
+                            num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
+                            g_col=g_col, beta_col=beta_col, per_channel_gate=per_channel_gate,
+                            scale=scale, use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias,
+                            lower_bound=lower_bound, z=z, z_col=z_col, norm_weight=norm_weight,
+                            norm_eps=norm_eps, norm_activation=norm_activation, out_dtype=out_dtype,
+                            block_sizes=block_sizes)
+    choice = dispatch.select("gdn_decode_pool", call, impl, interpret=interpret)
+    slots = slots.astype(jnp.int32)
+    if carried:
+        from gdn_jax import carry
+        from gdn_jax.verify import normalise_slots
+        carry.check_delta_pool(pool)
+        pool = carry.flush_validated(pool, normalise_slots(slots, states.shape[0]), impl=impl,
+                                     interpret=interpret)
+        states = pool.states
+    o, states = _gdn_decode_pool_jit(qkv, g, beta, states, slots, A_log, dt_bias, z, norm_weight,
+                                     spec=call.spec, block=call.block,
+                                     out_dtype=jnp.dtype(call.out_dtype), which=choice.impl,
+                                     interpret=dispatch.interpret_enabled(interpret))
+    return o, (dataclasses.replace(pool, states=states) if carried else states)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "block", "out_dtype", "which", "interpret"),
@@ -305,7 +363,7 @@ def _gdn_decode_pool_jit(qkv, g, beta, pool, slots, A_log, dt_bias, z, norm_weig
     b = qkv.shape[0]
     hk, hv, kd, vd = spec.num_k_heads, spec.num_v_heads, spec.k_dim, spec.v_dim
     if which == "pallas":
-        o, pool = kern.gdn_decode(
+        o, pool = decode_kernel.gdn_decode(
             qkv, qkv, qkv, g, beta, pool, spec=spec, slots=slots,
             A_log=None if A_log is None else A_log.reshape(-1),
             dt_bias=None if dt_bias is None else dt_bias.reshape(-1),
@@ -332,15 +390,26 @@ def _gdn_decode_pool_jit(qkv, g, beta, pool, slots, A_log, dt_bias, z, norm_weig
 
 # --------------------------------------------------------------------------- state dtype
 
-def convert_state(state, dtype, *, impl="auto", interpret=False):
+def convert_state(state, dtype, *, impl="auto", interpret=None):
     """fp32 <-> fp16/bf16 state conversion, out of place (RNE when narrowing). A new array; the
-    argument is not donated. Any shape (a state, a pool)."""
-    if not hasattr(state, "dtype"):
-        raise ValueError(f"state must be an array, got {type(state).__name__}")
-    choice = select_convert_impl(impl, backend=jax.default_backend(), x_dtype=state.dtype,
-                                 dtype=dtype, size=state.size, interpret=interpret)
+    argument is not donated. Any shape (a state, a pool). A `gdn_jax.DeltaPool` has its pending
+    rows folded in first (the conversion reads H) and comes back as a DeltaPool."""
+    from gdn_jax.state import DeltaPool
+    dispatch.check_impl("convert_state", impl)
+    call = convert_call(state, dtype)
+    choice = dispatch.select("convert_state", call, impl, interpret=interpret)
+    if isinstance(state, DeltaPool):
+        from gdn_jax import carry
+        carry.check_delta_pool(state)
+        pool = carry.flush_validated(state, jnp.arange(state.num_slots, dtype=jnp.int32),
+                                     impl=impl, interpret=interpret)
+        return dataclasses.replace(pool, states=_convert(pool.states, dtype, choice, interpret))
+    return _convert(state, dtype, choice, interpret)
+
+
+def _convert(state, dtype, choice, interpret):
     if choice.impl == "pallas":
-        return conv_kern.convert_state(state, dtype, interpret=bool(interpret))
+        return convert_kernel.convert_state(state, dtype, interpret=dispatch.interpret_enabled(interpret))
     if jnp.dtype(dtype).itemsize == 4:
         return ref.state_to_f32(state).astype(dtype)
     return ref.state_to_16bit(state, dtype)

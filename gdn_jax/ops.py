@@ -1,105 +1,154 @@
-"""Public sequence entry points: `gated_delta_rule` (GDN) and `kda`, with validation and `impl` dispatch.
+"""Public sequence entry points: `gated_delta_rule` (GDN) and `kda`.
 
-`impl` values (relied on by outside code, keep them):
+Both validate once into a `DeltaSpec` and ask `gdn_jax.dispatch` which implementation runs:
+
   "reference"  token-serial `lax.scan` (gdn_jax.reference.recurrent_delta_rule)
   "chunked"    pure-JAX WY/UT chunk form, chunk 64 (gdn_jax.reference.chunked_delta_rule)
-  "pallas"     the Pallas kernels; raises ValueError when no kernel can take the call
-  "auto"       the best available for the call (see `select_impl`)
+  "pallas"     a registered kernel family: the single-token decode kernel (T = 1, not packed),
+               else the chunked prefill kernels (gdn_jax.prefill; any T, packed or not)
+  "auto"       a kernel when one takes the call (a GPU, or interpret mode, and head dims the
+               kernels take), else the scan for T < 16 and the chunk form above
+
+Kernel families for these operations are called as
+`run(spec, q, k, v, g, beta, initial_state, cu_seqlens) -> (o [B, T, HV, V], final [N, HV, K, V])`
+with the caller's initial state (None for zeros), which a family must not donate.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdn_jax import dispatch
 from gdn_jax import reference as ref
+from gdn_jax import validate as chk
 
-IMPLS = ("auto", "reference", "chunked", "pallas")
+IMPLS = dispatch.IMPLS
 CHUNK_SIZE = 64
 # Below this many tokens the token-serial scan is as fast as the chunk form and simpler.
 AUTO_CHUNKED_MIN_T = 16
 
-
-def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
+__all__ = ["gated_delta_rule", "kda", "DeltaSpec", "delta_spec", "IMPLS"]
 
 
-def _check_float(name, x):
-    # Callers check the rank first, so x is an array here.
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{name} must be a floating-point array, got dtype {x.dtype}")
+@dataclasses.dataclass(frozen=True)
+class DeltaSpec:
+    """A validated sequence call (static; hashable). N is the number of sequences (B, or the
+    number of packed sequences with cu_seqlens)."""
+    kind: str                  # "gdn" or "kda"
+    batch: int
+    seq_len: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    num_seqs: int
+    varlen: bool
+    scale: float
+    use_qk_l2norm: bool
+    input_dtype: str
+    state_dtype: str           # the initial state's dtype (float32 without one)
 
 
-def validate_delta_inputs(kind, q, k, v, g, beta, initial_state=None, cu_seqlens=None, impl="auto"):
-    """Shape/dtype checks shared by every sequence entry point. Raises ValueError naming the argument.
-
-    Returns the number of sequences N (B, or len(cu_seqlens) - 1 for packed varlen input)."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+def delta_spec(kind, q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=False,
+               cu_seqlens=None, output_final_state=False) -> DeltaSpec:
+    """Validate a sequence call's arguments (ValueError naming the argument) into its spec."""
     for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("beta", beta, 3)):
-        if getattr(x, "ndim", None) != rank:
-            raise ValueError(f"{name} must have rank {rank}, got shape {getattr(x, 'shape', None)}")
-        _check_float(name, x)
+        chk.array(name, x, rank=rank, floating=True)
     if k.shape != q.shape:
         raise ValueError(f"k must have q's shape {q.shape}, got {k.shape}")
     b, t, hk, kd = q.shape
     if v.shape[:2] != (b, t):
         raise ValueError(f"v must be [B={b}, T={t}, HV, V], got {v.shape}")
     hv, vd = v.shape[2], v.shape[3]
-    if hk == 0 or hv % hk:
-        raise ValueError(f"v's head count HV={hv} must be a multiple of q/k's head count HK={hk}")
-    if kd == 0 or vd == 0:
-        raise ValueError(f"head dims must be positive, got K={kd} (q) and V={vd} (v)")
+    chk.heads(hk, hv, kd, vd)
+    if t == 0:
+        raise ValueError(f"q must hold at least one token (T >= 1), got shape {q.shape}")
     want_g = (b, t, hv) if kind == "gdn" else (b, t, hv, kd)
-    if getattr(g, "shape", None) != want_g:
-        raise ValueError(f"g must have shape {want_g} for {kind.upper()}, got {getattr(g, 'shape', None)}")
-    _check_float("g", g)
-    if beta.shape != (b, t, hv):
-        raise ValueError(f"beta must have shape {(b, t, hv)}, got {beta.shape}")
+    chk.array("g", g, floating=True)
+    chk.shape("g", g, want_g)
+    chk.shape("beta", beta, (b, t, hv))
     n = b
     if cu_seqlens is not None:
         if b != 1:
             raise ValueError(f"cu_seqlens needs packed input with B = 1, got B = {b}")
-        cu = jnp.asarray(cu_seqlens) if not hasattr(cu_seqlens, "dtype") else cu_seqlens
-        if cu.ndim != 1 or cu.shape[0] < 2 or not jnp.issubdtype(cu.dtype, jnp.integer):
+        cu = cu_seqlens if hasattr(cu_seqlens, "dtype") else np.asarray(cu_seqlens)
+        if len(cu.shape) != 1 or cu.shape[0] < 2 or not jnp.issubdtype(cu.dtype, jnp.integer):
             raise ValueError(f"cu_seqlens must be a 1-D integer array of N+1 >= 2 offsets, got "
-                             f"shape {cu.shape} dtype {cu.dtype}")
+                             f"shape {chk.shape_of(cu)} dtype {cu.dtype}")
         n = cu.shape[0] - 1
-        if _is_concrete(cu):
+        if chk.is_concrete(cu):
             c = np.asarray(cu)
             if c[0] != 0 or c[-1] != t:
                 raise ValueError(f"cu_seqlens must start at 0 and end at T={t}, got {c.tolist()}")
             if np.any(np.diff(c) < 0):
                 raise ValueError(f"cu_seqlens must be non-decreasing, got {c.tolist()}")
+    state_dtype = jnp.dtype(jnp.float32)
     if initial_state is not None:
-        if getattr(initial_state, "shape", None) != (n, hv, kd, vd):
-            raise ValueError(f"initial_state must have shape {(n, hv, kd, vd)} "
-                             f"([N, HV, K, V]), got {getattr(initial_state, 'shape', None)}")
-        _check_float("initial_state", initial_state)
-    return n
+        chk.array("initial_state", initial_state, floating=True)
+        chk.shape("initial_state", initial_state, (n, hv, kd, vd))
+        state_dtype = jnp.dtype(initial_state.dtype)
+    return DeltaSpec(kind=kind, batch=b, seq_len=t, num_k_heads=hk, num_v_heads=hv, head_k_dim=kd,
+                     head_v_dim=vd, num_seqs=n, varlen=cu_seqlens is not None,
+                     scale=chk.scale(scale, kd), use_qk_l2norm=bool(use_qk_l2norm),
+                     input_dtype=str(jnp.dtype(q.dtype)), state_dtype=str(state_dtype))
 
 
-def select_impl(impl: str, *, seq_len: int, kind: str, varlen: bool = False) -> str:
-    """Which implementation runs a sequence call. Pure: testable without a device.
+def _fallback(spec: DeltaSpec) -> str:
+    return "chunked" if spec.seq_len >= AUTO_CHUNKED_MIN_T else "reference"
 
-    A single token (not packed varlen) with impl "pallas" or "auto" goes to the decode dispatch
-    ("decode"), which runs the Pallas decode kernel when it can take the call (and, for "auto",
-    the reference step otherwise). There is no Pallas prefill kernel yet, so "pallas" is refused
-    for longer sequences and "auto" takes the reference scan for short sequences, the chunk form
-    for long ones."""
-    if impl in ("pallas", "auto") and seq_len == 1 and not varlen:
-        return "decode"
-    if impl == "pallas":
-        raise ValueError(f"impl='pallas': no Pallas {kind.upper()} sequence (prefill) kernel exists "
-                         f"(T={seq_len}); use impl='chunked' or 'auto' (the single-token decode kernel "
-                         "takes T = 1)")
-    if impl == "auto":
-        return "chunked" if seq_len >= AUTO_CHUNKED_MIN_T else "reference"
-    return impl
 
+# --------------------------------------------------------------------------- the decode family
+
+def _decode_supports(spec: DeltaSpec):
+    if spec.seq_len != 1 or spec.varlen:
+        return (f"the decode kernel takes one token per sequence (T={spec.seq_len}"
+                f"{', packed' if spec.varlen else ''}); no sequence (prefill) kernel took it")
+    from gdn_jax import decode  # imports Pallas: only when a kernel is considered
+    return decode.sequence_step_reason(spec)
+
+
+def _decode_run(spec, q, k, v, g, beta, initial_state, cu_seqlens):
+    from gdn_jax import decode
+    # The decode kernel updates its state argument in place (donated): give it a buffer of its
+    # own so the caller's initial_state stays valid, as for every other impl.
+    state = (jnp.zeros((spec.num_seqs, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim),
+                       jnp.float32) if initial_state is None else jnp.copy(initial_state))
+    return decode.sequence_step(spec, q, k, v, g, beta, state)
+
+
+# --------------------------------------------------------------------------- the prefill family
+
+def _prefill_supports(spec: DeltaSpec):
+    from gdn_jax import prefill  # imports Pallas: only when a kernel is considered
+    return prefill.prefill_kernel_reason(head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim,
+                                         backend="gpu", interpret=True)
+
+
+def _prefill_run(spec, q, k, v, g, beta, initial_state, cu_seqlens):
+    from gdn_jax import prefill
+    o, final, _ = prefill.gdn_prefill(q, k, v, g, beta, scale=spec.scale,
+                                      initial_state=initial_state, output_final_state=True,
+                                      use_qk_l2norm=spec.use_qk_l2norm, cu_seqlens=cu_seqlens,
+                                      interpret=dispatch.interpret_enabled())
+    return o, final
+
+
+for _op in ("gated_delta_rule", "kda"):
+    dispatch.define(_op, fallback=_fallback, pure_impls=("reference", "chunked"),
+                    spec_of=functools.partial(
+                        lambda kind, q, k, v, g, beta, **kw: delta_spec(kind, q, k, v, g, beta, **kw),
+                        "gdn" if _op == "gated_delta_rule" else "kda"))
+    dispatch.register(_op, dispatch.KernelFamily("decode", _decode_supports, _decode_run))
+    dispatch.register(_op, dispatch.KernelFamily("chunked prefill", _prefill_supports,
+                                                 _prefill_run))
+
+
+# --------------------------------------------------------------------------- pure-JAX paths
 
 @functools.partial(jax.jit, static_argnames=("impl", "scale", "use_qk_l2norm"))
 def _run_dense(impl, q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
@@ -129,49 +178,52 @@ def _varlen(impl, q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu, tma
 
 
 def _delta_rule(kind, q, k, v, g, beta, *, scale, initial_state, output_final_state,
-                use_qk_l2norm, cu_seqlens, impl):
-    validate_delta_inputs(kind, q, k, v, g, beta, initial_state, cu_seqlens, impl)
-    which = select_impl(impl, seq_len=q.shape[1], kind=kind, varlen=cu_seqlens is not None)
-    if which == "decode":
-        from gdn_jax.decode import gdn_decode  # the decode dispatch imports the kernels: load lazily
-        b, _, hk, kd = q.shape
-        hv, vd = v.shape[2:]
-        # The decode kernel updates its state argument in place (donated): give it a buffer of its
-        # own so the caller's initial_state stays valid, as for every other impl.
-        state = (jnp.zeros((b, hv, kd, vd), jnp.float32) if initial_state is None
-                 else jnp.copy(initial_state))
-        o, s = gdn_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, scale=scale,
-                          use_qk_l2norm=use_qk_l2norm, impl=impl)
-        return o[:, None].astype(q.dtype), (s if output_final_state else None)
+                use_qk_l2norm, cu_seqlens, impl, interpret=None):
+    op = "gated_delta_rule" if kind == "gdn" else "kda"
+    dispatch.check_impl(op, impl)
+    spec = delta_spec(kind, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                      use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens)
+    choice = dispatch.select(op, spec, impl, interpret=interpret)
+    if cu_seqlens is not None and not chk.is_concrete(cu_seqlens):
+        cu = jnp.asarray(cu_seqlens)
+        chk.device_check((cu[0] == 0) & (cu[-1] == spec.seq_len) & jnp.all(cu[1:] >= cu[:-1]),
+                         f"cu_seqlens must start at 0, end at T={spec.seq_len} and never decrease")
+    if choice.impl == "pallas":
+        run = dispatch.family(op, choice.family).run
+        with dispatch.interpret(dispatch.interpret_enabled(interpret)):
+            o, s = run(spec, q, k, v, g, beta, initial_state, cu_seqlens)
+        return o.astype(q.dtype), (s.astype(spec.state_dtype) if output_final_state else None)
     if cu_seqlens is None:
-        o, s = _run_dense(which, q, k, v, g, beta, scale, initial_state, use_qk_l2norm)
+        o, s = _run_dense(choice.impl, q, k, v, g, beta, spec.scale, initial_state, use_qk_l2norm)
     else:
         # Concrete offsets pad to the longest sequence; traced ones (under jit) to T.
-        tmax = (int(np.max(np.diff(np.asarray(cu_seqlens)))) if _is_concrete(cu_seqlens)
+        tmax = (int(np.max(np.diff(np.asarray(cu_seqlens)))) if chk.is_concrete(cu_seqlens)
                 else q.shape[1])
-        o, s = _varlen(which, q, k, v, g, beta, scale, initial_state, use_qk_l2norm,
+        o, s = _varlen(choice.impl, q, k, v, g, beta, spec.scale, initial_state, bool(use_qk_l2norm),
                        jnp.asarray(cu_seqlens, jnp.int32), tmax)
-    state_dtype = jnp.float32 if initial_state is None else initial_state.dtype
-    return o.astype(q.dtype), (s.astype(state_dtype) if output_final_state else None)
+    return o.astype(q.dtype), (s.astype(spec.state_dtype) if output_final_state else None)
 
 
 def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                     use_qk_l2norm=False, cu_seqlens=None, impl="auto"):
+                     use_qk_l2norm=False, cu_seqlens=None, impl="auto", interpret=None):
     """Gated DeltaNet over a sequence (FLA layout). Returns (o [B, T, HV, V], final_state or None).
 
     q, k [B, T, HK, K]; v [B, T, HV, V]; g [B, T, HV] log-space decay (<= 0); beta [B, T, HV];
-    scale defaults to K^-0.5; initial_state [N, HV, K, V] (N = B, or the number of packed
-    sequences with cu_seqlens); the final state has initial_state's dtype (fp32 without one).
-    cu_seqlens [N+1] int: B = 1 packed variable-length sequences, each starting from its own
-    initial state. o has q's dtype; all state/gate math is fp32."""
+    scale: a positive finite number (default K^-0.5); initial_state [N, HV, K, V] (N = B, or
+    the number of packed sequences with cu_seqlens); the final state has initial_state's dtype
+    (fp32 without one). cu_seqlens [N+1] int: B = 1 packed variable-length sequences, each
+    starting from its own initial state (checked on the host when concrete; traced offsets are
+    checked inside `gdn_jax.checked`). o has q's dtype; all state/gate math is fp32.
+    impl: see `gdn_jax.dispatch` ("auto", "reference", "chunked", "pallas"); interpret: None
+    follows `gdn_jax.interpret()` / GDN_JAX_INTERPRET."""
     return _delta_rule("gdn", q, k, v, g, beta, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-                       cu_seqlens=cu_seqlens, impl=impl)
+                       cu_seqlens=cu_seqlens, impl=impl, interpret=interpret)
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-        use_qk_l2norm=False, cu_seqlens=None, impl="auto"):
+        use_qk_l2norm=False, cu_seqlens=None, impl="auto", interpret=None):
     """Kimi Delta Attention: `gated_delta_rule` with a per-key-channel decay g [B, T, HV, K]."""
     return _delta_rule("kda", q, k, v, g, beta, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-                       cu_seqlens=cu_seqlens, impl=impl)
+                       cu_seqlens=cu_seqlens, impl=impl, interpret=interpret)

@@ -9,7 +9,7 @@ does not silently drop to TF32), FLA/HF layout:
 
 Value head j reads key head j // (HV // HK) (grouped value heads, "GVA").
 
-Per (sequence, value head), for each token t (see DESIGN.md, "Semantics"):
+Per (sequence, value head), for each token t (see docs/design.md, "Semantics"):
 
     S <- exp(g_t) * S                 (GDN: scalar g_t; KDA: diag(exp(g_t)), per key channel)
     u_t = beta_t * (v_t - S^T k_t)    (the delta reads the decayed S)

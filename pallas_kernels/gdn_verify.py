@@ -1,4 +1,5 @@
-"""Speculative verify of T = 1..4 tokens for GDN / KDA on a state pool: four Pallas kernels.
+"""Speculative verify of T = 1..4 tokens for GDN / KDA on a state pool: four Pallas kernels and
+their launchers.
 
 Per (batch row b, value head h) one program owns a [K, block_v] column slab of the state of
 slot = slots[b] (columns of the delta rule are independent). Slot -1 (or outside the pool) is
@@ -69,19 +70,17 @@ def delta_value(S, k, v, g, beta):
     return beta * (v - jnp.sum(k[:, None] * S, axis=0))
 
 
-def fold_row(S, k, u, g, *, rank1_first=True):
+def fold_row(S, k, u, g):
     """Replay one token from its stashed rows: exp(g) S + k u^T, as `token_update` updates S.
 
     `token_update` reuses the decayed S for the delta, so of its two products only k u^T can be
     contracted into an FMA with the add (LLVM fuses the product with fewer uses). Here the
     decayed S has one use too; writing the rank-1 product first makes the compiler pick the
-    same FMA, fma(k, u, exp(g) S). `rank1_first=False` is the other order, kept so the GPU test
-    can show which one matches the decode kernel bit for bit (on the H200, 2026-11-30, both
-    did: tests/test_verify.py::test_gpu_fold_operand_order_report)."""
+    same FMA, fma(k, u, exp(g) S), so the fold is bit-identical to the decode kernel's step."""
     decay = jnp.exp(g)
     S = S * (decay[:, None] if decay.ndim == 1 else decay)
     ku = k[:, None] * u[None, :]
-    return ku + S if rank1_first else S + ku
+    return ku + S
 
 
 def _round(S, dtype):
@@ -103,7 +102,6 @@ class VerifySpec:
     per_channel_gate: bool = False
     use_qk_l2norm: bool = False
     exact: bool = True
-    rank1_first: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,23 +112,13 @@ class VerifyBlockSizes:
     block_v: int = 32
     num_warps: int = 4
     num_stages: int = 1
-    proj: str = "dot"   # fast flavour only: "dot" | "reduce" | "legacy" (see FAST_PROJ)
-    wy_in_kernel: bool = True     # fast GDN: the T x T WY scalars solved per program from an XLA
-                                  # Gram (one XLA kernel before the launch instead of several)
 
-
-# How the fast flavour forms its 2T projections k_t^T S, q_t^T S (ignored by the exact one):
-#   dot     one fp32 (IEEE, not tf32) dot [16, K] x [K, block_v] of the stacked decayed rows
-#   reduce  2T column reductions over K (jnp.sum), one per row
-#   legacy  the first fast kernel: per-row fold under a select and the in-kernel WY chain (its
-#           T x T scalars as in-kernel reductions); kept to measure against
-FAST_PROJ = ("dot", "reduce", "legacy")
 
 # (largest batch, fast flavour) -> block sizes for the fast flavour; the exact flavour takes the
 # decode kernel's table (gdn_decode.TUNING_TABLE) so the reduction order matches. First match wins.
 TUNING_TABLE: tuple[tuple[int, VerifyBlockSizes], ...] = (
-    (8, VerifyBlockSizes(block_v=16, num_warps=2, proj="dot")),
-    (1 << 30, VerifyBlockSizes(block_v=64, num_warps=4, proj="dot")),
+    (8, VerifyBlockSizes(block_v=16, num_warps=2)),
+    (1 << 30, VerifyBlockSizes(block_v=64, num_warps=4)),
 )
 
 
@@ -165,10 +153,8 @@ def unsupported_reason(spec: VerifySpec, block: VerifyBlockSizes, state_dtype) -
         return f"HV={spec.num_v_heads} must be a multiple of HK={spec.num_k_heads}"
     if block.num_warps not in (1, 2, 4, 8, 16):
         return f"num_warps={block.num_warps} must be 1, 2, 4, 8 or 16"
-    if block.proj not in FAST_PROJ:
-        return f"proj={block.proj!r} must be one of {FAST_PROJ}"
-    if not spec.exact and block.proj == "dot" and block.block_v < 16:
-        return f"proj='dot' needs block_v >= 16 (a Triton dot operand), got {block.block_v}"
+    if not spec.exact and block.block_v < 16:
+        return f"the fast flavour needs block_v >= 16 (a Triton dot operand), got {block.block_v}"
     return None
 
 
@@ -220,7 +206,7 @@ def _fold_pending(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, cols,
         g = stash_g_ref[slot, bank, h, i, :] if spec.per_channel_gate else stash_g_ref[slot, bank, h, i]
         rows.append((k, u, g))
     for i, (k, u, g) in enumerate(rows):
-        S = jnp.where(i < count, _round(fold_row(S, k, u, g, rank1_first=spec.rank1_first), dtype), S)
+        S = jnp.where(i < count, _round(fold_row(S, k, u, g), dtype), S)
     return S
 
 
@@ -232,37 +218,6 @@ def _chain_exact(S, tokens, dtype):
         o, S = dec.token_update(S, q, k, v, g, beta)
         S = _round(S, dtype)
         outs.append((o, u))
-    return outs
-
-
-def _chain_wy(S, tokens):
-    """The same T tokens from one read of S in the WY form (see gdn_jax.verify._chain_wy):
-    2T independent projections of S, then T x T scalar corrections; every exponent <= 0."""
-    G, Gs = None, []
-    for _, _, _, g, _ in tokens:
-        G = g if G is None else G + g
-        Gs.append(G)
-    r = [jnp.sum((k * jnp.exp(Gi))[:, None] * S, axis=0) for (_, k, _, _, _), Gi in zip(tokens, Gs)]
-    p = [jnp.sum((q * jnp.exp(Gi))[:, None] * S, axis=0) for (q, _, _, _, _), Gi in zip(tokens, Gs)]
-    us, outs = [], []
-    for i, (q_i, k_i, v_i, _, beta_i) in enumerate(tokens):
-        acc_u, acc_o = r[i], p[i]
-        coef_o = []
-        for j in range(i + 1):
-            k_j = tokens[j][1]
-            w = jnp.exp(Gs[i] - Gs[j])
-            if w.ndim == 1:
-                c, d = jnp.sum(k_i * k_j * w), jnp.sum(q_i * k_j * w)
-            else:
-                c, d = jnp.sum(k_i * k_j) * w, jnp.sum(q_i * k_j) * w
-            coef_o.append(d)
-            if j < i:
-                acc_u = acc_u + c * us[j]
-        u_i = beta_i * (v_i - acc_u)
-        us.append(u_i)
-        for j in range(i + 1):
-            acc_o = acc_o + coef_o[j] * us[j]
-        outs.append((acc_o, u_i))
     return outs
 
 
@@ -324,7 +279,7 @@ def _carried_verify_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref
         def _():
             pool_out_ref[slot, h, :, cols] = S.astype(pool_out_ref.dtype)
 
-        outs = _chain_exact(S, tokens, dtype) if spec.exact else _chain_wy(S, tokens)
+        outs = _chain_exact(S, tokens, dtype)
         other = 1 - bank
         for t, ((o, u), (_, k, _, g, _)) in enumerate(zip(outs, tokens)):
             o_ref[b, t, h, cols] = o.astype(o_ref.dtype)
@@ -431,7 +386,7 @@ def _fast_prelude(q, k, g, beta, spec):
     (A = (I + diag(beta) C_strict)^-1 diag(beta), E = D A, C and D the decayed Gram scalars of
     gdn_jax.verify._chain_wy). Every exponent is <= 0 (pairwise differences of G). The
     per-channel gate (KDA) weighs each channel inside the Gram sums. (For GDN the kernel can
-    solve these itself from `_raw_gram`: VerifyBlockSizes.wy_in_kernel.)"""
+    solves these itself from `_raw_gram`.)"""
     T, HV, HK = spec.num_tokens, spec.num_v_heads, spec.num_k_heads
     grp = HV // HK
     bt = [beta[:, t].astype(F32) for t in range(T)]                              # [B, HV]
@@ -489,10 +444,9 @@ def _fold_pending_fast(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, 
     return S
 
 
-def _projections(S, xs, block):
-    """[x^T S for x in xs] ([K] rows, [K, block_v] tile): one fp32 dot or len(xs) reductions."""
-    if block.proj != "dot":
-        return [jnp.sum(x[:, None] * S, axis=0) for x in xs]
+def _projections(S, xs):
+    """[x^T S for x in xs] ([K] rows, [K, block_v] tile) as one fp32 (IEEE, not tf32) dot of
+    the stacked rows."""
     m = max(16, 1 << (len(xs) - 1).bit_length())
     rid = jax.lax.broadcasted_iota(jnp.int32, (m, S.shape[0]), 0)
     X = jnp.zeros((m, S.shape[0]), F32)
@@ -503,8 +457,10 @@ def _projections(S, xs, block):
     return [parts[n].reshape(S.shape[1]) for n in range(len(xs))]
 
 
-def _wy_in_kernel(spec: VerifySpec, block: VerifyBlockSizes) -> bool:
-    return block.wy_in_kernel and not spec.per_channel_gate
+def _wy_in_kernel(spec: VerifySpec) -> bool:
+    """GDN's WY scalars are solved per program from the raw Gram entries; KDA's per-channel
+    gate weighs every channel inside the Gram sums, so they come from the XLA prelude."""
+    return not spec.per_channel_gate
 
 
 def _carried_fast_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, g_ref, *refs,
@@ -512,7 +468,7 @@ def _carried_fast_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, 
     """After g: with `_wy_in_kernel`, beta [B, T, HV] and the raw Gram blocks qq, kk, qk
     ([B, T, T, HK], `_raw_gram`; the program solves its head's WY scalars), else the prelude's
     r and AE (`_fast_prelude`); then the state and stash arrays and the outputs."""
-    n_wy = 4 if _wy_in_kernel(spec, block) else 2
+    n_wy = 4 if _wy_in_kernel(spec) else 2
     wy_refs, refs = refs[:n_wy], refs[n_wy:]
     (pool_ref, stash_k_ref, stash_u_ref, stash_g_ref, _bank, _pending, _drafted,
      o_ref, pool_out_ref, stash_k_out, stash_u_out, stash_g_out,
@@ -529,7 +485,7 @@ def _carried_fast_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, 
         S = pool_ref[slot, h, :, cols].astype(F32)
         gs = [(g_ref[b, t, h, :] if spec.per_channel_gate else g_ref[b, t, h]).astype(F32)
               for t in range(T)]
-        if _wy_in_kernel(spec, block):      # scalar math on this head's Gram entries
+        if _wy_in_kernel(spec):             # scalar math on this head's Gram entries
             beta_ref, qq_ref, kk_ref, qk_ref = wy_refs
             rq, rk = _row_factors([qq_ref[b, t, t, kh] for t in range(T)],
                                   [kk_ref[b, t, t, kh] for t in range(T)], spec)
@@ -560,7 +516,7 @@ def _carried_fast_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, 
             d = jnp.exp(G)
             xs_k.append(k * d)
             xs_q.append(q * d)
-        proj = _projections(S, xs_k + xs_q, block)
+        proj = _projections(S, xs_k + xs_q)
         z = [v - r for v, r in zip(vs, proj[:T])]
         other = 1 - bank
         for i in range(T):
@@ -605,24 +561,26 @@ def _flush_kernel(slots_ref, bank_ref, pending_ref, pool_ref, stash_k_ref, stash
 
 
 # --------------------------------------------------------------------------- launchers
+# The launchers trust their callers (gdn_jax.verify / gdn_jax.carry validate every argument
+# once, raising ValueError): what they check here are assertions, a bug in the caller if they fire.
 
 def _need(name, x, shape):
     if getattr(x, "shape", None) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {getattr(x, 'shape', None)}")
+        raise AssertionError(f"{name} must have shape {tuple(shape)}, got {getattr(x, 'shape', None)}")
 
 
-def _spec_from(q, v, g, *, scale, use_qk_l2norm, exact, rank1_first=True):
+def _spec_from(q, v, g, *, scale, use_qk_l2norm, exact):
     for name, x, rank in (("q", q, 4), ("v", v, 4)):
         if getattr(x, "ndim", None) != rank:
-            raise ValueError(f"{name} must have rank {rank}, got shape {getattr(x, 'shape', None)}")
+            raise AssertionError(f"{name} must have rank {rank}, got shape {getattr(x, 'shape', None)}")
     b, t, hk, kd = q.shape
     hv, vd = v.shape[2:]
     if g.ndim not in (3, 4):
-        raise ValueError(f"g must be [B, T, HV] (GDN) or [B, T, HV, K] (KDA), got {g.shape}")
+        raise AssertionError(f"g must be [B, T, HV] (GDN) or [B, T, HV, K] (KDA), got {g.shape}")
     return VerifySpec(num_k_heads=hk, num_v_heads=hv, k_dim=kd, v_dim=vd, num_tokens=t,
                       scale=float(kd ** -0.5 if scale is None else scale),
                       per_channel_gate=g.ndim == 4, use_qk_l2norm=bool(use_qk_l2norm),
-                      exact=bool(exact), rank1_first=bool(rank1_first))
+                      exact=bool(exact))
 
 
 def _check_tokens(spec, q, k, v, g, beta, pool, slots):
@@ -633,9 +591,9 @@ def _check_tokens(spec, q, k, v, g, beta, pool, slots):
     _need("g", g, (b, t, hv, kd) if spec.per_channel_gate else (b, t, hv))
     _need("beta", beta, (b, t, hv))
     if getattr(pool, "ndim", None) != 4 or pool.shape[1:] != (hv, kd, vd):
-        raise ValueError(f"pool must be [slots, HV={hv}, K={kd}, V={vd}], got {getattr(pool, 'shape', None)}")
+        raise AssertionError(f"pool must be [slots, HV={hv}, K={kd}, V={vd}], got {getattr(pool, 'shape', None)}")
     if getattr(slots, "shape", None) != (b,) or not jnp.issubdtype(slots.dtype, jnp.integer):
-        raise ValueError(f"slots must be an int32 array of shape ({b},), got "
+        raise AssertionError(f"slots must be an int32 array of shape ({b},), got "
                          f"{getattr(slots, 'shape', None)} {getattr(slots, 'dtype', None)}")
 
 
@@ -643,7 +601,7 @@ def _check_stash(spec, pool, stash_k, stash_u, stash_g, bank, pending):
     s = pool.shape[0]
     hv, kd, vd = spec.num_v_heads, spec.k_dim, spec.v_dim
     if getattr(stash_k, "ndim", None) != 5:
-        raise ValueError(f"stash_k must be [slots, 2, HK, C, K], got {getattr(stash_k, 'shape', None)}")
+        raise AssertionError(f"stash_k must be [slots, 2, HK, C, K], got {getattr(stash_k, 'shape', None)}")
     c = stash_k.shape[3]
     _need("stash_k", stash_k, (s, 2, spec.num_k_heads, c, kd))
     _need("stash_u", stash_u, (s, 2, hv, c, vd))
@@ -651,7 +609,7 @@ def _check_stash(spec, pool, stash_k, stash_u, stash_g, bank, pending):
     _need("bank", bank, (s,))
     _need("pending", pending, (s,))
     if spec.num_tokens > c:
-        raise ValueError(f"num_tokens={spec.num_tokens} exceeds the stash capacity C={c}")
+        raise AssertionError(f"num_tokens={spec.num_tokens} exceeds the stash capacity C={c}")
 
 
 def _row_counters(bank, pending, slots, num_slots):
@@ -664,7 +622,7 @@ def _row_counters(bank, pending, slots, num_slots):
 def _reason_or_raise(spec, block, pool):
     reason = unsupported_reason(spec, block, pool.dtype) or dec.index_overflow_reason(pool.size)
     if reason is not None:
-        raise ValueError(reason)
+        raise AssertionError(reason)
 
 
 def _compiler_params(block):
@@ -702,16 +660,15 @@ def _verify_states_launch(q, k, v, g, beta, pool, slots, *, spec, block, interpr
 
 
 def carried_verify(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pending, drafted, slots,
-                   *, exact=True, scale=None, use_qk_l2norm=False, rank1_first=True,
+                   *, exact=True, scale=None, use_qk_l2norm=False,
                    block: VerifyBlockSizes | None = None, interpret=False):
-    """Carried-state verify (see the module docstring). Stash arrays as gdn_jax.verify.DeltaStash:
+    """Carried-state verify (see the module docstring). Stash arrays as gdn_jax.state.DeltaStash:
     stash_k [slots, 2, HK, C, K] (one row per key head), stash_u [slots, 2, HV, C, V],
     stash_g [slots, 2, HV, C(, K)],
     bank, pending and drafted [slots] int32. Returns (o [B, T, HV, V], pool, stash_k, stash_u,
     stash_g, bank, pending, drafted): every output but o aliases its input (donate them at the jit
     boundary); the named slots' counters come back updated (bank flipped, pending 0, drafted T)."""
-    spec = _spec_from(q, v, g, scale=scale, use_qk_l2norm=use_qk_l2norm, exact=exact,
-                      rank1_first=rank1_first)
+    spec = _spec_from(q, v, g, scale=scale, use_qk_l2norm=use_qk_l2norm, exact=exact)
     _check_tokens(spec, q, k, v, g, beta, pool, slots)
     _check_stash(spec, pool, stash_k, stash_u, stash_g, bank, pending)
     _need("drafted", drafted, (pool.shape[0],))
@@ -727,14 +684,13 @@ def _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pen
                     *, spec, block, interpret):
     b, t = q.shape[:2]
     hv, vd = spec.num_v_heads, spec.v_dim
-    if spec.exact or block.proj == "legacy":
+    row_bank, row_pending = _row_counters(bank, pending, slots, pool.shape[0])
+    if spec.exact:
         kernel = _carried_verify_kernel
-        row_bank, row_pending = _row_counters(bank, pending, slots, pool.shape[0])
         tokens = (q, k, v, g, beta)
     else:
         kernel = _carried_fast_kernel
-        row_bank, row_pending = _row_counters(bank, pending, slots, pool.shape[0])
-        if _wy_in_kernel(spec, block):
+        if _wy_in_kernel(spec):
             tokens = (q, k, v, g, beta, *_raw_gram(q, k))
         else:
             tokens = (q, k, v, g, *_fast_prelude(q, k, g, beta, spec))
@@ -753,7 +709,7 @@ def _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pen
         input_output_aliases=aliases,
         compiler_params=_compiler_params(block),
         interpret=interpret,
-        name=f"gdn_carried_verify{t}_{'exact' if spec.exact else 'fast_' + block.proj}",
+        name=f"gdn_carried_verify{t}_{'exact' if spec.exact else 'fast'}",
     )(slots, row_bank, row_pending, *tokens, *state)
 
 
@@ -777,13 +733,13 @@ def _accept_kernel(slots_ref, accepted_ref, pending_ref, drafted_ref, pending_ou
 
 
 def accept_counts(slots, accepted, pending, drafted, *, interpret=False):
-    """`gdn_jax.verify.accept`'s counter update as one launch (one program per row): returns
+    """`gdn_jax.carry.accept`'s counter update as one launch (one program per row): returns
     (pending, drafted, invalid [B] int32); pending and drafted alias their inputs (donate them).
     slots, accepted [B] int32; pending, drafted [slots] int32."""
     for name, x in (("slots", slots), ("accepted", accepted), ("pending", pending),
                     ("drafted", drafted)):
         if getattr(x, "ndim", None) != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"{name} must be a 1-D int32 array, got {getattr(x, 'shape', None)}")
+            raise AssertionError(f"{name} must be a 1-D int32 array, got {getattr(x, 'shape', None)}")
     _need("accepted", accepted, slots.shape)
     _need("drafted", drafted, pending.shape)
     i32 = lambda x: x.astype(jnp.int32)
@@ -806,21 +762,21 @@ def _accept_launch(slots, accepted, pending, drafted, *, interpret):
     )(slots, accepted, pending, drafted)
 
 
-def flush(pool, stash_k, stash_u, stash_g, bank, pending, slots, *, rank1_first=True,
+def flush(pool, stash_k, stash_u, stash_g, bank, pending, slots, *,
           block: VerifyBlockSizes | None = None, interpret=False):
     """Fold the pending rows of the named slots (slots [N] int32, -1 padding) into the pool.
     Returns the pool (aliased to its input: donate it). The caller zeroes pending after."""
     if getattr(pool, "ndim", None) != 4:
-        raise ValueError(f"pool must be [slots, HV, K, V], got {getattr(pool, 'shape', None)}")
+        raise AssertionError(f"pool must be [slots, HV, K, V], got {getattr(pool, 'shape', None)}")
     _, hv, kd, vd = pool.shape
     if getattr(slots, "ndim", None) != 1 or not jnp.issubdtype(slots.dtype, jnp.integer):
-        raise ValueError(f"slots must be a 1-D int32 array, got {getattr(slots, 'shape', None)}")
+        raise AssertionError(f"slots must be a 1-D int32 array, got {getattr(slots, 'shape', None)}")
     per_channel = getattr(stash_g, "ndim", None) == 5
     hk = stash_k.shape[2] if getattr(stash_k, "ndim", None) == 5 else hv
     if hk <= 0 or hv % hk:
-        raise ValueError(f"stash_k has {hk} key heads; the pool's HV={hv} must be a multiple")
+        raise AssertionError(f"stash_k has {hk} key heads; the pool's HV={hv} must be a multiple")
     spec = VerifySpec(num_k_heads=hk, num_v_heads=hv, k_dim=kd, v_dim=vd, num_tokens=1, scale=1.0,
-                      per_channel_gate=per_channel, exact=True, rank1_first=bool(rank1_first))
+                      per_channel_gate=per_channel, exact=True)
     _check_stash(spec, pool, stash_k, stash_u, stash_g, bank, pending)
     block = block or default_block_sizes(slots.shape[0], vd, pool.dtype, True)
     _reason_or_raise(spec, block, pool)

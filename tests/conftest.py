@@ -1,9 +1,24 @@
-"""Shared test setup: the `gpu` marker, the interpret flag for Pallas kernels, numeric helpers."""
+"""Shared test setup: the `gpu` marker and the modes every kernel test runs in.
+
+A kernel test body runs in each mode it is parametrized with:
+  "reference"  the pure-JAX path (impl="reference")
+  "interpret"  the Pallas kernels in interpret mode on the CPU
+  "gpu"        the Pallas kernels compiled (marked `gpu`; skipped without a CUDA GPU)
+"""
 
 import jax
 import pytest
 
 ON_GPU = any(d.platform == "gpu" for d in jax.devices())
+
+KERNEL_MODES = [pytest.param("interpret", id="interpret"),
+                pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
+MODES = [pytest.param("reference", id="reference"), *KERNEL_MODES]
+
+
+def interpret_flag(mode) -> bool:
+    """The kernels' `interpret` argument for a mode."""
+    return mode == "interpret"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -13,9 +28,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(scope="session")
-def interpret() -> bool:
-    """Pallas kernels run compiled on a GPU and in interpret mode on the CPU."""
-    return not ON_GPU

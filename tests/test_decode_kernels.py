@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import KERNEL_MODES as MODES, interpret_flag
+
 from gdn_jax import decode as dec
 from gdn_jax import reference as ref
 from gdn_jax.ops import gated_delta_rule
@@ -19,12 +21,9 @@ from helpers import rel_err
 from pallas_kernels import gdn_decode as kern
 
 F32, F16, BF16 = jnp.float32, jnp.float16, jnp.bfloat16
-MODES = [pytest.param("interpret", id="interpret"),
-         pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
 
 
-def _interp(mode):
-    return mode == "interpret"
+_interp = interpret_flag
 
 
 def _poison(shape, dtype=F32):
@@ -316,36 +315,42 @@ def test_decode_loop_does_not_retrace():
 
 # --------------------------------------------------------------------------- choice and errors
 
-def test_select_decode_impl_is_pure_and_explains():
+def test_decode_choice_is_pure_and_explains():
+    """gdn_decode's choice through the one dispatch: pure, with the reason visible."""
+    from gdn_jax import dispatch
     spec = kern.DecodeSpec(num_k_heads=16, num_v_heads=32, k_dim=128, v_dim=128, scale=0.1)
     blk = kern.default_block_sizes(128, 128, F32, False)
-    sel = functools.partial(dec.select_decode_impl, spec=spec, block=blk, state_dtype=F32,
-                            num_state_elements=128 * 32 * 128 * 128)
-    assert sel("auto", backend="gpu") == dec.DecodeChoice("pallas")
+    call = dec.DecodeCall(spec, blk, "float32", 128 * 32 * 128 * 128, 128, "bfloat16")
+    sel = lambda impl, c=call, **kw: dispatch.select("gdn_decode", c, impl, log=False, **kw)
+    assert sel("auto", backend="gpu") == dispatch.Choice("gdn_decode", "pallas", "triton decode")
     assert sel("pallas", backend="gpu").impl == "pallas"
-    cpu = sel("auto", backend="cpu")
+    cpu = sel("auto", backend="cpu", interpret=False)
     assert cpu.impl == "reference" and "GPU" in cpu.reason
     assert sel("auto", backend="cpu", interpret=True).impl == "pallas"
-    with pytest.raises(ValueError, match="needs a GPU"):
-        sel("pallas", backend="cpu")
-    odd = dataclasses_replace(spec, k_dim=48)
-    got = dec.select_decode_impl("auto", backend="gpu", spec=odd, block=blk, state_dtype=F32,
-                                 num_state_elements=10)
+    with pytest.raises(ValueError, match="need a GPU"):
+        sel("pallas", backend="cpu", interpret=False)
+    odd = dataclasses_replace(call, spec=dataclasses_replace(spec, k_dim=48))
+    got = sel("auto", odd, backend="gpu")
     assert got.impl == "reference" and "K=48" in got.reason
     with pytest.raises(ValueError, match="K=48"):
-        dec.select_decode_impl("pallas", backend="gpu", spec=odd, block=blk, state_dtype=F32,
-                               num_state_elements=10)
+        sel("pallas", odd, backend="gpu")
     with pytest.raises(ValueError, match="int32"):
-        sel("pallas", backend="gpu", num_state_elements=2**31)
+        sel("pallas", dataclasses_replace(call, num_state_elements=2**31), backend="gpu")
     with pytest.raises(ValueError, match="float32/float16/bfloat16"):
-        sel("pallas", backend="gpu", state_dtype=jnp.float64 if jax.config.x64_enabled else jnp.int8)
+        sel("pallas", dataclasses_replace(call, state_dtype="int8"), backend="gpu")
     with pytest.raises(ValueError, match="impl must be"):
         sel("triton", backend="gpu")
+    with pytest.raises(ValueError, match="no chunk form"):
+        sel("chunked", backend="gpu")
     # the fused norm needs a whole head per program
     with pytest.raises(ValueError, match="whole head"):
-        dec.select_decode_impl("pallas", backend="gpu", spec=dataclasses_replace(spec, fused_norm=True),
-                               block=kern.DecodeBlockSizes(block_v=32), state_dtype=F32,
-                               num_state_elements=10)
+        sel("pallas", dataclasses_replace(call, spec=dataclasses_replace(spec, fused_norm=True),
+                                          block=kern.DecodeBlockSizes(block_v=32)), backend="gpu")
+    # explain reads the public function's arguments (ShapeDtypeStructs will do) and runs nothing
+    sds = lambda *s, d=F32: jax.ShapeDtypeStruct(s, d)
+    args = (sds(4, 2, 48), sds(4, 2, 48), sds(4, 4, 48), sds(4, 4), sds(4, 4), sds(4, 4, 48, 48))
+    why = dispatch.explain("gdn_decode", *args, interpret=True)
+    assert why.impl == "reference" and "K=48" in why.reason
     # the tuning table answers for every batch size and state dtype
     for b in (1, 8, 9, 128, 4096):
         for sdt in (F32, F16, BF16):
@@ -402,13 +407,13 @@ def test_bad_inputs_raise_value_error():
     pool = jnp.ones((4, HV, K, K))
     pcall = functools.partial(dec.gdn_decode_pool, num_k_heads=HK, num_v_heads=HV, head_k_dim=K,
                               head_v_dim=K, impl="pallas", interpret=True)
-    with pytest.raises(ValueError, match="slots must be -1"):
+    with pytest.raises(ValueError, match="^slots must name slots"):
         pcall(qkv, g, beta, pool, jnp.asarray([0, 4], jnp.int32))
-    with pytest.raises(ValueError, match="slots must be -1"):
+    with pytest.raises(ValueError, match="^slots must name slots"):
         pcall(qkv, g, beta, pool, jnp.asarray([-2, 1], jnp.int32))
     with pytest.raises(ValueError, match="twice"):
         pcall(qkv, g, beta, pool, jnp.asarray([1, 1], jnp.int32))
-    with pytest.raises(ValueError, match="slots must be an int32"):
+    with pytest.raises(ValueError, match="^slots must be an integer array"):
         pcall(qkv, g, beta, pool, jnp.asarray([0.0, 1.0]))
     with pytest.raises(ValueError, match="conv_dim"):
         pcall(qkv[:, 1:], g, beta, pool, jnp.asarray([0, 1], jnp.int32))

@@ -9,14 +9,13 @@ import pytest
 
 import gdn_jax
 from gdn_jax import reference as ref
-from gdn_jax.ops import select_impl
 from helpers import delta_inputs, rel_err
 
 
 # ------------------------------------------------------------------ independent float64 oracle
 
 def numpy_delta_rule(q, k, v, g, beta, h0=None, scale=None, l2=False):
-    """Token loop in float64, written from DESIGN.md's semantics without any gdn_jax code."""
+    """Token loop in float64, written from docs/design.md's semantics without any gdn_jax code."""
     q, k, v, g, beta = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v, g, beta))
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -306,15 +305,28 @@ def test_state_pytrees_jit_with_donation():
         gdn_jax.GDNState.init(0, num_v_heads=2, head_k_dim=8, head_v_dim=8, conv_dim=24, conv_width=4)
 
 
-def test_select_impl_is_a_table():
-    assert select_impl("auto", seq_len=4096, kind="kda") == "chunked"
-    assert select_impl("reference", seq_len=4096, kind="gdn") == "reference"
-    assert select_impl("chunked", seq_len=1, kind="gdn") == "chunked"
-    assert select_impl("auto", seq_len=1, kind="gdn") == "decode"
-    assert select_impl("pallas", seq_len=1, kind="kda") == "decode"
-    assert select_impl("auto", seq_len=1, kind="gdn", varlen=True) == "reference"
-    with pytest.raises(ValueError, match="pallas"):
-        select_impl("pallas", seq_len=2, kind="gdn")
+def test_sequence_choice_is_a_table():
+    """gated_delta_rule / kda through the one dispatch (explain runs nothing)."""
+    sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+
+    def why(kind, T, impl="auto", interpret=True, **kw):
+        g = sds(1, T, 2) if kind == "gdn" else sds(1, T, 2, 16)
+        op = "gated_delta_rule" if kind == "gdn" else "kda"
+        return gdn_jax.explain(op, sds(1, T, 1, 16), sds(1, T, 1, 16), sds(1, T, 2, 16), g,
+                               sds(1, T, 2), impl=impl, interpret=interpret, **kw)
+
+    assert why("kda", 4096).impl == "chunked" and "prefill" in why("kda", 4096).reason
+    assert why("gdn", 4).impl == "reference"
+    assert why("gdn", 4096, "reference").impl == "reference"
+    assert why("gdn", 1, "chunked").impl == "chunked"
+    assert why("gdn", 1) == gdn_jax.Choice("gated_delta_rule", "pallas", "decode")
+    assert why("kda", 1, "pallas").family == "decode"
+    assert why("gdn", 1, cu_seqlens=np.array([0, 1], np.int32)).impl == "reference"   # packed
+    off = why("gdn", 1, interpret=False)
+    if jax.default_backend() != "gpu":
+        assert off.impl == "reference" and "GPU" in off.reason
+    with pytest.raises(ValueError, match="pallas.*T=2"):
+        why("gdn", 2, "pallas")
 
 
 # ------------------------------------------------------------------ bad input
@@ -368,8 +380,9 @@ def test_bad_kda_gate_and_cu_seqlens():
     with pytest.raises(ValueError, match="pallas"):
         gdn_jax.kda(q, k, v, g, beta, impl="pallas")
     if not any(d.platform == "gpu" for d in jax.devices()):  # one token: the decode kernel says why not
-        with pytest.raises(ValueError, match="needs a GPU"):
-            gdn_jax.kda(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], impl="pallas")
+        with pytest.raises(ValueError, match="need a GPU"):
+            gdn_jax.kda(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], impl="pallas",
+                        interpret=False)
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])

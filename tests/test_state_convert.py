@@ -4,16 +4,17 @@ Narrowing must be round-to-nearest-even, bit for bit (ties included); widening e
 place. Interpret mode on the CPU, compiled on the GPU (`-m gpu`)."""
 
 import jax
+import gdn_jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
+from conftest import KERNEL_MODES as MODES, interpret_flag
+
 from gdn_jax import decode as dec
 from gdn_jax import reference as ref
 
-MODES = [pytest.param("interpret", id="interpret"),
-         pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
 
 
 def _state_with_ties(shape, dtype, seed):
@@ -38,7 +39,7 @@ def test_narrowing_is_round_to_nearest_even(mode, dtype, shape):
     with np.errstate(over="ignore"):
         want = x.astype(npdt)  # numpy / ml_dtypes cast: IEEE round to nearest even
     xs = jnp.asarray(x)
-    y = dec.convert_state(xs, dtype, impl="pallas", interpret=mode == "interpret")
+    y = dec.convert_state(xs, dtype, impl="pallas", interpret=interpret_flag(mode))
     assert y.dtype == dtype and y.shape == shape
     np.testing.assert_array_equal(np.asarray(y).view(np.uint16), want.view(np.uint16))
     np.testing.assert_array_equal(np.asarray(xs), x)  # out of place: the input is intact
@@ -52,7 +53,7 @@ def test_widening_is_exact(mode, dtype):
     npdt = np.float16 if dtype == jnp.float16 else ml_dtypes.bfloat16
     with np.errstate(over="ignore"):
         x16 = _state_with_ties((4, 2, 32, 32), npdt, seed=5).astype(npdt)
-    y = dec.convert_state(jnp.asarray(x16), jnp.float32, impl="pallas", interpret=mode == "interpret")
+    y = dec.convert_state(jnp.asarray(x16), jnp.float32, impl="pallas", interpret=interpret_flag(mode))
     assert y.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(y), x16.astype(np.float32))
 
@@ -61,20 +62,20 @@ def test_convert_dispatch_and_errors():
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 2, 16, 16)), jnp.float32)
     # auto on CPU takes the reference (same bits)
     if jax.default_backend() != "gpu":
-        choice = dec.select_convert_impl("auto", backend="cpu", x_dtype=x.dtype, dtype=jnp.float16,
-                                         size=x.size)
+        choice = gdn_jax.explain("convert_state", x, jnp.float16, interpret=False)
         assert choice.impl == "reference" and "GPU" in choice.reason
-        with pytest.raises(ValueError, match="needs a GPU"):
-            dec.convert_state(x, jnp.float16, impl="pallas")
+        with pytest.raises(ValueError, match="need a GPU"):
+            dec.convert_state(x, jnp.float16, impl="pallas", interpret=False)
     y = dec.convert_state(x, jnp.float16)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x).astype(np.float16))
     with pytest.raises(ValueError, match="between fp32 and a 16-bit"):
         dec.convert_state(x, jnp.float32, impl="pallas", interpret=True)
     with pytest.raises(ValueError, match="multiple of 16"):
         dec.convert_state(x.reshape(-1)[:15], jnp.float16, impl="pallas", interpret=True)
-    with pytest.raises(ValueError, match="float32/float16/bfloat16"):
+    with pytest.raises(ValueError, match="^state must be a floating-point array"):
         dec.convert_state(x.astype(jnp.int32), jnp.float16, impl="pallas", interpret=True)
     with pytest.raises(ValueError, match="impl must be"):
         dec.convert_state(x, jnp.float16, impl="fast")
-    assert dec.select_convert_impl("auto", backend="gpu", x_dtype=jnp.float32, dtype=jnp.bfloat16,
-                                   size=1 << 20).impl == "pallas"
+    from gdn_jax import dispatch
+    assert dispatch.select("convert_state", dec.ConvertCall("float32", "bfloat16", 1 << 20), "auto",
+                           backend="gpu").impl == "pallas"

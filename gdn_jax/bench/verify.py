@@ -8,8 +8,7 @@ of `--unroll` chained rounds with the pool (and stash) donated, divided by the r
   states        verify with intermediate states (T outputs, T states written) + commit_states
   carried-exact carried verify (fold pending rows, write H once, T outputs, stash) + accept,
                 every row accepting all T tokens (the most rows to fold next round)
-  carried-fast  the same with the WY-form outputs (the default and FAST_VARIANTS: projection
-                form x block shape)
+  carried-fast  the same with the WY-form outputs (the default and FAST_VARIANTS: block shapes)
   flush         folding T pending rows into H (what a decode that follows a verify pays)
 
 Bytes per round: the state read + written once (+ the T states for `states`), plus the stash
@@ -24,11 +23,7 @@ import dataclasses
 import functools
 
 B, HV, HK, K, V = 128, 32, 16, 128, 128
-# fast-flavour shapes timed besides the default: (proj, block_v, num_warps, wy_in_kernel); "legacy"
-# is the first fast kernel (per-row fold, in-kernel WY reductions), kept as the baseline;
-# wy_in_kernel=False solves GDN's WY scalars in an XLA prelude instead of in the kernel
-FAST_VARIANTS = (("legacy", 64, 4, True), ("reduce", 64, 4, True), ("dot", 64, 4, True),
-                 ("dot", 64, 4, False), ("dot", 32, 4, True))
+FAST_VARIANTS = ((64, 4), (32, 4))  # fast-flavour (block_v, num_warps) timed besides the default
 
 
 def _inputs(b, t, slots_n, seed=0):
@@ -95,14 +90,14 @@ def _check_exact(interp) -> bool:
     import jax.numpy as jnp
     import numpy as np
     from gdn_jax import decode as dec
-    from gdn_jax import verify as vf
+    from gdn_jax import carry as cv, DeltaPool, DeltaStash
     T = 4
     q, k, v, g, beta, pool, slots = _inputs(B, T, B, seed=99)
-    st = vf.DeltaStash.init(B, num_v_heads=HV, num_k_heads=HK, head_k_dim=K, head_v_dim=V)
-    o, pc, st = vf.carried_verify(q, k, v, g, beta, jnp.array(pool, copy=True), st, slots,
-                                  use_qk_l2norm=True, impl="pallas", interpret=interp)
-    st, _ = vf.accept(st, slots, jnp.full((B,), T, jnp.int32))
-    pc, st = vf.flush(pc, st, slots, impl="pallas", interpret=interp)
+    st = DeltaStash.init(B, num_v_heads=HV, num_k_heads=HK, head_k_dim=K, head_v_dim=V)
+    o, pc, _ = cv.carried_verify(q, k, v, g, beta, DeltaPool(jnp.array(pool, copy=True), st), slots,
+                                 use_qk_l2norm=True, impl="pallas", interpret=interp)
+    pc, _ = cv.accept(pc, slots, jnp.full((B,), T, jnp.int32))
+    pc = cv.flush(pc, slots, impl="pallas", interpret=interp).states
     pd, outs = jnp.array(pool, copy=True), []
     for t in range(T):
         qkv = jnp.concatenate([q[:, t].reshape(B, -1), k[:, t].reshape(B, -1), v[:, t].reshape(B, -1)], 1)
@@ -131,7 +126,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
     from gdn_jax import decode as dec
-    from gdn_jax import verify as vf
+    from gdn_jax import verify as vf, carry as cv, DeltaPool, DeltaStash
     from gdn_jax.bench.common import device_name, today, write_section
     from pallas_kernels import gdn_verify as kv
 
@@ -186,13 +181,14 @@ def main(argv=None) -> int:
         def carried_round(carry, c, exact=True, block=None, accept_impl="auto"):
             pool, stash = carry
             q, k, v, g, beta, slots, acc = c
-            o, pool, stash = vf.carried_verify(q, k, v, g, beta, pool, stash, slots, exact=exact,
-                                               use_qk_l2norm=True, impl="pallas", interpret=interp,
-                                               block_sizes=block)
-            return pool, vf.accept(stash, slots, acc, impl=accept_impl, interpret=interp)[0]
+            o, dp, _ = cv.carried_verify(q, k, v, g, beta, DeltaPool(pool, stash), slots, exact=exact,
+                                         use_qk_l2norm=True, impl="pallas", interpret=interp,
+                                         block_sizes=block)
+            dp = cv.accept(dp, slots, acc, impl=accept_impl, interpret=interp)[0]
+            return dp.states, dp.stash
 
         def fresh_carry():
-            st = vf.DeltaStash.init(S, num_v_heads=HV, num_k_heads=HK, head_k_dim=K, head_v_dim=V)
+            st = DeltaStash.init(S, num_v_heads=HV, num_k_heads=HK, head_k_dim=K, head_v_dim=V)
             return (jnp.array(pool, copy=True), st)
 
         sec = _time(carried_round, fresh_carry(), (*toks, accepted), args.unroll, args.calls,
@@ -202,12 +198,11 @@ def main(argv=None) -> int:
 
         dflt = kv.default_block_sizes(B, V, jnp.float32, False)
         fast_blocks = [None] if args.smoke else [None] + [
-            blk for blk in (kv.VerifyBlockSizes(bv, w, proj=pr, wy_in_kernel=wy)
-                            for pr, bv, w, wy in FAST_VARIANTS) if blk != dflt]
+            blk for blk in (kv.VerifyBlockSizes(bv, w) for bv, w in FAST_VARIANTS) if blk != dflt]
         best = None
         for blk in fast_blocks:
             fn = functools.partial(carried_round, exact=False, block=blk)
-            name = lambda b: f"{b.proj} bv{b.block_v}w{b.num_warps}" + ("" if b.wy_in_kernel else ", XLA prelude")
+            name = lambda b: f"bv{b.block_v}w{b.num_warps}"
             label = f"default = {name(dflt)}" if blk is None else name(blk)
             try:
                 sec = _time(fn, fresh_carry(), (*toks, accepted), args.unroll, args.calls,
@@ -230,7 +225,8 @@ def main(argv=None) -> int:
             pool, stash = carry
             slots, pend = c
             stash = dataclasses.replace(stash, pending=pend)
-            return vf.flush(pool, stash, slots, impl="pallas", interpret=interp)
+            dp = cv.flush(DeltaPool(pool, stash), slots, impl="pallas", interpret=interp)
+            return dp.states, dp.stash
 
         pool_s, st = fresh_carry()
         st = dataclasses.replace(st, k=st.k + 0.01, u=st.u + 0.01, g=st.g - 0.01)

@@ -52,12 +52,6 @@ def configured_layer_type(cfg: dict, layer_idx: int) -> str | None:
     return types[layer_idx]
 
 
-def check_impl(impl):
-    from gdn_jax.ops import IMPLS
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-
-
 class ParamInit:
     """Random parameter values for a block built from `rngs`.
 

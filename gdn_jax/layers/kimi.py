@@ -36,17 +36,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdn_jax import ops
 from gdn_jax import reference as ref
 from gdn_jax.layers._common import (DEFAULT_PRECISION, DeltaStateMixin, F32, Linear, NormWeight,
                                     ParamInit, ShortConv, check_conv_activation, check_eps,
-                                    check_hidden, check_impl, check_positive_int, check_state,
-                                    configured_layer_type, fill_params)
+                                    check_positive_int, configured_layer_type, fill_params)
+from gdn_jax.layers.serving import DeltaBlockMixin, DeltaDims
 from gdn_jax.loading import SafetensorsCheckpoint, find_layer_prefix, read_config, text_config
 from gdn_jax.state import KDAState
 
@@ -165,7 +163,7 @@ def _check_kda_layer(c: dict, layer_idx: int):
                              f"(1-indexed) is {lac['kda_layers']}")
 
 
-class KimiDeltaAttention(DeltaStateMixin, nnx.Module):
+class KimiDeltaAttention(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
     """Kimi Delta Attention block (see the module docstring for layout, state and names).
 
     `KimiDeltaAttention(config, rngs=nnx.Rngs(0))` makes random weights;
@@ -175,6 +173,7 @@ class KimiDeltaAttention(DeltaStateMixin, nnx.Module):
     """
 
     STATE_CLS = KDAState
+    DELTA_OP = "kda"
 
     def __init__(self, config: KDAConfig, *, rngs: nnx.Rngs, dtype=None, param_dtype=F32,
                  precision=DEFAULT_PRECISION):
@@ -208,38 +207,33 @@ class KimiDeltaAttention(DeltaStateMixin, nnx.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def __call__(self, x: jax.Array, state: KDAState | None = None, *, impl: str = "auto"):
-        """x [B, T, hidden] -> (y [B, T, hidden] in x's dtype, new KDAState).
-
-        `state=None` starts fresh sequences; a given state is continued, so a prefill followed by
-        single-token calls reproduces one full-sequence call. The new state keeps the given
-        state's dtypes."""
+    def _dims(self) -> DeltaDims:
         c = self.config
-        check_impl(impl)
-        bsz, t = check_hidden(x, c.hidden_size)
-        if state is None:
-            state = self.init_state(bsz)
-        check_state(state, KDAState, bsz, (bsz, c.num_v_heads, c.head_dim, c.head_v_dim),
-                    (bsz, c.conv_kernel_size - 1, c.conv_dim))
-        dtype = x.dtype if self.dtype is None else self.dtype
+        return DeltaDims(c.num_heads, c.num_v_heads, c.head_dim, c.head_v_dim, True)
+
+    def _inputs(self, x, dtype):
+        """-> (mixed [B, T, C] before the conv, g [B, T, HV, K] fp32, beta [B, T, HV] fp32,
+        output gate z [B, T, HV, V])."""
+        c = self.config
+        bsz, t = x.shape[:2]
         mixed = jnp.concatenate([self.q_proj(x, dtype), self.k_proj(x, dtype), self.v_proj(x, dtype)],
                                 axis=-1)
-        conv_bias = None if self.conv1d.bias is None else self.conv1d.bias[...]
-        mixed, conv_state = ref.causal_conv1d(mixed, self.conv1d.weight[...], conv_bias,
-                                              conv_state=state.conv, activation="silu")
-        q = mixed[..., :c.key_dim].reshape(bsz, t, c.num_heads, c.head_dim)
-        k = mixed[..., c.key_dim:2 * c.key_dim].reshape(bsz, t, c.num_heads, c.head_dim)
-        v = mixed[..., 2 * c.key_dim:].reshape(bsz, t, c.num_v_heads, c.head_v_dim)
         g_raw = self.f_b_proj(self.f_a_proj(x, dtype), dtype).reshape(bsz, t, c.num_v_heads, c.head_dim)
         g = ref.kda_gate(g_raw, self.A_log[...], self.dt_bias[...], lower_bound=c.lower_bound)
         beta = ref.gdn_beta(self.b_proj(x, dtype))
-        o, recurrent = ops.kda(q, k, v, g, beta, initial_state=state.recurrent,
-                               output_final_state=True, use_qk_l2norm=True, impl=impl)
-        gate = self.g_b_proj(self.g_a_proj(x, dtype), dtype).reshape(bsz, t, c.num_v_heads, c.head_v_dim)
-        o = ref.gated_rmsnorm(o, gate, self.o_norm.weight[...], eps=c.rms_norm_eps,
+        z = self.g_b_proj(self.g_a_proj(x, dtype), dtype).reshape(bsz, t, c.num_v_heads, c.head_v_dim)
+        return mixed, g, beta, z
+
+    def _output(self, o, z, dtype):
+        """Sigmoid-gated RMSNorm per value head, then o_proj."""
+        c = self.config
+        bsz, t = o.shape[:2]
+        o = ref.gated_rmsnorm(o, z, self.o_norm.weight[...], eps=c.rms_norm_eps,
                               activation="sigmoid", out_dtype=dtype)
-        y = self.o_proj(o.reshape(bsz, t, c.value_dim), dtype)
-        return y.astype(x.dtype), KDAState(recurrent=recurrent, conv=conv_state)
+        return self.o_proj(o.reshape(bsz, t, c.value_dim), dtype)
+
+    # __call__ and the serving path (prefill, decode, verify, accept, flush) come from
+    # DeltaBlockMixin.
 
     # ------------------------------------------------------------------ loading
 

@@ -30,17 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdn_jax import ops
 from gdn_jax import reference as ref
 from gdn_jax.layers._common import (DEFAULT_PRECISION, DeltaStateMixin, F32, Linear, NormWeight,
                                     ParamInit, ShortConv, check_conv_activation, check_eps,
-                                    check_hidden, check_impl, check_positive_int, check_state,
-                                    configured_layer_type, fill_params)
+                                    check_positive_int, configured_layer_type, fill_params)
+from gdn_jax.layers.serving import DeltaBlockMixin, DeltaDims
 from gdn_jax.loading import SafetensorsCheckpoint, find_layer_prefix, read_config, text_config
 from gdn_jax.state import GDNState
 
@@ -122,7 +120,7 @@ def _check_linear_layer(c: dict, layer_idx: int):
                          "linear_attention (Gated DeltaNet) layer")
 
 
-class Qwen3NextGatedDeltaNet(DeltaStateMixin, nnx.Module):
+class Qwen3NextGatedDeltaNet(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
     """Qwen3-Next / Qwen3.5 Gated DeltaNet block (see the module docstring for layout and state).
 
     `Qwen3NextGatedDeltaNet(config, rngs=nnx.Rngs(0))` makes random weights;
@@ -132,6 +130,7 @@ class Qwen3NextGatedDeltaNet(DeltaStateMixin, nnx.Module):
     """
 
     STATE_CLS = GDNState
+    DELTA_OP = "gated_delta_rule"
 
     def __init__(self, config: GDNConfig, *, rngs: nnx.Rngs, dtype=None, param_dtype=F32,
                  precision=DEFAULT_PRECISION):
@@ -183,35 +182,25 @@ class Qwen3NextGatedDeltaNet(DeltaStateMixin, nnx.Module):
                                  v.reshape(bsz, t, c.value_dim)], axis=-1)
         return mixed, z.reshape(bsz, t, c.num_v_heads, c.head_v_dim), b, a
 
-    def __call__(self, x: jax.Array, state: GDNState | None = None, *, impl: str = "auto"):
-        """x [B, T, hidden] -> (y [B, T, hidden] in x's dtype, new GDNState).
-
-        `state=None` starts fresh sequences; a given state is continued, so a prefill followed by
-        single-token calls reproduces one full-sequence call. The new state keeps the given
-        state's dtypes."""
+    def _dims(self) -> DeltaDims:
         c = self.config
-        check_impl(impl)
-        bsz, t = check_hidden(x, c.hidden_size)
-        if state is None:
-            state = self.init_state(bsz)
-        check_state(state, GDNState, bsz, (bsz, c.num_v_heads, c.head_k_dim, c.head_v_dim),
-                    (bsz, c.conv_kernel_size - 1, c.conv_dim))
-        dtype = x.dtype if self.dtype is None else self.dtype
+        return DeltaDims(c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim, False)
+
+    def _inputs(self, x, dtype):
+        """-> (mixed [B, T, C] before the conv, g, beta [B, T, HV] fp32, z [B, T, HV, V])."""
         mixed, z, b, a = self._project(x, dtype)
-        conv_bias = None if self.conv1d.bias is None else self.conv1d.bias[...]
-        mixed, conv_state = ref.causal_conv1d(mixed, self.conv1d.weight[...], conv_bias,
-                                              conv_state=state.conv, activation="silu")
-        q = mixed[..., :c.key_dim].reshape(bsz, t, c.num_k_heads, c.head_k_dim)
-        k = mixed[..., c.key_dim:2 * c.key_dim].reshape(bsz, t, c.num_k_heads, c.head_k_dim)
-        v = mixed[..., 2 * c.key_dim:].reshape(bsz, t, c.num_v_heads, c.head_v_dim)
-        g = ref.gdn_gate(a, self.A_log[...], self.dt_bias[...])
-        beta = ref.gdn_beta(b)
-        o, recurrent = ops.gated_delta_rule(q, k, v, g, beta, initial_state=state.recurrent,
-                                            output_final_state=True, use_qk_l2norm=True, impl=impl)
+        return mixed, ref.gdn_gate(a, self.A_log[...], self.dt_bias[...]), ref.gdn_beta(b), z
+
+    def _output(self, o, z, dtype):
+        """SiLU-gated RMSNorm per value head, then out_proj."""
+        c = self.config
+        bsz, t = o.shape[:2]
         o = ref.gated_rmsnorm(o, z, self.norm.weight[...], eps=c.rms_norm_eps, activation="silu",
                               out_dtype=dtype)
-        y = self.out_proj(o.reshape(bsz, t, c.value_dim), dtype)
-        return y.astype(x.dtype), GDNState(recurrent=recurrent, conv=conv_state)
+        return self.out_proj(o.reshape(bsz, t, c.value_dim), dtype)
+
+    # __call__ and the serving path (prefill, decode, verify, accept, flush) come from
+    # DeltaBlockMixin.
 
     # ------------------------------------------------------------------ loading
 

@@ -1,0 +1,253 @@
+"""The forward and the serving path both blocks share.
+
+A block supplies four hooks -- `_inputs(x, dtype) -> (mixed [B, T, C] before the conv, g, beta,
+z)`, `_output(o, z, dtype) -> y`, `_dims()` and the sequence operation it runs (`DELTA_OP`:
+"gated_delta_rule" or "kda") -- and gets:
+
+    __call__(x, state=None, *, impl)                         per-sequence state (GDNState / KDAState)
+    init_serving_state(num_slots, ...)                       pools + stashes (ServingState)
+    prefill(x, serving, slots, *, fresh=False, impl)         T tokens into the named slots
+    decode(x, serving, slots, *, impl)                       one token per row
+    verify(x, serving, slots, *, carry, exact, impl)         T = 1..4 draft tokens per row
+    accept(serving, slots, accepted, *, num_tokens)          the verdict
+    flush(serving, slots=None)                               fold every pending row (export)
+    carry_engages(serving, num_tokens, *, carry, exact, impl)
+
+`slots` [B] int32 names each row's pool slot (-1 or outside the pool: padding, nothing read or
+written, output rows zero). Everything that reads a pool folds the slot's pending rows first
+(decode, prefill) or is refused (a decode or prefill while a verify that did not carry awaits
+`accept`). The carried (write-on-accept) delta rule runs when `carry_engages` says so (T in
+2..4, state dtype vs flavour, head dims, an implementation, a stash of capacity >= T); else the
+verify flushes the slots and keeps every intermediate state (`candidates`), and `accept`
+commits the accepted one. The short conv always carries (its stash is tiny, the carry pure JAX).
+
+Exactness: the delta-rule kernels are bit-identical to decode (exact flavour); the projections
+run as one [B*T] matmul in verify and a [B] matmul in decode, so the block outputs agree with a
+token-by-token run to matmul rounding, not bitwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from gdn_jax import carry as carry_ops
+from gdn_jax import conv_carry
+from gdn_jax import decode as decode_ops
+from gdn_jax import dispatch, ops
+from gdn_jax import reference as ref
+from gdn_jax import validate as chk
+from gdn_jax import verify as verify_ops
+from gdn_jax.layers._common import check_hidden, check_state
+from gdn_jax.state import ConvPool, DEFAULT_STASH_CAPACITY, DeltaPool, ServingState
+
+__all__ = ["DeltaDims", "DeltaBlockMixin", "ServingState"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaDims:
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    per_channel_gate: bool
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+
+def _pool_impl(impl):
+    """The pool operations have no chunk form: "chunked" means the pure-JAX path there."""
+    return "reference" if impl == "chunked" else impl
+
+
+class DeltaBlockMixin:
+    """Shared forward and serving methods (see the module docstring)."""
+
+    DELTA_OP: str
+
+    # ------------------------------------------------------------------ the shared forward
+
+    def _split_qkv(self, mixed):
+        d = self._dims()
+        bsz, t = mixed.shape[:2]
+        q = mixed[..., :d.key_dim].reshape(bsz, t, d.num_k_heads, d.head_k_dim)
+        k = mixed[..., d.key_dim:2 * d.key_dim].reshape(bsz, t, d.num_k_heads, d.head_k_dim)
+        v = mixed[..., 2 * d.key_dim:].reshape(bsz, t, d.num_v_heads, d.head_v_dim)
+        return q, k, v
+
+    def _conv_params(self):
+        return self.conv1d.weight[...], (None if self.conv1d.bias is None else self.conv1d.bias[...])
+
+    def _compute_dtype(self, x):
+        return x.dtype if self.dtype is None else self.dtype
+
+    def __call__(self, x: jax.Array, state=None, *, impl: str = "auto"):
+        """x [B, T, hidden] -> (y [B, T, hidden] in x's dtype, new state).
+
+        `state=None` starts fresh sequences; a given state is continued, so a prefill followed by
+        single-token calls reproduces one full-sequence call. The new state keeps the given
+        state's dtypes."""
+        c, d = self.config, self._dims()
+        dispatch.check_impl(self.DELTA_OP, impl)
+        bsz, t = check_hidden(x, c.hidden_size)
+        if state is None:
+            state = self.init_state(bsz)
+        check_state(state, self.STATE_CLS, bsz, (bsz, d.num_v_heads, d.head_k_dim, d.head_v_dim),
+                    (bsz, c.conv_kernel_size - 1, c.conv_dim))
+        dtype = self._compute_dtype(x)
+        mixed, g, beta, z = self._inputs(x, dtype)
+        weight, bias = self._conv_params()
+        mixed, conv_state = ref.causal_conv1d(mixed, weight, bias, conv_state=state.conv,
+                                              activation="silu")
+        q, k, v = self._split_qkv(mixed)
+        delta = ops.gated_delta_rule if self.DELTA_OP == "gated_delta_rule" else ops.kda
+        o, recurrent = delta(q, k, v, g, beta, initial_state=state.recurrent,
+                             output_final_state=True, use_qk_l2norm=True, impl=impl)
+        y = self._output(o, z, dtype)
+        return y.astype(x.dtype), self.STATE_CLS(recurrent=recurrent, conv=conv_state)
+
+    # ------------------------------------------------------------------ serving state
+
+    def init_serving_state(self, num_slots: int, *, dtype=jnp.float32, conv_dtype=jnp.float32,
+                           capacity: int = DEFAULT_STASH_CAPACITY) -> ServingState:
+        """Zero pools for `num_slots` sequences and empty stashes of `capacity` rows per slot."""
+        c, d = self.config, self._dims()
+        return ServingState(
+            delta=DeltaPool.init(num_slots, num_k_heads=d.num_k_heads, num_v_heads=d.num_v_heads,
+                                 head_k_dim=d.head_k_dim, head_v_dim=d.head_v_dim, dtype=dtype,
+                                 capacity=capacity, per_channel_gate=d.per_channel_gate),
+            conv=ConvPool.init(num_slots, conv_dim=c.conv_dim, conv_width=c.conv_kernel_size,
+                               dtype=conv_dtype, capacity=capacity))
+
+    def _check_serving(self, serving, x=None, *, t_min=1, t_max=None):
+        if not isinstance(serving, ServingState):
+            raise ValueError(f"serving must be a ServingState (from init_serving_state), got "
+                             f"{type(serving).__name__}")
+        if x is not None:
+            _, t = check_hidden(x, self.config.hidden_size)
+            if t_max is not None and not t_min <= t <= t_max:
+                raise ValueError(f"x must hold {t_min}..{t_max} tokens per row, got shape {x.shape}")
+
+    def _refuse_candidates(self, serving, what):
+        if serving.candidates is not None:
+            raise ValueError(f"serving holds a verify awaiting its verdict: call accept before {what}")
+
+    def carry_engages(self, serving: ServingState, num_tokens: int, *, carry=True, exact=True,
+                      impl="auto", interpret=None) -> bool:
+        """Whether a verify of `num_tokens` tokens carries (write-on-accept) on this state."""
+        d = self._dims()
+        dispatch.check_impl(self.DELTA_OP, impl)
+        impl = _pool_impl(impl)
+        dt = serving.delta.states.dtype
+        # "auto" and "reference" always have the pure-JAX carried verify; "pallas" needs the kernel.
+        available = impl != "pallas" or carry_ops.kernel_available(
+            num_tokens, d.head_k_dim, d.head_v_dim, dt, exact=exact, interpret=interpret)
+        return carry_ops.carry_engages(carry_ops.CarryRequest(
+            requested=bool(carry), num_tokens=int(num_tokens), state_dtype=dt,
+            head_k_dim=d.head_k_dim, head_v_dim=d.head_v_dim, exact=bool(exact),
+            kernel_available=available, stash_capacity=serving.delta.stash.capacity))
+
+    # ------------------------------------------------------------------ serving path
+
+    def prefill(self, x, serving: ServingState, slots, *, fresh: bool = False, impl: str = "auto"):
+        """T tokens per row into the named slots: x [B, T, hidden] -> (y, serving). The slots'
+        pending rows are folded first; `fresh=True` starts the rows from zero states instead
+        (a new sequence in a reused slot)."""
+        self._check_serving(serving, x)
+        self._refuse_candidates(serving, "a prefill")
+        chk.slot_table("slots", slots, x.shape[0], serving.num_slots)
+        slots = verify_ops.normalise_slots(slots, serving.num_slots)
+        carry_ops.check_delta_pool(serving.delta)
+        delta = carry_ops.flush_validated(serving.delta, slots, impl=_pool_impl(impl))
+        conv = conv_carry.conv_flush(serving.conv, slots)
+        live = slots >= 0
+        safe = jnp.where(live, slots, 0)
+        keep = lambda a: jnp.where(live.reshape((-1,) + (1,) * (a.ndim - 1)) & (not fresh), a,
+                                   jnp.zeros((), a.dtype))
+        state = self.STATE_CLS(recurrent=keep(delta.states[safe]), conv=keep(conv.windows[safe]))
+        y, state = self(x, state, impl=impl)
+        write = jnp.where(live, slots, serving.num_slots)
+        delta = dataclasses.replace(delta, states=delta.states.at[write].set(state.recurrent, mode="drop"))
+        conv = dataclasses.replace(conv, windows=conv.windows.at[write].set(state.conv, mode="drop"))
+        y = jnp.where(live[:, None, None], y, jnp.zeros((), y.dtype))
+        return y, ServingState(delta=delta, conv=conv)
+
+    def decode(self, x, serving: ServingState, slots, *, impl: str = "auto"):
+        """One decode token per row: x [B, 1, hidden] -> (y [B, 1, hidden], serving). The rows'
+        pending stash rows are folded first (decode reads H)."""
+        self._check_serving(serving, x, t_min=1, t_max=1)
+        self._refuse_candidates(serving, "a decode")
+        d = self._dims()
+        dispatch.check_impl(self.DELTA_OP, impl)
+        bsz = x.shape[0]
+        dtype = self._compute_dtype(x)
+        mixed, g, beta, z = self._inputs(x, dtype)
+        weight, bias = self._conv_params()
+        mixed, conv = conv_carry.conv_step(mixed[:, 0], serving.conv, slots, weight, bias)
+        o, delta = decode_ops.gdn_decode_pool(
+            mixed, g[:, 0].reshape(bsz, -1), beta[:, 0], serving.delta, slots,
+            num_k_heads=d.num_k_heads, num_v_heads=d.num_v_heads, head_k_dim=d.head_k_dim,
+            head_v_dim=d.head_v_dim, per_channel_gate=d.per_channel_gate, use_qk_l2norm=True,
+            impl=_pool_impl(impl))
+        y = self._output(o[:, None], z, dtype).astype(x.dtype)
+        return y, ServingState(delta=delta, conv=conv)
+
+    def verify(self, x, serving: ServingState, slots, *, carry: bool = True, exact: bool = True,
+               impl: str = "auto"):
+        """Verify T draft tokens per row: x [B, T, hidden] -> (y [B, T, hidden], serving,
+        refused [B] bool). Nothing is committed until `accept`. A row whose slot's last verify
+        has no verdict is refused (ValueError with a concrete slot table; under jit it is
+        padding and flagged in `refused`)."""
+        d = self._dims()
+        self._check_serving(serving, x, t_min=1, t_max=serving.delta.stash.capacity
+                            if isinstance(serving, ServingState) else None)
+        self._refuse_candidates(serving, "another verify")
+        dispatch.check_impl(self.DELTA_OP, impl)
+        t = x.shape[1]
+        engaged = self.carry_engages(serving, t, carry=carry, exact=exact, impl=impl)
+        pool_impl = _pool_impl(impl)
+        dtype = self._compute_dtype(x)
+        mixed, g, beta, z = self._inputs(x, dtype)
+        weight, bias = self._conv_params()
+        mixed, conv, refused_conv = conv_carry.conv_carried_verify(mixed, serving.conv, slots,
+                                                                   weight, bias)
+        q, k, v = self._split_qkv(mixed)
+        if engaged:
+            o, delta, refused = carry_ops.carried_verify(q, k, v, g, beta, serving.delta, slots,
+                                                         exact=exact, use_qk_l2norm=True,
+                                                         impl=pool_impl)
+            candidates = None
+        else:
+            # Declined: fold what the previous verify left pending before reading H.
+            delta = carry_ops.flush(serving.delta, slots, impl=pool_impl)
+            refused = jnp.zeros(slots.shape, bool)
+            o, candidates = verify_ops.verify_states(q, k, v, g, beta, delta.states, slots,
+                                                     use_qk_l2norm=True, impl=pool_impl)
+        y = self._output(o, z, dtype).astype(x.dtype)
+        return y, ServingState(delta=delta, conv=conv, candidates=candidates), refused | refused_conv
+
+    def accept(self, serving: ServingState, slots, accepted, *, num_tokens=None):
+        """The verdict: accepted [B] in 1..T per live row. Returns (serving, invalid [B] bool); a
+        bad count raises ValueError when concrete, else leaves the row unchanged and flags it."""
+        self._check_serving(serving)
+        conv, bad_conv = carry_ops.accept(serving.conv, slots, accepted, num_tokens=num_tokens)
+        if serving.candidates is None:
+            delta, bad = carry_ops.accept(serving.delta, slots, accepted, num_tokens=num_tokens)
+            return ServingState(delta=delta, conv=conv), bad | bad_conv
+        states, bad = verify_ops.commit_states(serving.delta.states, serving.candidates, slots,
+                                               accepted)
+        return (ServingState(delta=dataclasses.replace(serving.delta, states=states), conv=conv),
+                bad | bad_conv)
+
+    def flush(self, serving: ServingState, slots=None, *, impl: str = "auto"):
+        """Fold every pending row (delta rule and conv) of the named slots (None: all) into the
+        pools, e.g. before exporting or converting them."""
+        self._check_serving(serving)
+        self._refuse_candidates(serving, "a flush")
+        delta = carry_ops.flush(serving.delta, slots, impl=_pool_impl(impl))
+        conv = conv_carry.conv_flush(serving.conv, slots)
+        return ServingState(delta=delta, conv=conv)
