@@ -35,7 +35,7 @@ __all__ = [
     "softplus", "l2norm", "gdn_gate", "gdn_beta", "kda_gate", "gated_rmsnorm",
     "causal_conv1d", "causal_conv1d_step", "conv_state_from_hf", "conv_state_to_hf",
     "state_to_16bit", "state_to_f32", "expand_kv_heads", "recurrent_delta_rule",
-    "chunked_delta_rule", "decode_step", "verify_steps",
+    "chunked_delta_rule", "chunk_log_decay", "decode_step", "verify_steps",
 ]
 
 
@@ -218,20 +218,73 @@ def recurrent_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
     return jnp.moveaxis(o, 0, 1), S
 
 
+# Gate floor of the chunk forms. exp(GATE_FLOOR) = 6e-39 is below fp32's smallest normal, so a
+# gate at the floor already erases the state as far as fp32 math can tell; clamping -inf (a reset)
+# and gates like -3e38 to it keeps every in-chunk cumulative sum finite (no -inf - -inf).
+GATE_FLOOR = -88.0
+# Gates split as g = hi + lo with hi on a grid of 1/GATE_HI_SCALE: in-chunk sums of hi are exact
+# in fp32 while |sum| * GATE_HI_SCALE < 2**24, which bounds the chunk size (see chunk_log_decay).
+GATE_HI_SCALE = 16.0
+MAX_CHUNK_SIZE = int(2 ** 24 // (-GATE_FLOOR * GATE_HI_SCALE))
+
+
+def chunk_log_decay(g: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """In-chunk cumulative log decay of fp32 gates, as an exact part and a small part.
+
+    g holds the gates of one chunk along `axis` (at most MAX_CHUNK_SIZE tokens), any values in
+    [-inf, 0]. Each gate is clamped at GATE_FLOOR and split into hi = round(16 g) / 16 and
+    lo = g - hi (|lo| <= 1/32; both parts exact). Returns (HI, LO), the inclusive cumulative sums
+    along `axis`. HI is exact (multiples of 1/16 below 2**24 / 16 in size), so the log decay
+    between tokens j <= i,
+
+        seg_ij = (HI_i - HI_j) + (LO_i - LO_j),
+
+    carries only the rounding of the small LO sums (~1e-7 absolute) however negative the gates
+    before j were; a plain cumulative sum G loses ulp(G_i) (3e-5 at |G| = 500) in G_i - G_j.
+    """
+    g = jnp.maximum(g.astype(F32), jnp.float32(GATE_FLOOR))
+    hi = jnp.round(g * jnp.float32(GATE_HI_SCALE)) / jnp.float32(GATE_HI_SCALE)
+    return jnp.cumsum(hi, axis=axis), jnp.cumsum(g - hi, axis=axis)
+
+
+def _quarantine(k, v, g, beta):
+    """Tokens whose k, v, beta or gate hold NaN (or k, v, beta an inf) spoil, in the scan, every
+    output from that token on (a bad v entry only its value column) and the final state. The chunk
+    form mixes a chunk's tokens in matmuls, where a masked-out NaN still gives 0 * NaN = NaN
+    for the tokens before it. So: replace bad tokens by neutral ones (k = v = beta = g = 0) and
+    return the [B, T, HV, V] mask of outputs the scan makes non-finite, to be set to NaN after."""
+    bad_g = jnp.isnan(g) if g.ndim == 3 else jnp.any(jnp.isnan(g), axis=-1)
+    bad = bad_g | ~jnp.isfinite(beta) | ~jnp.all(jnp.isfinite(k), axis=-1)       # [B, T, HV]
+    bad_v = bad[..., None] | ~jnp.isfinite(v)                                    # [B, T, HV, V]
+    spoiled = jnp.cumsum(bad_v.astype(jnp.int32), axis=1) > 0
+    k = jnp.where(bad[..., None], 0.0, k)
+    v = jnp.where(bad_v, 0.0, v)
+    g = jnp.where(bad if g.ndim == 3 else bad[..., None], 0.0, g)
+    beta = jnp.where(bad, 0.0, beta)
+    return k, v, g, beta, spoiled
+
+
 def chunked_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
                        use_qk_l2norm=False, chunk_size=64):
-    """The WY/UT chunk form, pure JAX: same function as `recurrent_delta_rule`, any T, any state.
+    """The WY/UT chunk form, pure JAX: same function as `recurrent_delta_rule`, any T, any state,
+    any gates in [-inf, 0].
 
     Within a chunk of C tokens with cumulative log decay G_i (from the chunk start):
         S_i = D(G_i) S_0 + sum_{j<=i} D(G_i - G_j) k_j u_j^T
     so the deltas solve a unit lower-triangular system (I + A) U = beta * (V - (k * e^G) S_0)
     with A_ij = beta_i sum_c k_ic k_jc e^{G_ic - G_jc} (j < i), and
         O = (q * e^G) S_0 + (QK ∘ decay, j <= i) U,   S_C = D(G_C) S_0 + sum_j D(G_C - G_j) k_j u_j^T.
-    Decay differences are formed pairwise and masked before exp (every exponent used is <= 0),
-    so per-channel gates of any size cannot overflow. Chunks run in a `lax.scan`, which keeps
-    the [C, C, K] pairwise decay of the per-channel gate to one chunk at a time.
+    G comes from `chunk_log_decay` (gates clamped at GATE_FLOOR, exact-plus-small split), so
+    pairwise differences are finite and accurate to ~1e-7 for any gates; they are masked before
+    exp (every exponent used is <= 0), so no gate size can overflow. Tokens holding NaN are
+    quarantined (`_quarantine`): outputs before them are exact, outputs from them on are NaN, as
+    in the scan. Chunks run in a `lax.scan`, which keeps the [C, C, K] pairwise decay of the
+    per-channel gate to one chunk at a time.
     """
+    if not 1 <= chunk_size <= MAX_CHUNK_SIZE:
+        raise ValueError(f"chunk_size must be in [1, {MAX_CHUNK_SIZE}], got {chunk_size}")
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, scale, use_qk_l2norm, head_axis=2)
+    kf, vf, gf, bf, spoiled = _quarantine(kf, vf, gf, bf)
     b, t, hv, kd = kf.shape
     vd = vf.shape[-1]
     per_channel = gf.ndim == 4
@@ -253,23 +306,23 @@ def chunked_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
 
     def chunk(S, xs):
         qx, kx, vx, gx, bx = xs  # [B,H,C,K], [B,H,C,K], [B,H,C,V], [B,H,C(,K)], [B,H,C]
-        G = jnp.cumsum(gx, axis=2)
+        HI, LO = chunk_log_decay(gx, axis=2)
+        seg_end = (HI[:, :, -1:] - HI) + (LO[:, :, -1:] - LO)                     # G_C - G_j
+        eG = jnp.exp(HI + LO)                                                    # e^{G_i}
         if per_channel:
-            dlog = G[:, :, :, None, :] - G[:, :, None, :, :]                  # [B,H,C,C,K]
-            D = jnp.exp(jnp.where(incl[:, :, None], dlog, -jnp.inf))
+            pair = lambda X: X[:, :, :, None, :] - X[:, :, None, :, :]
+            D = jnp.exp(jnp.where(incl[:, :, None], pair(HI) + pair(LO), -jnp.inf))  # [B,H,C,C,K]
             KK = ein("bhic,bhjc,bhijc->bhij", kx, kx, D)
             QK = ein("bhic,bhjc,bhijc->bhij", qx, kx, D)
-            eG = jnp.exp(G)
-            k_end = kx * jnp.exp(G[:, :, -1:, :] - G)
-            state_decay = eG[:, :, -1, :, None]                                # [B,H,K,1]
+            k_end = kx * jnp.exp(seg_end)
         else:
-            dlog = G[:, :, :, None] - G[:, :, None, :]                          # [B,H,C,C]
-            D = jnp.exp(jnp.where(incl, dlog, -jnp.inf))
+            pair = lambda X: X[:, :, :, None] - X[:, :, None, :]
+            D = jnp.exp(jnp.where(incl, pair(HI) + pair(LO), -jnp.inf))          # [B,H,C,C]
             KK = ein("bhic,bhjc->bhij", kx, kx) * D
             QK = ein("bhic,bhjc->bhij", qx, kx) * D
-            eG = jnp.exp(G)[..., None]
-            k_end = kx * jnp.exp(G[:, :, -1:] - G)[..., None]
-            state_decay = eG[:, :, -1, :, None]                                # [B,H,1,1]
+            eG = eG[..., None]
+            k_end = kx * jnp.exp(seg_end)[..., None]
+        state_decay = eG[:, :, -1, :, None]                                      # [B,H,K|1,1]
         A = jnp.where(strict, bx[..., :, None] * KK, 0.0)
         rhs = bx[..., None] * (vx - ein("bhik,bhkv->bhiv", kx * eG, S))
         U = jax.scipy.linalg.solve_triangular(eye + A, rhs, lower=True, unit_diagonal=True)
@@ -279,6 +332,8 @@ def chunked_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
 
     S, O = lax.scan(chunk, S0, (qc, kc, vc, gc, bc))
     O = jnp.moveaxis(O, (0, 3), (1, 2)).reshape(b, nc * c, hv, vd)[:, :t]
+    O = jnp.where(spoiled, jnp.nan, O)
+    S = jnp.where(spoiled[:, -1, :, None, :], jnp.nan, S) if t else S
     return O, S
 
 
