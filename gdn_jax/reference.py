@@ -29,6 +29,8 @@ from jax import lax
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
 L2NORM_EPS = 1e-6
+# Above this max |x| a sum of squares over up to 2**28 elements could overflow fp32: see l2norm.
+L2NORM_RESCALE_ABOVE = 2.0 ** 50
 SOFTPLUS_THRESHOLD = 20.0
 
 __all__ = [
@@ -48,9 +50,18 @@ def softplus(x: jax.Array) -> jax.Array:
 
 
 def l2norm(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
-    """x * rsqrt(sum(x^2) + eps) over the last axis, in fp32 (returns fp32)."""
+    """x * rsqrt(sum(x^2) + eps) over the last axis, in fp32 (returns fp32), for any finite x.
+
+    Squares of |x| > ~1.8e19 overflow fp32, which would turn the norm into inf and the output into
+    zeros. A vector whose max |x| exceeds L2NORM_RESCALE_ABOVE is first divided by 2**e (e the
+    exponent of its max, so the division is exact) and eps by 2**(2e), the same function; below
+    that (every ordinary input) the computation is the plain formula, bit for bit."""
     x = x.astype(F32)
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+    m = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    e = jnp.where(m > L2NORM_RESCALE_ABOVE, jnp.frexp(m)[1], 0)
+    y = jnp.ldexp(x, -e)
+    eps = jnp.ldexp(jnp.full(e.shape, eps, F32), -2 * e)
+    return y * lax.rsqrt(jnp.sum(y * y, axis=-1, keepdims=True) + eps)
 
 
 def gdn_gate(a: jax.Array, A_log: jax.Array, dt_bias: jax.Array) -> jax.Array:

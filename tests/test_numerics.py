@@ -154,3 +154,37 @@ def test_chunk_log_decay_differences_are_exact_for_huge_gates():
     np.testing.assert_allclose(np.asarray(HI, np.float64) + np.asarray(LO, np.float64),
                                np.cumsum(gd), rtol=1e-7)
     assert np.all(np.asarray(HI) * ref.GATE_HI_SCALE == np.round(np.asarray(HI) * ref.GATE_HI_SCALE))
+
+
+# ------------------------------------------------------------------ l2norm
+
+@pytest.mark.parametrize("size", [1.0, 1e19, 1e25, 3e38 / 4])
+def test_l2norm_any_finite_size(size):
+    """Squares of |x| > 1.8e19 overflow fp32: the norm must still be x / |x| (it used to be 0)."""
+    x = jax.random.normal(_key("l2", size), (6, 48))
+    xd = np.asarray(x, np.float64) * size
+    want = xd / np.sqrt((xd * xd).sum(-1, keepdims=True) + ref.L2NORM_EPS)
+    got = jax.jit(ref.l2norm)(x * jnp.float32(size))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-7)
+    got = ref.l2norm(jnp.array([[3.4e38, -3.4e38, 1.0]], jnp.float32))
+    np.testing.assert_allclose(np.asarray(got), [[2 ** -0.5, -(2 ** -0.5), 0.0]], atol=1e-7)
+
+
+def test_l2norm_unchanged_bit_for_bit_on_ordinary_inputs():
+    x = 100.0 * jax.random.normal(_key("l2 plain"), (8, 128))
+    plain = x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + ref.L2NORM_EPS)
+    np.testing.assert_array_equal(np.asarray(ref.l2norm(x)), np.asarray(plain))
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_huge_queries_and_keys_through_the_sequence_path(impl):
+    import gdn_jax
+    q, k, v, g, beta, h0 = _inputs(_key("huge", impl), "gdn", T=20, gate=gate_bursty(-1.0, -1e-2))
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm=True, impl=impl)
+    o, s = gdn_jax.gated_delta_rule(q, k, v, g, beta, **kw)
+    o_big, s_big = gdn_jax.gated_delta_rule(q * 1e30, k * 3e20, v, g, beta, **kw)
+    assert rel_err(o_big, o) <= 1e-5 and rel_err(s_big, s) <= 1e-5
+    ob, sb = ref.decode_step(q[:, 0] * 1e30, k[:, 0] * 1e30, v[:, 0], g[:, 0], beta[:, 0], h0,
+                             use_qk_l2norm=True)
+    o1, s1 = ref.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], h0, use_qk_l2norm=True)
+    assert rel_err(ob, o1) <= 1e-5 and rel_err(sb, s1) <= 1e-5
