@@ -36,7 +36,7 @@ SOFTPLUS_THRESHOLD = 20.0
 __all__ = [
     "softplus", "l2norm", "gdn_gate", "gdn_beta", "kda_gate", "gated_rmsnorm",
     "causal_conv1d", "causal_conv1d_step", "conv_state_from_hf", "conv_state_to_hf",
-    "state_to_16bit", "state_to_f32", "expand_kv_heads", "recurrent_delta_rule",
+    "state_to_16bit", "state_to_f32", "stochastic_round", "expand_kv_heads", "recurrent_delta_rule",
     "chunked_delta_rule", "chunk_log_decay", "decode_step", "verify_steps",
 ]
 
@@ -167,10 +167,44 @@ def conv_state_to_hf(state: jax.Array) -> jax.Array:
 
 # --------------------------------------------------------------------------- state dtype
 
-def state_to_16bit(state: jax.Array, dtype=jnp.float16) -> jax.Array:
-    """fp32 state -> fp16/bf16, round to nearest even (out of place)."""
+def _check_16bit(dtype, name="dtype"):
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
+        raise ValueError(f"{name} must be float16 or bfloat16, got {dtype}")
+
+
+def stochastic_round(x: jax.Array, dtype, key: jax.Array) -> jax.Array:
+    """fp32 x -> fp16/bf16, rounding to one of the two neighbours of x with the probabilities that
+    make the result unbiased: E[result] = x. Deterministic for a given `key`.
+
+    Round to nearest even turns exp(g) * S back into S whenever |g| is below half an ulp
+    (2**-9 for bf16, 2**-12 for fp16), so a 16-bit state whose directions are not rewritten never
+    decays; stochastic rounding decays it on average. Values exact in `dtype`, infinities, NaN
+    and values that round to nearest to inf are rounded as by round to nearest even.
+
+    r = RNE(x) is one neighbour; the other is one step (one bit pattern) further in x's direction,
+    and p = (x - r) / (other - r), exact in fp32 (neighbours differ by a power of two), is the
+    chance of taking it, compared with a uniform fp32 draw (granularity 2**-24)."""
+    _check_16bit(dtype)
+    x = x.astype(F32)
+    r = x.astype(dtype)
+    r32 = r.astype(F32)
+    bits = lax.bitcast_convert_type(r, jnp.uint16)
+    away = jnp.abs(x) > jnp.abs(r32)                  # the other neighbour is farther from zero
+    exact = x == r32
+    other = lax.bitcast_convert_type(
+        jnp.where(away, bits + jnp.uint16(1), jnp.where(exact, bits, bits - jnp.uint16(1))), dtype)
+    gap = other.astype(F32) - r32
+    p = jnp.where(exact | ~jnp.isfinite(gap), 0.0, (x - r32) / jnp.where(exact, 1.0, gap))
+    u = jax.random.uniform(key, x.shape, F32)
+    return jnp.where(u < p, other, r)
+
+
+def state_to_16bit(state: jax.Array, dtype=jnp.float16, *, key: jax.Array | None = None) -> jax.Array:
+    """fp32 state -> fp16/bf16 (out of place): round to nearest even, or with a PRNG `key`
+    stochastic rounding (`stochastic_round`, deterministic for the key)."""
+    _check_16bit(dtype)
+    if key is not None:
+        return stochastic_round(state, dtype, key)
     return state.astype(F32).astype(dtype)
 
 
@@ -348,27 +382,36 @@ def chunked_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
     return O, S
 
 
-def decode_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False):
+def decode_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False, rounding_key=None):
     """One token for a batch: q, k [B, HK, K]; v [B, HV, V]; g [B, HV] (GDN) or [B, HV, K] (KDA);
     beta [B, HV]; state [B, HV, K, V] of any float dtype.
 
-    Returns (o [B, HV, V] in q's dtype, new state in state's dtype: fp32 math, one rounding)."""
+    Returns (o [B, HV, V] in q's dtype, new state in state's dtype: fp32 math, one rounding).
+    The rounding is to nearest even; with `rounding_key` (a PRNG key, 16-bit states only) the
+    store rounds stochastically (`stochastic_round`), which lets slow decays act on a 16-bit
+    state (see docs/numerics.md); the same key gives the same state."""
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, scale, use_qk_l2norm, head_axis=1)
     o, S = _token_update(state.astype(F32), qf, kf, vf, gf, bf)
+    if rounding_key is not None:
+        _check_16bit(state.dtype, "state dtype with rounding_key")
+        return o.astype(q.dtype), stochastic_round(S, state.dtype, rounding_key)
     return o.astype(q.dtype), S.astype(state.dtype)
 
 
-def verify_steps(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False):
+def verify_steps(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False, rounding_key=None):
     """T draft tokens from a committed state, keeping the state after each token.
 
     Same layout as the sequence functions ([B, T, ...]). Returns (o [B, T, HV, V] in q's dtype,
     states [B, T, HV, K, V] in state's dtype): states[:, i] is what `decode_step` run i + 1
     times holds — the same per-token math, each token's state rounded to the state dtype as a
-    decode store would. (Bitwise equality is a property of kernels, not of two XLA programs.)"""
+    decode store would. (Bitwise equality is a property of kernels, not of two XLA programs.)
+    With `rounding_key`, token i's store rounds stochastically with fold_in(rounding_key, i)."""
     def body(S, xs):
-        o, S = decode_step(*xs, S, scale=scale, use_qk_l2norm=use_qk_l2norm)
+        i, *xs = xs
+        key = None if rounding_key is None else jax.random.fold_in(rounding_key, i)
+        o, S = decode_step(*xs, S, scale=scale, use_qk_l2norm=use_qk_l2norm, rounding_key=key)
         return S, (o, S)
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
-    _, (o, states) = lax.scan(body, state, xs)
+    _, (o, states) = lax.scan(body, state, (jnp.arange(q.shape[1]),) + xs)
     return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)
