@@ -447,3 +447,15 @@ def test_property_stochastic_round_gives_a_neighbour(xs, dtype, seed):
     rb = np.asarray(jax.lax.bitcast_convert_type(r, jnp.uint16)).astype(np.int64)
     other_side = (y64 - x64) * (r64 - x64) < 0
     assert np.all(same | ((np.abs(yb - rb) == 1) & other_side))
+
+
+def test_drift_curves_show_the_stall_and_its_removal():
+    """gdn_jax.numerics_drift on a short run: bf16 state, keys on 8 of 32 channels, g = -1e-3.
+    Round to nearest even keeps the untouched rows (error grows towards 1 - exp(g t)), stochastic
+    rounding follows the fp32 state."""
+    from gdn_jax import numerics_drift as nd
+    points, curves = nd.drift_curves(400, heads=2, cases=[nd.DriftCase(("bf16", "low", "fast"))])
+    assert points[-1] == 400 and set(curves) == {"bf16 8-channel g=-0.001 RNE",
+                                                 "bf16 8-channel g=-0.001 SR"}
+    rne, sr = curves["bf16 8-channel g=-0.001 RNE"][-1], curves["bf16 8-channel g=-0.001 SR"][-1]
+    assert rne > 0.2 and sr < 0.1 and rne > 4 * sr
