@@ -13,6 +13,11 @@ file in it (what `save_file` into a folder by hand gives).
 Tensors come back as NumPy arrays (bf16 through `ml_dtypes`, which JAX already depends on), read
 lazily: only the tensors a layer asks for are read from disk, so one layer of a large model loads
 in the time its own bytes take.
+
+Every problem with the folder's files (unreadable, not UTF-8, not JSON, a corrupt or truncated
+safetensors file, a header that declares more bytes than the file holds, tensor offsets past its
+end, a directory or a symlink loop named like a shard) and every config value of the wrong type
+raises ValueError naming the file and, where there is one, the key.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ import os
 from collections.abc import Iterable, Mapping
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-__all__ = ["read_config", "text_config", "SafetensorsCheckpoint", "find_layer_prefix"]
+__all__ = ["read_config", "text_config", "config_int", "config_object", "config_list",
+           "SafetensorsCheckpoint", "find_layer_prefix"]
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -41,17 +47,31 @@ def _check_dir(path) -> str:
     return path
 
 
+def _read_json(path: str, name: str):
+    """Parse the JSON file `name` of folder `path`; ValueError naming the file on any problem."""
+    file = os.path.join(path, name)
+    try:
+        with open(file, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{name} in {path!r} cannot be read: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{name} in {path!r} is not UTF-8 text (byte {e.start}); JSON files "
+                         "must be UTF-8") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} in {path!r} is not valid JSON: {e}") from None
+
+
 def read_config(path) -> dict:
     """The parsed `config.json` of a checkpoint folder (the full file, nesting kept)."""
     path = _check_dir(path)
-    file = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(file):
+    if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
         raise ValueError(f"config.json not found in checkpoint folder {path!r}")
-    with open(file, encoding="utf-8") as f:
-        try:
-            cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"config.json in {path!r} is not valid JSON: {e}") from None
+    cfg = _read_json(path, CONFIG_FILE)
     if not isinstance(cfg, dict):
         raise ValueError(f"config.json in {path!r} must hold a JSON object, got {type(cfg).__name__}")
     return cfg
@@ -69,31 +89,69 @@ def text_config(cfg: Mapping) -> dict:
     return dict(cfg)
 
 
+_MISSING = object()
+
+
+def config_int(cfg: Mapping, key: str, default=_MISSING, *, minimum: int = 1) -> int:
+    """cfg[key] as an int >= minimum; `default` when the key is absent (an explicit null is an
+    error). ValueError naming config.json and the key for a value of another type (bools and
+    floats included) or out of range."""
+    if key not in cfg and default is not _MISSING:
+        return default
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"config.json: {key!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def config_object(cfg: Mapping, key: str) -> dict:
+    """cfg[key] as a dict; {} when absent or null. ValueError naming config.json and the key for
+    any other type."""
+    value = cfg.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"config.json: {key!r} must be an object, got {type(value).__name__} "
+                         f"{value!r}")
+    return dict(value)
+
+
+def config_list(cfg: Mapping, key: str, item_type: type) -> list | None:
+    """cfg[key] as a list of `item_type`; None when absent or null. ValueError naming config.json
+    and the key for a string, a number or items of another type."""
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+            isinstance(x, item_type) and not isinstance(x, bool) for x in value):
+        raise ValueError(f"config.json: {key!r} must be a list of {item_type.__name__}, got "
+                         f"{value!r}")
+    return value
+
+
 class SafetensorsCheckpoint:
     """Name -> tensor access over the safetensors files of one checkpoint folder."""
 
     def __init__(self, path):
         self.path = _check_dir(path)
-        self._file_of = self._map_names()          # tensor name -> file name (relative to path)
         self._handles: dict[str, object] = {}
+        self._file_of = self._map_names()          # tensor name -> file name (relative to path)
 
     def _map_names(self) -> dict[str, str]:
         index = os.path.join(self.path, INDEX_FILE)
         if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                try:
-                    weight_map = json.load(f).get("weight_map")
-                except (json.JSONDecodeError, AttributeError):
-                    weight_map = None
+            parsed = _read_json(self.path, INDEX_FILE)
+            weight_map = parsed.get("weight_map") if isinstance(parsed, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ValueError(f"{INDEX_FILE} in {self.path!r} has no 'weight_map' object")
             for name, file in weight_map.items():
                 if not isinstance(file, str) or os.path.basename(file) != file or not file.endswith(".safetensors"):
                     raise ValueError(f"{INDEX_FILE}: tensor {name!r} maps to {file!r}, "
                                      "expected a .safetensors file name in the same folder")
-                if not os.path.isfile(os.path.join(self.path, file)):
+                if not os.path.lexists(os.path.join(self.path, file)):
                     raise ValueError(f"{INDEX_FILE}: shard {file!r} (holding {name!r}) is missing "
                                      f"from {self.path!r}")
+                self._check_file(file)
             return dict(weight_map)
         files = ([SINGLE_FILE] if os.path.isfile(os.path.join(self.path, SINGLE_FILE))
                  else sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors")))
@@ -104,15 +162,29 @@ class SafetensorsCheckpoint:
             raise ValueError(f"no *.safetensors files in checkpoint folder {self.path!r}{hint}")
         names: dict[str, str] = {}
         for file in files:
-            with safe_open(os.path.join(self.path, file), framework="numpy") as f:
-                for name in f.keys():
-                    names.setdefault(name, file)
+            for name in self._handle(file).keys():
+                names.setdefault(name, file)
         return names
+
+    def _check_file(self, file):
+        """A shard must be a regular file (following links): not a directory, a dangling link or
+        a symlink loop that merely carries a shard's name."""
+        full = os.path.join(self.path, file)
+        if not os.path.isfile(full):
+            what = ("a directory" if os.path.isdir(full) else
+                    "a broken or looping symlink" if os.path.islink(full) else "not a regular file")
+            raise ValueError(f"{file!r} in checkpoint {self.path!r} is {what}, not a safetensors file")
 
     def _handle(self, file):
         h = self._handles.get(file)
         if h is None:
-            h = self._handles[file] = safe_open(os.path.join(self.path, file), framework="numpy")
+            self._check_file(file)
+            try:
+                h = safe_open(os.path.join(self.path, file), framework="numpy")
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{file!r} in checkpoint {self.path!r} is not a valid safetensors "
+                                 f"file (corrupt or truncated?): {e}") from None
+            self._handles[file] = h
         return h
 
     def keys(self) -> list[str]:
@@ -123,7 +195,11 @@ class SafetensorsCheckpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape from the file header, without reading the data."""
-        return tuple(self._handle(self._file(name)).get_slice(name).get_shape())
+        file = self._file(name)
+        try:
+            return tuple(self._handle(file).get_slice(name).get_shape())
+        except SafetensorError as e:
+            raise ValueError(f"tensor {name!r} in {file!r} cannot be read: {e}") from None
 
     def _file(self, name):
         try:
@@ -134,9 +210,13 @@ class SafetensorsCheckpoint:
     def get(self, name: str, shape: Iterable[int] | None = None) -> np.ndarray:
         """The tensor `name` as a NumPy array; with `shape`, a wrong shape raises ValueError naming
         the tensor before its data is read."""
-        h = self._handle(self._file(name))
-        sl = h.get_slice(name)
-        dtype = sl.get_dtype()
+        file = self._file(name)
+        h = self._handle(file)
+        try:
+            sl = h.get_slice(name)
+            dtype = sl.get_dtype()
+        except SafetensorError as e:
+            raise ValueError(f"tensor {name!r} in {file!r} cannot be read: {e}") from None
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"tensor {name!r} has dtype {dtype}; only float32/float16/bfloat16 "
                              "checkpoints are supported (quantised weights need dequantising first)")
@@ -144,7 +224,10 @@ class SafetensorsCheckpoint:
             want, got = tuple(int(s) for s in shape), tuple(sl.get_shape())
             if got != want:
                 raise ValueError(f"tensor {name!r} has shape {got}, expected {want}")
-        return h.get_tensor(name)
+        try:
+            return h.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"tensor {name!r} in {file!r} cannot be read: {e}") from None
 
     def close(self):
         self._handles.clear()

@@ -29,13 +29,15 @@ from jax import lax
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
 L2NORM_EPS = 1e-6
+# Above this max |x| a sum of squares over up to 2**28 elements could overflow fp32: see l2norm.
+L2NORM_RESCALE_ABOVE = 2.0 ** 50
 SOFTPLUS_THRESHOLD = 20.0
 
 __all__ = [
     "softplus", "l2norm", "gdn_gate", "gdn_beta", "kda_gate", "gated_rmsnorm",
     "causal_conv1d", "causal_conv1d_step", "conv_state_from_hf", "conv_state_to_hf",
-    "state_to_16bit", "state_to_f32", "expand_kv_heads", "recurrent_delta_rule",
-    "chunked_delta_rule", "decode_step", "verify_steps",
+    "state_to_16bit", "state_to_f32", "stochastic_round", "expand_kv_heads", "recurrent_delta_rule",
+    "chunked_delta_rule", "chunk_log_decay", "decode_step", "verify_steps",
 ]
 
 
@@ -48,9 +50,18 @@ def softplus(x: jax.Array) -> jax.Array:
 
 
 def l2norm(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
-    """x * rsqrt(sum(x^2) + eps) over the last axis, in fp32 (returns fp32)."""
+    """x * rsqrt(sum(x^2) + eps) over the last axis, in fp32 (returns fp32), for any finite x.
+
+    Squares of |x| > ~1.8e19 overflow fp32, which would turn the norm into inf and the output into
+    zeros. A vector whose max |x| exceeds L2NORM_RESCALE_ABOVE is first divided by 2**e (e the
+    exponent of its max, so the division is exact) and eps by 2**(2e), the same function; below
+    that (every ordinary input) the computation is the plain formula, bit for bit."""
     x = x.astype(F32)
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+    m = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    e = jnp.where(m > L2NORM_RESCALE_ABOVE, jnp.frexp(m)[1], 0)
+    y = jnp.ldexp(x, -e)
+    eps = jnp.ldexp(jnp.full(e.shape, eps, F32), -2 * e)
+    return y * lax.rsqrt(jnp.sum(y * y, axis=-1, keepdims=True) + eps)
 
 
 def gdn_gate(a: jax.Array, A_log: jax.Array, dt_bias: jax.Array) -> jax.Array:
@@ -156,10 +167,44 @@ def conv_state_to_hf(state: jax.Array) -> jax.Array:
 
 # --------------------------------------------------------------------------- state dtype
 
-def state_to_16bit(state: jax.Array, dtype=jnp.float16) -> jax.Array:
-    """fp32 state -> fp16/bf16, round to nearest even (out of place)."""
+def _check_16bit(dtype, name="dtype"):
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
+        raise ValueError(f"{name} must be float16 or bfloat16, got {dtype}")
+
+
+def stochastic_round(x: jax.Array, dtype, key: jax.Array) -> jax.Array:
+    """fp32 x -> fp16/bf16, rounding to one of the two neighbours of x with the probabilities that
+    make the result unbiased: E[result] = x. Deterministic for a given `key`.
+
+    Round to nearest even turns exp(g) * S back into S whenever |g| is below half an ulp
+    (2**-9 for bf16, 2**-12 for fp16), so a 16-bit state whose directions are not rewritten never
+    decays; stochastic rounding decays it on average. Values exact in `dtype`, infinities, NaN
+    and values that round to nearest to inf are rounded as by round to nearest even.
+
+    r = RNE(x) is one neighbour; the other is one step (one bit pattern) further in x's direction,
+    and p = (x - r) / (other - r), exact in fp32 (neighbours differ by a power of two), is the
+    chance of taking it, compared with a uniform fp32 draw (granularity 2**-24)."""
+    _check_16bit(dtype)
+    x = x.astype(F32)
+    r = x.astype(dtype)
+    r32 = r.astype(F32)
+    bits = lax.bitcast_convert_type(r, jnp.uint16)
+    away = jnp.abs(x) > jnp.abs(r32)                  # the other neighbour is farther from zero
+    exact = x == r32
+    other = lax.bitcast_convert_type(
+        jnp.where(away, bits + jnp.uint16(1), jnp.where(exact, bits, bits - jnp.uint16(1))), dtype)
+    gap = other.astype(F32) - r32
+    p = jnp.where(exact | ~jnp.isfinite(gap), 0.0, (x - r32) / jnp.where(exact, 1.0, gap))
+    u = jax.random.uniform(key, x.shape, F32)
+    return jnp.where(u < p, other, r)
+
+
+def state_to_16bit(state: jax.Array, dtype=jnp.float16, *, key: jax.Array | None = None) -> jax.Array:
+    """fp32 state -> fp16/bf16 (out of place): round to nearest even, or with a PRNG `key`
+    stochastic rounding (`stochastic_round`, deterministic for the key)."""
+    _check_16bit(dtype)
+    if key is not None:
+        return stochastic_round(state, dtype, key)
     return state.astype(F32).astype(dtype)
 
 
@@ -218,20 +263,73 @@ def recurrent_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
     return jnp.moveaxis(o, 0, 1), S
 
 
+# Gate floor of the chunk forms. exp(GATE_FLOOR) = 6e-39 is below fp32's smallest normal, so a
+# gate at the floor already erases the state as far as fp32 math can tell; clamping -inf (a reset)
+# and gates like -3e38 to it keeps every in-chunk cumulative sum finite (no -inf - -inf).
+GATE_FLOOR = -88.0
+# Gates split as g = hi + lo with hi on a grid of 1/GATE_HI_SCALE: in-chunk sums of hi are exact
+# in fp32 while |sum| * GATE_HI_SCALE < 2**24, which bounds the chunk size (see chunk_log_decay).
+GATE_HI_SCALE = 16.0
+MAX_CHUNK_SIZE = int(2 ** 24 // (-GATE_FLOOR * GATE_HI_SCALE))
+
+
+def chunk_log_decay(g: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """In-chunk cumulative log decay of fp32 gates, as an exact part and a small part.
+
+    g holds the gates of one chunk along `axis` (at most MAX_CHUNK_SIZE tokens), any values in
+    [-inf, 0]. Each gate is clamped at GATE_FLOOR and split into hi = round(16 g) / 16 and
+    lo = g - hi (|lo| <= 1/32; both parts exact). Returns (HI, LO), the inclusive cumulative sums
+    along `axis`. HI is exact (multiples of 1/16 below 2**24 / 16 in size), so the log decay
+    between tokens j <= i,
+
+        seg_ij = (HI_i - HI_j) + (LO_i - LO_j),
+
+    carries only the rounding of the small LO sums (~1e-7 absolute) however negative the gates
+    before j were; a plain cumulative sum G loses ulp(G_i) (3e-5 at |G| = 500) in G_i - G_j.
+    """
+    g = jnp.maximum(g.astype(F32), jnp.float32(GATE_FLOOR))
+    hi = jnp.round(g * jnp.float32(GATE_HI_SCALE)) / jnp.float32(GATE_HI_SCALE)
+    return jnp.cumsum(hi, axis=axis), jnp.cumsum(g - hi, axis=axis)
+
+
+def _quarantine(k, v, g, beta):
+    """Tokens whose k, v, beta or gate hold NaN (or k, v, beta an inf) spoil, in the scan, every
+    output from that token on (a bad v entry only its value column) and the final state. The chunk
+    form mixes a chunk's tokens in matmuls, where a masked-out NaN still gives 0 * NaN = NaN
+    for the tokens before it. So: replace bad tokens by neutral ones (k = v = beta = g = 0) and
+    return the [B, T, HV, V] mask of outputs the scan makes non-finite, to be set to NaN after."""
+    bad_g = jnp.isnan(g) if g.ndim == 3 else jnp.any(jnp.isnan(g), axis=-1)
+    bad = bad_g | ~jnp.isfinite(beta) | ~jnp.all(jnp.isfinite(k), axis=-1)       # [B, T, HV]
+    bad_v = bad[..., None] | ~jnp.isfinite(v)                                    # [B, T, HV, V]
+    spoiled = jnp.cumsum(bad_v.astype(jnp.int32), axis=1) > 0
+    k = jnp.where(bad[..., None], 0.0, k)
+    v = jnp.where(bad_v, 0.0, v)
+    g = jnp.where(bad if g.ndim == 3 else bad[..., None], 0.0, g)
+    beta = jnp.where(bad, 0.0, beta)
+    return k, v, g, beta, spoiled
+
+
 def chunked_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
                        use_qk_l2norm=False, chunk_size=64):
-    """The WY/UT chunk form, pure JAX: same function as `recurrent_delta_rule`, any T, any state.
+    """The WY/UT chunk form, pure JAX: same function as `recurrent_delta_rule`, any T, any state,
+    any gates in [-inf, 0].
 
     Within a chunk of C tokens with cumulative log decay G_i (from the chunk start):
         S_i = D(G_i) S_0 + sum_{j<=i} D(G_i - G_j) k_j u_j^T
     so the deltas solve a unit lower-triangular system (I + A) U = beta * (V - (k * e^G) S_0)
     with A_ij = beta_i sum_c k_ic k_jc e^{G_ic - G_jc} (j < i), and
         O = (q * e^G) S_0 + (QK ∘ decay, j <= i) U,   S_C = D(G_C) S_0 + sum_j D(G_C - G_j) k_j u_j^T.
-    Decay differences are formed pairwise and masked before exp (every exponent used is <= 0),
-    so per-channel gates of any size cannot overflow. Chunks run in a `lax.scan`, which keeps
-    the [C, C, K] pairwise decay of the per-channel gate to one chunk at a time.
+    G comes from `chunk_log_decay` (gates clamped at GATE_FLOOR, exact-plus-small split), so
+    pairwise differences are finite and accurate to ~1e-7 for any gates; they are masked before
+    exp (every exponent used is <= 0), so no gate size can overflow. Tokens holding NaN are
+    quarantined (`_quarantine`): outputs before them are exact, outputs from them on are NaN, as
+    in the scan. Chunks run in a `lax.scan`, which keeps the [C, C, K] pairwise decay of the
+    per-channel gate to one chunk at a time.
     """
+    if not 1 <= chunk_size <= MAX_CHUNK_SIZE:
+        raise ValueError(f"chunk_size must be in [1, {MAX_CHUNK_SIZE}], got {chunk_size}")
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, scale, use_qk_l2norm, head_axis=2)
+    kf, vf, gf, bf, spoiled = _quarantine(kf, vf, gf, bf)
     b, t, hv, kd = kf.shape
     vd = vf.shape[-1]
     per_channel = gf.ndim == 4
@@ -253,23 +351,23 @@ def chunked_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
 
     def chunk(S, xs):
         qx, kx, vx, gx, bx = xs  # [B,H,C,K], [B,H,C,K], [B,H,C,V], [B,H,C(,K)], [B,H,C]
-        G = jnp.cumsum(gx, axis=2)
+        HI, LO = chunk_log_decay(gx, axis=2)
+        seg_end = (HI[:, :, -1:] - HI) + (LO[:, :, -1:] - LO)                     # G_C - G_j
+        eG = jnp.exp(HI + LO)                                                    # e^{G_i}
         if per_channel:
-            dlog = G[:, :, :, None, :] - G[:, :, None, :, :]                  # [B,H,C,C,K]
-            D = jnp.exp(jnp.where(incl[:, :, None], dlog, -jnp.inf))
+            pair = lambda X: X[:, :, :, None, :] - X[:, :, None, :, :]
+            D = jnp.exp(jnp.where(incl[:, :, None], pair(HI) + pair(LO), -jnp.inf))  # [B,H,C,C,K]
             KK = ein("bhic,bhjc,bhijc->bhij", kx, kx, D)
             QK = ein("bhic,bhjc,bhijc->bhij", qx, kx, D)
-            eG = jnp.exp(G)
-            k_end = kx * jnp.exp(G[:, :, -1:, :] - G)
-            state_decay = eG[:, :, -1, :, None]                                # [B,H,K,1]
+            k_end = kx * jnp.exp(seg_end)
         else:
-            dlog = G[:, :, :, None] - G[:, :, None, :]                          # [B,H,C,C]
-            D = jnp.exp(jnp.where(incl, dlog, -jnp.inf))
+            pair = lambda X: X[:, :, :, None] - X[:, :, None, :]
+            D = jnp.exp(jnp.where(incl, pair(HI) + pair(LO), -jnp.inf))          # [B,H,C,C]
             KK = ein("bhic,bhjc->bhij", kx, kx) * D
             QK = ein("bhic,bhjc->bhij", qx, kx) * D
-            eG = jnp.exp(G)[..., None]
-            k_end = kx * jnp.exp(G[:, :, -1:] - G)[..., None]
-            state_decay = eG[:, :, -1, :, None]                                # [B,H,1,1]
+            eG = eG[..., None]
+            k_end = kx * jnp.exp(seg_end)[..., None]
+        state_decay = eG[:, :, -1, :, None]                                      # [B,H,K|1,1]
         A = jnp.where(strict, bx[..., :, None] * KK, 0.0)
         rhs = bx[..., None] * (vx - ein("bhik,bhkv->bhiv", kx * eG, S))
         U = jax.scipy.linalg.solve_triangular(eye + A, rhs, lower=True, unit_diagonal=True)
@@ -279,30 +377,41 @@ def chunked_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
 
     S, O = lax.scan(chunk, S0, (qc, kc, vc, gc, bc))
     O = jnp.moveaxis(O, (0, 3), (1, 2)).reshape(b, nc * c, hv, vd)[:, :t]
+    O = jnp.where(spoiled, jnp.nan, O)
+    S = jnp.where(spoiled[:, -1, :, None, :], jnp.nan, S) if t else S
     return O, S
 
 
-def decode_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False):
+def decode_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False, rounding_key=None):
     """One token for a batch: q, k [B, HK, K]; v [B, HV, V]; g [B, HV] (GDN) or [B, HV, K] (KDA);
     beta [B, HV]; state [B, HV, K, V] of any float dtype.
 
-    Returns (o [B, HV, V] in q's dtype, new state in state's dtype: fp32 math, one rounding)."""
+    Returns (o [B, HV, V] in q's dtype, new state in state's dtype: fp32 math, one rounding).
+    The rounding is to nearest even; with `rounding_key` (a PRNG key, 16-bit states only) the
+    store rounds stochastically (`stochastic_round`), which lets slow decays act on a 16-bit
+    state (see docs/numerics.md); the same key gives the same state."""
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, scale, use_qk_l2norm, head_axis=1)
     o, S = _token_update(state.astype(F32), qf, kf, vf, gf, bf)
+    if rounding_key is not None:
+        _check_16bit(state.dtype, "state dtype with rounding_key")
+        return o.astype(q.dtype), stochastic_round(S, state.dtype, rounding_key)
     return o.astype(q.dtype), S.astype(state.dtype)
 
 
-def verify_steps(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False):
+def verify_steps(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False, rounding_key=None):
     """T draft tokens from a committed state, keeping the state after each token.
 
     Same layout as the sequence functions ([B, T, ...]). Returns (o [B, T, HV, V] in q's dtype,
     states [B, T, HV, K, V] in state's dtype): states[:, i] is what `decode_step` run i + 1
     times holds — the same per-token math, each token's state rounded to the state dtype as a
-    decode store would. (Bitwise equality is a property of kernels, not of two XLA programs.)"""
+    decode store would. (Bitwise equality is a property of kernels, not of two XLA programs.)
+    With `rounding_key`, token i's store rounds stochastically with fold_in(rounding_key, i)."""
     def body(S, xs):
-        o, S = decode_step(*xs, S, scale=scale, use_qk_l2norm=use_qk_l2norm)
+        i, *xs = xs
+        key = None if rounding_key is None else jax.random.fold_in(rounding_key, i)
+        o, S = decode_step(*xs, S, scale=scale, use_qk_l2norm=use_qk_l2norm, rounding_key=key)
         return S, (o, S)
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
-    _, (o, states) = lax.scan(body, state, xs)
+    _, (o, states) = lax.scan(body, state, (jnp.arange(q.shape[1]),) + xs)
     return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)

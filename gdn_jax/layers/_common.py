@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gdn_jax.loading import config_int, config_list
+
 F32 = jnp.float32
 DEFAULT_PRECISION = jax.lax.Precision.HIGHEST
 
@@ -41,10 +43,10 @@ def check_conv_activation(cfg: dict) -> None:
 def configured_layer_type(cfg: dict, layer_idx: int) -> str | None:
     """Range-check `layer_idx` against num_hidden_layers and layer_types; return
     layer_types[layer_idx], or None when the config has no layer_types list."""
-    n = cfg.get("num_hidden_layers")
-    if n is not None and not 0 <= layer_idx < int(n):
+    n = config_int(cfg, "num_hidden_layers", None)
+    if n is not None and not 0 <= layer_idx < n:
         raise ValueError(f"layer_idx={layer_idx} out of range for num_hidden_layers={n}")
-    types = cfg.get("layer_types")
+    types = config_list(cfg, "layer_types", str)
     if types is None:
         return None
     if not 0 <= layer_idx < len(types):

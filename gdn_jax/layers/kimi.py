@@ -45,7 +45,9 @@ from gdn_jax.layers._common import (DEFAULT_PRECISION, DeltaStateMixin, F32, Lin
                                     ParamInit, ShortConv, check_conv_activation, check_eps,
                                     check_positive_int, configured_layer_type, fill_params)
 from gdn_jax.layers.serving import DeltaBlockMixin, DeltaDims
-from gdn_jax.loading import SafetensorsCheckpoint, find_layer_prefix, read_config, text_config
+from gdn_jax.loading import (SafetensorsCheckpoint, config_list, config_object, find_layer_prefix,
+                             read_config,
+                             text_config)
 from gdn_jax.state import KDAState
 
 __all__ = ["KDAConfig", "KimiDeltaAttention"]
@@ -121,9 +123,7 @@ class KDAConfig:
         `safe_gate` (default true) forces -5.0 when the bound is null; any other model type uses
         only an explicit `linear_lower_bound` / `gate_lower_bound`."""
         c = text_config(cfg)
-        lac = c.get("linear_attn_config") or {}
-        if not isinstance(lac, dict):
-            raise ValueError(f"config linear_attn_config must be an object, got {type(lac).__name__}")
+        lac = config_object(c, "linear_attn_config")
         num_heads = lac.get("num_heads", c.get("linear_num_heads"))
         head_dim = lac.get("head_dim", c.get("linear_head_dim"))
         missing = [n for n, v in (("hidden_size", c.get("hidden_size")),
@@ -152,13 +152,13 @@ class KDAConfig:
 def _check_kda_layer(c: dict, layer_idx: int):
     """Refuse a layer the config marks as full attention (when it says), before touching tensors."""
     kind = configured_layer_type(c, layer_idx)
-    lac = c.get("linear_attn_config") or {}
+    lac = config_object(c, "linear_attn_config")
     if kind is not None:
         if kind != "linear_attention":
             raise ValueError(f"layer_idx={layer_idx} is a {kind!r} layer in config.json, "
                              "not a linear_attention (KDA) layer")
     elif "kda_layers" in lac:   # Kimi Linear lists KDA layers 1-indexed
-        if layer_idx + 1 not in lac["kda_layers"]:
+        if layer_idx + 1 not in (config_list(lac, "kda_layers", int) or []):
             raise ValueError(f"layer_idx={layer_idx} is not a KDA layer: linear_attn_config.kda_layers "
                              f"(1-indexed) is {lac['kda_layers']}")
 

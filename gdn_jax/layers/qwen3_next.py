@@ -39,7 +39,8 @@ from gdn_jax.layers._common import (DEFAULT_PRECISION, DeltaStateMixin, F32, Lin
                                     ParamInit, ShortConv, check_conv_activation, check_eps,
                                     check_positive_int, configured_layer_type, fill_params)
 from gdn_jax.layers.serving import DeltaBlockMixin, DeltaDims
-from gdn_jax.loading import SafetensorsCheckpoint, find_layer_prefix, read_config, text_config
+from gdn_jax.loading import (SafetensorsCheckpoint, config_int, find_layer_prefix, read_config,
+                             text_config)
 from gdn_jax.state import GDNState
 
 __all__ = ["GDNConfig", "Qwen3NextGatedDeltaNet"]
@@ -113,7 +114,7 @@ def _check_linear_layer(c: dict, layer_idx: int):
     """Refuse a layer the config marks as full attention (or out of range) before touching tensors."""
     kind = configured_layer_type(c, layer_idx)
     if kind is None:
-        interval = int(c.get("full_attention_interval", _HF_DEFAULT_FULL_ATTENTION_INTERVAL))
+        interval = config_int(c, "full_attention_interval", _HF_DEFAULT_FULL_ATTENTION_INTERVAL)
         kind = "full_attention" if (layer_idx + 1) % interval == 0 else "linear_attention"
     if kind != "linear_attention":
         raise ValueError(f"layer_idx={layer_idx} is a {kind!r} layer in config.json, not a "
