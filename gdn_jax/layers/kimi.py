@@ -46,8 +46,7 @@ from gdn_jax.layers._common import (DEFAULT_PRECISION, DeltaStateMixin, F32, Lin
                                     check_positive_int, configured_layer_type, fill_params)
 from gdn_jax.layers.serving import DeltaBlockMixin, DeltaDims
 from gdn_jax.loading import (SafetensorsCheckpoint, config_list, config_object, find_layer_prefix,
-                             read_config,
-                             text_config)
+                             read_config, text_config)
 from gdn_jax.state import KDAState
 
 __all__ = ["KDAConfig", "KimiDeltaAttention"]
