@@ -76,9 +76,9 @@ BLOCK = [
              "rel = lambda a, b: float(jnp.linalg.norm(jnp.asarray(a, jnp.float32) - b) / jnp.linalg.norm(b))\n"
              "print(c)"),
     ("md", "## Prefill, then decode\n\nPrefill 32 tokens from a fresh state (`impl='auto'`: the chunk "
-           "form), then feed 8 tokens one at a time; compare with one pass of the token-serial "
-           "reference over all 40."),
-    ("code", "B, T, P = 2, 40, 32\n"
+           "form), then feed 4 tokens one at a time; compare with one pass of the token-serial "
+           "reference over all 36."),
+    ("code", "B, T, P = 2, 36, 32\n"
              "x = jax.random.normal(jax.random.PRNGKey(0), (B, T, c.hidden_size))\n"
              "y_all, s_all = block(x, impl='reference')\n"
              "y_pre, state = block(x[:, :P])\n"
@@ -112,7 +112,7 @@ BLOCK = [
            "the block against its reference composition."),
     ("code", "from gdn_jax.check import Shapes, format_table, run_check\n\n"
              "rows = run_check(Shapes(batch=2, seq_len=20, head_k_dim=32, head_v_dim=32),\n"
-             "                 dtypes=['float32'], ops=['gdn', 'decode', 'decode_pool'], progress=None)\n"
+             "                 dtypes=['float32'], ops=['decode', 'decode_pool', 'verify'], progress=None)\n"
              "print(format_table(rows))\n"
              "assert not [r for r in rows if r.status == 'FAIL']"),
     ("md", "## Benchmark results\n\nOn a GPU, `gdn-jax bench decode --json decode.json` writes every "
