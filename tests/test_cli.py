@@ -121,3 +121,14 @@ def test_make_checkpoint_and_check_its_block(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "block Qwen3NextGatedDeltaNet[0]" in out and "prefill+decode" in out
+
+
+@pytest.mark.gpu
+def test_check_compiled_on_gpu(tmp_path):
+    """`gdn-jax check` on a GPU: every kernel compiled, at the production head dims, both dtypes."""
+    path = tmp_path / "gpu.json"
+    rc = main(["check", "--batch", "4", "--num-k-heads", "2", "--num-v-heads", "4", "--head-k-dim",
+               "128", "--head-v-dim", "128", "--seq-len", "130", "--json", str(path), "--quiet"])
+    rows = json.loads(path.read_text())["rows"]
+    assert rc == 0, [r for r in rows if r["status"] == "FAIL"]
+    assert any(r["impl"].startswith("pallas") and r["status"] == "pass" for r in rows)
