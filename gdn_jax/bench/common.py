@@ -91,7 +91,10 @@ def peer_list(args) -> list[str]:
 # --------------------------------------------------------------------------- what is missing
 
 def missing_gpu(smoke: bool) -> str | None:
-    """One line saying why the benchmark cannot run here (None when it can)."""
+    """One line saying why the benchmark cannot run here (None when it can). The benchmarks' first
+    touch of JAX: before the backend starts, JAX's up-front GPU allocation is capped at half the
+    memory (unless the environment sets it), leaving room for the torch peers' subprocess."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
     import jax
     if smoke or jax.default_backend() == "gpu":
         return None
@@ -207,7 +210,9 @@ def run_peer(func: str, cases: list[dict], *, timeout: int = 900,
         with open(os.path.join(d, "cases.json"), "w") as f:
             json.dump(cases, f)
         try:
-            proc = subprocess.run([sys.executable, "-c", code], timeout=timeout,
+            # The peer imports gdn_jax (for the shared inputs) but must leave the GPU to torch.
+            env = dict(os.environ, JAX_PLATFORMS="cpu")
+            proc = subprocess.run([sys.executable, "-c", code], timeout=timeout, env=env,
                                   capture_output=True, text=True)
         except subprocess.TimeoutExpired:
             progress(f"peer {func} timed out after {timeout} s")

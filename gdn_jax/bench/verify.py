@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: "Sequence[str] | None" = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """--batches takes one B (the pool holds B slots); --seq-lens are the draft widths T
     (T = 4, the target's width, is always timed)."""
     args = build_parser().parse_args(argv)
