@@ -127,3 +127,37 @@ def test_chunk_flops_counts_the_chunk_form():
     # per token and head: 4CK + 3CV + 6KV
     assert common.chunk_flops(1, 1, 1, 128, 128) == 4 * 64 * 128 + 3 * 64 * 128 + 6 * 128 * 128
     assert common.chunk_flops(2, 10, 3, 16, 32) == 60 * (4 * 64 * 16 + 3 * 64 * 32 + 6 * 16 * 32)
+
+
+def fake_peer(cases, out_dir):
+    """A stand-in peer for run_peer's plumbing (runs in the subprocess)."""
+    import numpy as np
+    res = {}
+    for c in cases:
+        if c["key"] == "bad":
+            res["bad"] = {"error": "ValueError: no"}
+            continue
+        x = common.np_inputs(c["seed"], 1, 2, 1, 1, 4, 4, state=False)
+        np.savez(os.path.join(out_dir, f"{c['key']}.npz"), q=x["q"])
+        res[c["key"]] = {"us": 1.5}
+    print("fake peer done", flush=True)
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump(res, f)
+
+
+def fake_peer_crash(cases, out_dir):
+    raise RuntimeError("CUDA not available")
+
+
+def test_run_peer_plumbing():
+    """Cases in, times and output samples back; the peer regenerates our inputs from the seed."""
+    lines = []
+    res = common.run_peer("tests.test_bench:fake_peer", [{"key": "a", "seed": 3}, {"key": "bad"}],
+                          progress=lines.append, timeout=120)
+    assert res["a"]["us"] == 1.5 and res["bad"]["error"].startswith("ValueError")
+    want = common.np_inputs(3, 1, 2, 1, 1, 4, 4, state=False)["q"]
+    assert (res["a"]["samples"]["q"] == want).all()
+    assert "fake peer done" in lines
+    lines = []
+    assert common.run_peer("tests.test_bench:fake_peer_crash", [], progress=lines.append) == {}
+    assert len(lines) == 1 and "CUDA not available" in lines[0]
