@@ -295,45 +295,51 @@ def main(argv: Sequence[str] | None = None) -> int:
                        sweep=[(t * 1e6, dataclasses.asdict(blk)) for t, blk in timings])
         rows.append(case)
 
-    # Variants at B = 128, fp32 state, tuning-table block sizes: fused norm, pool + packed rows.
-    b = 128 if not args.smoke else 4
-    q, k, v, g, beta, s = _inputs(b, jnp.float32)
-    z = jnp.ones((b, HV, V), jnp.bfloat16) * 0.5
-    w = jnp.ones((V,), jnp.float32)
-    norm_step = lambda q, k, v, g, beta, s: dec.gdn_decode(q, k, v, g, beta, s, z=z, norm_weight=w,
-                                                           impl="pallas", interpret=INTERPRET)
-    t_norm = _time_steps(norm_step, (q, k, v, g, beta, s.copy()), args.unroll)
-    norm_sweep = []
-    if args.sweep:
-        D = kern.DecodeBlockSizes
-        for blk in (D(V, None, 4), D(V, None, 8), D(V, V // 2, 4), D(V, V // 4, 4),
-                    D(V, V // 2, 4, heads=2), D(V, V // 2, 8)):
-            st = lambda q, k, v, g, beta, s, blk=blk: dec.gdn_decode(
-                q, k, v, g, beta, s, z=z, norm_weight=w, impl="pallas", interpret=INTERPRET,
-                block_sizes=blk)
-            try:
-                norm_sweep.append((_time_steps(st, (q, k, v, g, beta, s.copy()), args.unroll) * 1e6,
-                                   dataclasses.asdict(blk)))
-            except Exception as e:  # noqa: BLE001
-                rep.progress(f"norm {blk}: failed {type(e).__name__}: {str(e)[:200]}")
-        norm_sweep.sort(key=lambda x: x[0])
-    qkv = jnp.concatenate([q.reshape(b, -1), k.reshape(b, -1), v.reshape(b, -1)], axis=1)
-    pool = jnp.concatenate([s, s[: b // 2]], axis=0)  # 1.5 x B slots, every other one used
-    slots = jnp.arange(b, dtype=jnp.int32) * 3 // 2
-    ab = jnp.concatenate([g, beta], axis=1)  # stand-in raw projection row: a | b
-    A_log, dt_bias = jnp.zeros((HV,)), jnp.zeros((HV,))
-    pool_step = lambda qkv, ab, pool: dec.gdn_decode_pool(
-        qkv, ab, ab, pool, slots, num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=V,
-        beta_col=HV, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True, z=z.reshape(b, -1),
-        norm_weight=w, impl="pallas", interpret=INTERPRET)
-    t_pool = _time_steps(pool_step, (qkv, ab, pool), args.unroll)
-    nb = 2 * b * HV * K * V * 4
-    rep.progress("ceiling probes ...")
-    probes = _probes(args)
-    rep.meta["probes"] = probes
-    rep.meta["variants"] = {"fused_norm_B128_us": t_norm * 1e6,
-                            "pool_packed_raw_l2_norm_B128_us": t_pool * 1e6,
-                            "fused_norm_sweep": norm_sweep}
+    # Variants at B = 128 (only when 128 is among --batches), fp32 state, tuning-table block
+    # sizes: fused norm, pool + packed rows; then the ceiling probes.
+    run_variants = args.smoke or 128 in batches
+    probes, norm_sweep = {}, []
+    if not run_variants:
+        rep.note("variants (fused norm, pool) and ceiling probes run at B = 128: not in --batches")
+    if run_variants:
+        b = 128 if not args.smoke else 4
+        q, k, v, g, beta, s = _inputs(b, jnp.float32)
+        z = jnp.ones((b, HV, V), jnp.bfloat16) * 0.5
+        w = jnp.ones((V,), jnp.float32)
+        norm_step = lambda q, k, v, g, beta, s: dec.gdn_decode(q, k, v, g, beta, s, z=z, norm_weight=w,
+                                                               impl="pallas", interpret=INTERPRET)
+        t_norm = _time_steps(norm_step, (q, k, v, g, beta, s.copy()), args.unroll)
+        norm_sweep = []
+        if args.sweep:
+            D = kern.DecodeBlockSizes
+            for blk in (D(V, None, 4), D(V, None, 8), D(V, V // 2, 4), D(V, V // 4, 4),
+                        D(V, V // 2, 4, heads=2), D(V, V // 2, 8)):
+                st = lambda q, k, v, g, beta, s, blk=blk: dec.gdn_decode(
+                    q, k, v, g, beta, s, z=z, norm_weight=w, impl="pallas", interpret=INTERPRET,
+                    block_sizes=blk)
+                try:
+                    norm_sweep.append((_time_steps(st, (q, k, v, g, beta, s.copy()), args.unroll) * 1e6,
+                                       dataclasses.asdict(blk)))
+                except Exception as e:  # noqa: BLE001
+                    rep.progress(f"norm {blk}: failed {type(e).__name__}: {str(e)[:200]}")
+            norm_sweep.sort(key=lambda x: x[0])
+        qkv = jnp.concatenate([q.reshape(b, -1), k.reshape(b, -1), v.reshape(b, -1)], axis=1)
+        pool = jnp.concatenate([s, s[: b // 2]], axis=0)  # 1.5 x B slots, every other one used
+        slots = jnp.arange(b, dtype=jnp.int32) * 3 // 2
+        ab = jnp.concatenate([g, beta], axis=1)  # stand-in raw projection row: a | b
+        A_log, dt_bias = jnp.zeros((HV,)), jnp.zeros((HV,))
+        pool_step = lambda qkv, ab, pool: dec.gdn_decode_pool(
+            qkv, ab, ab, pool, slots, num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=V,
+            beta_col=HV, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True, z=z.reshape(b, -1),
+            norm_weight=w, impl="pallas", interpret=INTERPRET)
+        t_pool = _time_steps(pool_step, (qkv, ab, pool), args.unroll)
+        nb = 2 * b * HV * K * V * 4
+        rep.progress("ceiling probes ...")
+        probes = _probes(args)
+        rep.meta["probes"] = probes
+        rep.meta["variants"] = {"fused_norm_B128_us": t_norm * 1e6,
+                                "pool_packed_raw_l2_norm_B128_us": t_pool * 1e6,
+                                "fused_norm_sweep": norm_sweep}
 
     # ---------------------------------------------------------------- the section
     torch_copy = rep.meta["torch_copy_GBps"]
@@ -366,12 +372,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         check = "-" if c["peer_rel_err"] is None else common.peer_verdict(c["peer_rel_err"])
         lines.append(f"| {c['state']} | {c['B']} | {c['us']:.1f} | {_blk_str(c['block'])} | {c['us_table']:.1f} | {peer_s} | {ratio} | {check} | {c['GBps']:.0f} | "
                      f"{c['pct_copy']:.0f} | {tgt_s} | {c['rel_err']:.1e} | {c['us_python_call']:.1f} |")
-    lines += [
-        "",
-        f"Variants, B={b}, fp32 state, tuning-table blocks: decode + fused gated RMSNorm (bf16 out) "
-        f"{t_norm * 1e6:.1f} us ({nb / t_norm / 1e9:.0f} GB/s); pool with slot table + packed qkv row "
-        f"+ raw gates + in-kernel L2 norm + fused norm {t_pool * 1e6:.1f} us ({nb / t_pool / 1e9:.0f} GB/s).",
-    ]
+    if run_variants:
+        lines += [
+            "",
+            f"Variants, B={b}, fp32 state, tuning-table blocks: decode + fused gated RMSNorm (bf16 "
+            f"out) {t_norm * 1e6:.1f} us ({nb / t_norm / 1e9:.0f} GB/s); pool with slot table + packed "
+            f"qkv row + raw gates + in-kernel L2 norm + fused norm {t_pool * 1e6:.1f} us "
+            f"({nb / t_pool / 1e9:.0f} GB/s).",
+        ]
     if probes:
         lines.append("")
         lines.append(
