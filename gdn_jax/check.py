@@ -171,7 +171,8 @@ def _fmt_err(e) -> str:
 
 # --------------------------------------------------------------------------- the operations
 
-def _sequence_rows(kind: str, s: Shapes, dtype: str, seed: int, on_gpu: bool, progress):
+def _sequence_rows(kind: str, s: Shapes, dtype: str, seed: int, on_gpu: bool, progress,
+                   varlen: bool = True):
     import jax
     import gdn_jax
     fn = gdn_jax.gated_delta_rule if kind == "gdn" else gdn_jax.kda
@@ -189,7 +190,7 @@ def _sequence_rows(kind: str, s: Shapes, dtype: str, seed: int, on_gpu: bool, pr
             return max(rel_err(o, o_want), rel_err(st, s_want))
         rows.append(_row(kind, impl, dtype, str(s), run, progress))
     # packed variable-length input: the batch's rows laid end to end with unequal lengths
-    if s.seq_len >= 4 and s.batch >= 1:
+    if varlen and s.seq_len >= 4:
         cut = [0] + sorted({max(1, s.seq_len // 3), s.seq_len})
         for impl in ("chunked",):
             def run_varlen(impl=impl):
@@ -372,7 +373,9 @@ def run_check(shapes: Shapes = Shapes(), *, dtypes: Sequence[str] = ("float32", 
     for dtype in dtypes:
         for op in ops:
             if op in ("gdn", "kda"):
-                rows += _sequence_rows(op, shapes, dtype, seed, on_gpu, progress)
+                # packed input is a matter of indexing, not of dtype: checked with the first dtype
+                rows += _sequence_rows(op, shapes, dtype, seed, on_gpu, progress,
+                                       varlen=dtype == dtypes[0])
             elif op in ("decode", "decode_kda"):
                 rows += _decode_rows(op, shapes, dtype, seed, on_gpu, progress)
             elif op == "decode_pool":
