@@ -140,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"{common.peer_verdict(err)}" + (f" ({r['error']})" if "error" in r else ""))
 
     switch = getattr(gdn_jax, "interpret", None)
-    ctx = switch() if (callable(switch) and interp) else contextlib.nullcontext()
+    # a fresh context per use: a generator-based context manager cannot be entered twice
+    ctx = lambda: switch() if (callable(switch) and interp) else contextlib.nullcontext()
     impls = [x.strip() for x in args.impls.split(",") if x.strip()]
     for c in cases:
         x = common.np_inputs(c["seed"], c["B"], c["T"], h, h, kd, vd, per_channel=True,
@@ -155,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fn = jax.jit(functools.partial(gdn_jax.kda, output_final_state=True,
                                                use_qk_l2norm=True, impl=impl))
                 try:
-                    with ctx:
+                    with ctx():
                         out = jax.block_until_ready(fn(q, k, v, g, beta))
                         sec = common.time_jax(fn, q, k, v, g, beta, calls=1 if args.smoke else 5,
                                               repeats=1 if args.smoke else args.repeats)

@@ -145,8 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=rep.progress)
 
     interpret = getattr(gdn_jax, "interpret", None)
-    ctx = (interpret() if (callable(interpret) and jax.default_backend() != "gpu")
-           else contextlib.nullcontext())
+    # a fresh context per use: a generator-based context manager cannot be entered twice
+    ctx = lambda: (interpret() if (callable(interpret) and jax.default_backend() != "gpu")
+                   else contextlib.nullcontext())
     unavailable: set[str] = set()
     calls = 1 if args.smoke else 5
     for i, (label, b, t, cu) in enumerate(cases):
@@ -162,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            use_qk_l2norm=True, impl=impl,
                                            cu_seqlens=None if cu is None else jnp.asarray(cu)))
             try:
-                with ctx:
+                with ctx():
                     out = jax.block_until_ready(fn(q, k, v, g, beta))
                     sec = common.time_jax(fn, q, k, v, g, beta, calls=calls if impl != "reference" else 1,
                                           repeats=1 if args.smoke else args.repeats)
