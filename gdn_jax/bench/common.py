@@ -75,6 +75,10 @@ def add_shared_flags(p: argparse.ArgumentParser, *, batches: str, seq_lens: str,
     p.add_argument("--plot", default=None, metavar="PATH", help="draw a PNG to PATH (matplotlib)")
     p.add_argument("--write-md", default=None, metavar="PATH",
                    help="replace (or append) this benchmark's section in the markdown file PATH")
+    # Older spellings, kept so recorded commands (BENCHMARKS.md, GPU scripts) still run.
+    p.add_argument("--md", "--md-out", dest="write_md", help=argparse.SUPPRESS)
+    p.add_argument("--no-write", action="store_true", help=argparse.SUPPRESS)   # now the default
+    p.add_argument("--no-peer", dest="peers", action="store_const", const="none", help=argparse.SUPPRESS)
     return p
 
 

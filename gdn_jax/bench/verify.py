@@ -114,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_shared_flags(p, batches="128", seq_lens="2,4", dtype="bfloat16", peers="none")
     p.add_argument("--unroll", type=int, default=8, help="rounds chained in one jitted program")
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--tokens", dest="seq_lens", type=common.int_list, help=argparse.SUPPRESS)  # = --seq-lens
     p.add_argument("--profile", action="store_true",
                    help="print each kernel's device time per round (JAX profiler trace)")
     return p
