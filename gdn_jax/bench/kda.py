@@ -163,6 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 except ValueError as e:
                     rep.note(f"impl={impl!r} unavailable: {str(e).split(':', 1)[-1].strip()[:200]}")
                     continue
+                except Exception as e:  # noqa: BLE001 - a failing impl is one line, the others still run
+                    rep.note(f"impl={impl!r} failed on {label}: {type(e).__name__}: {str(e)[:200]}")
+                    continue
                 err = None if ours is None else max(common.rel_err(out[0], ours[0]),
                                                     common.rel_err(out[1], ours[1]))
                 ours = ours or out

@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # a fresh context per use: a generator-based context manager cannot be entered twice
     ctx = lambda: (interpret() if (callable(interpret) and jax.default_backend() != "gpu")
                    else contextlib.nullcontext())
-    unavailable: set[str] = set()
+    unavailable: set[tuple[str, bool]] = set()
     calls = 1 if args.smoke else 5
     for i, (label, b, t, cu) in enumerate(cases):
         x = common.np_inputs(i, b, t, hk, hv, kd, vd, state=False)
@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flops = common.chunk_flops(b, t, hv, kd, vd)
         ours = None
         for impl in impls:
-            if impl in unavailable:
+            if (impl, cu is None) in unavailable:   # declined once: packed and dense apart
                 continue
             fn = jax.jit(functools.partial(gdn_jax.gated_delta_rule, output_final_state=True,
                                            use_qk_l2norm=True, impl=impl,
@@ -169,7 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           repeats=1 if args.smoke else args.repeats)
             except ValueError as e:
                 rep.note(f"impl={impl!r} unavailable: {str(e).split(':', 1)[-1].strip()[:200]}")
-                unavailable.add(impl)
+                unavailable.add((impl, cu is None))
+                continue
+            except Exception as e:  # noqa: BLE001 - a failing impl is one line, the others still run
+                rep.note(f"impl={impl!r} failed on {label}: {type(e).__name__}: {str(e)[:200]}")
                 continue
             err = None if ours is None else max(common.rel_err(out[0], ours[0]),
                                                 common.rel_err(out[1], ours[1]))
