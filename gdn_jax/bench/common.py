@@ -1,26 +1,131 @@
-"""Timing and reporting helpers shared by the benchmarks.
+"""What every benchmark shares: flags, timing, the copy-bandwidth measurement, peers, output.
 
-JAX timing: many back-to-back calls, one `block_until_ready` at the end (a per-call sync adds
-~100 us of host round trip and hides the kernel). Peers in torch: `triton.testing.do_bench`."""
+Flags (`add_shared_flags`): --batches, --seq-lens, --dtype, --peers, --repeats, --smoke, --json,
+--plot, --write-md. Results go to the terminal (progress lines and a markdown table), to
+`--json PATH` and a PNG at `--plot PATH` (matplotlib, the `bench` extra); a markdown section is
+written into a file only with `--write-md PATH` (never into the source tree otherwise).
+
+Timing. JAX: many calls back to back and one `block_until_ready` at the end (a per-call sync
+adds ~100 us of host round trip and hides the kernel); "chained" means each call's output state
+is the next call's input (donated, updated in place). The median over `repeats` such batches.
+Peers (torch): `triton.testing.do_bench` (CUDA events, median), in a subprocess so that torch and
+JAX do not compete for GPU memory; the peer reads the same inputs (generated from one NumPy seed
+on both sides) and returns a sample of its outputs, which is checked against ours in the run.
+
+This module imports JAX only inside functions: the peer subprocess imports it without JAX.
+"""
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import importlib.util
+import json
 import os
 import re
+import subprocess
+import sys
+import tempfile
 import time
+from typing import Any, Callable, Sequence
 
-import jax
 import numpy as np
 
-COPY_BANDWIDTH_GBPS = 4243.0  # H200 device-to-device copy, ../shared/ANCHORS.md (re-measured per run)
+# Relative L2 error above which a peer's output is marked as a mismatch: the outputs are bf16
+# and the two implementations accumulate in different orders, so a few 1e-3 are expected.
+PEER_TOL = 2e-2
+# Dense bf16 tensor-core peak of an H200 (SXM), TFLOP/s: the roofline of the prefill tables.
+H200_BF16_TFLOPS = 790.0
+
+PEERS = {
+    "fla": ("torch", "triton", "fla"),   # flash-linear-attention
+    "jla": ("jla",),                     # jax-linear-attention (runs in this process)
+}
 
 
-def time_jax(fn, *args, calls: int = 40, repeats: int = 5, chain=None) -> float:
+# --------------------------------------------------------------------------- flags
+
+def int_list(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not vals or min(vals) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def add_shared_flags(p: argparse.ArgumentParser, *, batches: str, seq_lens: str, dtype: str,
+                     peers: str) -> argparse.ArgumentParser:
+    """The flags every benchmark takes (each states its defaults)."""
+    p.add_argument("--batches", type=int_list, default=int_list(batches),
+                   help=f"batch sizes, comma-separated (default {batches})")
+    p.add_argument("--seq-lens", type=int_list, default=int_list(seq_lens),
+                   help=f"sequence lengths T, comma-separated (default {seq_lens})")
+    p.add_argument("--dtype", default=dtype, choices=("bfloat16", "float16", "float32"),
+                   help=f"q/k/v dtype (default {dtype})")
+    p.add_argument("--peers", default=peers,
+                   help=f"peers to time alongside, comma-separated from {sorted(PEERS)}, or "
+                        f"'none' (default {peers})")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes, kernels in interpret mode, no peers: checks the script on a CPU "
+                        "(its times mean nothing)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write every number to PATH")
+    p.add_argument("--plot", default=None, metavar="PATH", help="draw a PNG to PATH (matplotlib)")
+    p.add_argument("--write-md", default=None, metavar="PATH",
+                   help="replace (or append) this benchmark's section in the markdown file PATH")
+    # Older spellings, kept so recorded commands (BENCHMARKS.md, GPU scripts) still run.
+    p.add_argument("--md", "--md-out", dest="write_md", help=argparse.SUPPRESS)
+    p.add_argument("--no-write", action="store_true", help=argparse.SUPPRESS)   # now the default
+    p.add_argument("--no-peer", dest="peers", action="store_const", const="none", help=argparse.SUPPRESS)
+    return p
+
+
+def peer_list(args) -> list[str]:
+    if args.smoke or args.peers in ("", "none"):
+        return []
+    names = [x.strip() for x in args.peers.split(",") if x.strip()]
+    bad = [n for n in names if n not in PEERS]
+    if bad:
+        raise SystemExit(f"--peers: unknown {bad}; choose from {sorted(PEERS)} or 'none'")
+    return names
+
+
+# --------------------------------------------------------------------------- what is missing
+
+def missing_gpu(smoke: bool) -> str | None:
+    """One line saying why the benchmark cannot run here (None when it can). The benchmarks' first
+    touch of JAX: before the backend starts, JAX's up-front GPU allocation is capped at half the
+    memory (unless the environment sets it), leaving room for the torch peers' subprocess."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    import jax
+    if smoke or jax.default_backend() == "gpu":
+        return None
+    return (f"no GPU: JAX's backend is {jax.default_backend()!r} ({jax.devices()[0].device_kind}); "
+            "the kernels compile only for a CUDA GPU. Nothing timed; --smoke runs a tiny "
+            "interpret-mode pass that checks the script.")
+
+
+def peer_available(name: str) -> str | None:
+    """None when the peer can run, else one line naming what is missing."""
+    missing = [m for m in PEERS[name] if importlib.util.find_spec(m) is None]
+    if missing:
+        what = {"fla": "flash-linear-attention (pip install flash-linear-attention)",
+                "jla": "jax-linear-attention (jla; install from its source)"}
+        return f"peer {name} skipped: {', '.join(what.get(m, m) for m in missing)} not installed"
+    return None
+
+
+# --------------------------------------------------------------------------- timing
+
+def time_jax(fn: Callable, *args, calls: int = 40, repeats: int = 5,
+             chain: Callable | None = None) -> float:
     """Median seconds per call over `repeats` batches of `calls` back-to-back calls.
 
-    `chain(out, args) -> args` feeds a call's output into the next (e.g. a donated state); without
-    it the same arguments are reused."""
+    `chain(out, args) -> args` feeds a call's output into the next (e.g. a donated state);
+    without it the same arguments are reused."""
+    import jax
     out = fn(*args)
     jax.block_until_ready(out)
     if chain is not None:
@@ -37,25 +142,204 @@ def time_jax(fn, *args, calls: int = 40, repeats: int = 5, chain=None) -> float:
     return float(np.median(times))
 
 
-def device_name() -> str:
-    d = jax.devices()[0]
-    return f"{d.device_kind} ({d.platform})"
+def measure_copy_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Device copy bandwidth measured now, GB/s of bytes read + written: a jitted elementwise
+    `x + 1` over `nbytes` of fp32 (one read and one write per element)."""
+    import jax
+    import jax.numpy as jnp
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: x + 1.0)
+    sec = time_jax(f, x, calls=10, repeats=repeats)
+    return 2 * x.size * 4 / sec / 1e9
 
 
-def today() -> str:
-    return datetime.date.today().isoformat()
+def chunk_flops(batch: int, seq_len: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                chunk: int = 64) -> float:
+    """Matmul FLOPs of the chunked (WY/UT) forward, per call: per token and value head
+    4CK (q k^T and k k^T in the chunk) + 3CV (the triangular solve and the intra-chunk output)
+    + 6KV (k S, q S and the state update), C = chunk size."""
+    c, k, v = chunk, head_k_dim, head_v_dim
+    return float(batch * seq_len * num_v_heads * (4 * c * k + 3 * c * v + 6 * k * v))
 
 
-def write_section(title: str, markdown: str, path: str = "BENCHMARKS.md") -> None:
-    """Replace (or append) the section `## title` of BENCHMARKS.md with `markdown`."""
+# --------------------------------------------------------------------------- inputs both sides share
+
+def np_inputs(seed: int, batch: int, seq_len: int, hk: int, hv: int, kd: int, vd: int, *,
+              per_channel: bool = False, state: bool = True) -> dict[str, np.ndarray]:
+    """Float32 NumPy inputs from one seed (the peer subprocess regenerates the same): q, k, v
+    normal; g log decay in (-inf, 0): GDN -softplus(n) [B, T, HV], KDA [B, T, HV, K] in
+    [-5, 0); beta = sigmoid(n); h0 = 0.1 n [B, HV, K, V] when `state`."""
+    rng = np.random.default_rng(seed)
+    n = lambda *s: rng.standard_normal(s, dtype=np.float32)
+    out = {"q": n(batch, seq_len, hk, kd), "k": n(batch, seq_len, hk, kd),
+           "v": n(batch, seq_len, hv, vd)}
+    if per_channel:
+        out["g"] = (-5.0 / (1.0 + np.exp(-n(batch, seq_len, hv, kd)))).astype(np.float32)
+    else:
+        out["g"] = (-np.logaddexp(0.0, n(batch, seq_len, hv))).astype(np.float32)
+    out["beta"] = (1.0 / (1.0 + np.exp(-n(batch, seq_len, hv)))).astype(np.float32)
+    if state:
+        out["h0"] = 0.1 * n(batch, hv, kd, vd)
+    return out
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not np.all(np.isfinite(a)):
+        return float("inf")
+    den = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / (den if den > 0 else 1.0))
+
+
+def peer_verdict(err: float | None) -> str:
+    if err is None:
+        return "not checked"
+    return f"{err:.1e}" + ("" if err <= PEER_TOL else " MISMATCH")
+
+
+# --------------------------------------------------------------------------- peers in a subprocess
+
+def run_peer(func: str, cases: list[dict], *, timeout: int = 900,
+             progress: Callable[[str], Any] = print) -> dict[str, dict]:
+    """Run `func` ("module:function", called as function(cases, out_dir)) in a fresh Python.
+
+    Each case is a JSON dict with a "key"; the function writes `result.json` ({key: {"us": ...,
+    or "error": ...}}) and, per case, `<key>.npz` with output samples. Returns {key: result},
+    with the samples loaded under "samples". A failed subprocess gives {} and one line."""
+    module, name = func.split(":")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        code = (f"import sys; sys.path.insert(0, {src!r}); import json; from {module} import {name}; "
+                f"{name}(json.load(open({os.path.join(d, 'cases.json')!r})), {d!r})")
+        with open(os.path.join(d, "cases.json"), "w") as f:
+            json.dump(cases, f)
+        try:
+            # The peer imports gdn_jax (for the shared inputs) but must leave the GPU to torch.
+            env = dict(os.environ, JAX_PLATFORMS="cpu")
+            proc = subprocess.run([sys.executable, "-c", code], timeout=timeout, env=env,
+                                  capture_output=True, text=True)
+        except subprocess.TimeoutExpired:
+            progress(f"peer {func} timed out after {timeout} s")
+            return {}
+        for line in proc.stdout.splitlines():
+            progress(line)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
+            progress(f"peer {func} failed: {last[:300]}")
+            return {}
+        with open(os.path.join(d, "result.json")) as f:
+            res = json.load(f)
+        for key, r in res.items():
+            path = os.path.join(d, f"{key}.npz")
+            if os.path.exists(path):
+                with np.load(path) as z:
+                    r["samples"] = {k: z[k] for k in z.files}
+        return res
+
+
+def torch_do_bench_us(fn: Callable) -> float:
+    """Median microseconds of `fn` by triton.testing.do_bench (CUDA events), in the peer process."""
+    import triton.testing as tt
+    return float(tt.do_bench(fn, warmup=25, rep=200, return_mode="median")) * 1e3
+
+
+# --------------------------------------------------------------------------- output
+
+class Report:
+    """Progress lines, the result rows and the run's facts; writes --json / --plot / --write-md."""
+
+    def __init__(self, name: str, args):
+        import jax
+        self.name, self.args = name, args
+        d = jax.devices()[0]
+        self.meta: dict[str, Any] = {
+            "bench": name, "device": f"{d.device_kind} ({d.platform})",
+            "date": datetime.date.today().isoformat(), "jax": jax.__version__,
+            "smoke": bool(args.smoke), "argv": sys.argv[1:],
+        }
+        self.rows: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+
+    def progress(self, msg: str) -> None:
+        print(f"[bench {self.name}] {msg}", flush=True)
+
+    def note(self, msg: str) -> None:
+        """A one-line fact for the output (a peer skipped, a kernel unavailable)."""
+        self.notes.append(msg)
+        self.progress(msg)
+
+    def add(self, **row) -> dict:
+        self.rows.append(row)
+        return row
+
+    def finish(self, title: str, markdown: str, plot: Callable[[str], None] | None = None) -> int:
+        if self.notes:
+            markdown = markdown.rstrip() + "\n\n" + "\n".join(f"- {n}" for n in self.notes)
+        print("\n" + markdown, flush=True)
+        a = self.args
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"meta": self.meta, "rows": self.rows, "notes": self.notes}, f, indent=1,
+                          default=_jsonable)
+            self.progress(f"wrote {a.json}")
+        if a.plot:
+            if importlib.util.find_spec("matplotlib") is None:
+                self.progress("--plot skipped: matplotlib not installed (pip install 'gdn_jax[bench]')")
+            elif plot is not None:
+                plot(a.plot)
+                self.progress(f"wrote {a.plot}")
+        if a.write_md:
+            write_section(a.write_md, title, markdown)
+            self.progress(f"wrote section '## {title}' of {a.write_md}")
+        return 0
+
+
+def _jsonable(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)
+
+
+def write_section(path: str, title: str, markdown: str) -> None:
+    """Replace the section `## title` of the markdown file `path` (up to the next `## `), or
+    append it; creates the file if missing."""
     head = f"## {title}\n"
     text = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n"
-    body = head + markdown.rstrip() + "\n\n"
+    body = head + "\n" + markdown.strip() + "\n\n"
     pat = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
     text = pat.sub(lambda _: body, text) if pat.search(text) else text.rstrip() + "\n\n" + body
     with open(path, "w") as f:
         f.write(text)
 
+
+def line_plot(path: str, series: dict[str, Sequence[tuple[float, float]]], *, xlabel: str,
+              ylabel: str, title: str, logx: bool = True, hline: tuple[float, str] | None = None) -> None:
+    """One PNG: a line per series (name -> [(x, y)]), optional horizontal reference line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    for name, pts in series.items():
+        pts = sorted((x, y) for x, y in pts if y is not None and np.isfinite(y))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    if hline is not None:
+        ax.axhline(hline[0], color="gray", linestyle="--", linewidth=1, label=hline[1])
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- profiler (bench verify --profile)
 
 def kernel_times(fn, *args, calls: int = 5, chain=None, per: int = 1) -> dict[str, float]:
     """Device time per kernel name, in microseconds per `per` units of work (e.g. rounds).
@@ -65,9 +349,8 @@ def kernel_times(fn, *args, calls: int = 5, chain=None, per: int = 1) -> dict[st
     ops around it, which a wall-clock time of the whole program cannot. Empty off GPU."""
     import glob
     import gzip
-    import json
-    import tempfile
 
+    import jax
     out = fn(*args)                       # compiled and warm before the trace starts
     jax.block_until_ready(out)
     if chain is not None:

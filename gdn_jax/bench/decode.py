@@ -1,15 +1,19 @@
-"""`python -m gdn_jax bench decode`: the Pallas GDN decode step against flash-linear-attention.
+"""`gdn-jax bench decode`: the Pallas GDN decode step against flash-linear-attention.
 
-HV = 32, HK = 16, K = V = 128, bf16 q/k/v, fp32 g/beta; fp32 state at B in {1, 32, 128, 256}
-and fp16 state at B = 128, plus the fused-norm and pool (packed rows, slot table) variants.
+HV = 32, HK = 16, K = V = 128, bf16 q/k/v (unit-norm q, k), fp32 g/beta; each state dtype of
+--state-dtypes (fp32, fp16) at each B of --batches (1, 32, 128, 256), plus the fused-norm and
+pool (packed rows, slot table) variants at B = 128 and ceiling probes.
 
 Timing. JAX: one jitted program runs `--unroll` decode steps back to back (state chained and
 donated, so each step updates it in place), timed as many calls + one block_until_ready
 (common.time_jax) and divided by the steps: device time without host dispatch between steps.
 The single-call time through the Python entry point is reported too. The peer,
-`fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`, runs in a subprocess (torch and
-JAX would fight over GPU memory) and is timed with triton.testing.do_bench (CUDA events,
-median) and do_bench_cudagraph; the faster of the two counts. Bytes = state read + written.
+`fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta,
+initial_state=h0, output_final_state=True)` (keywords: its positional order is q, k, v, g, gk,
+gv, beta), runs in a subprocess (torch and JAX would fight over GPU memory) on the same inputs,
+timed with triton.testing.do_bench (CUDA events, median) and do_bench_cudagraph, the faster of
+the two; its output and final state are checked against ours in the run. Bytes = state read +
+written; % copy is against the device copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
-import os
-import subprocess
-import sys
+from typing import Sequence
+
+import numpy as np
+
+from gdn_jax.bench import common
 
 HV, HK, K, V = 32, 16, 128, 128
 INTERPRET = False  # --smoke: tiny shapes in interpret mode, to check this script on a CPU
@@ -30,38 +35,46 @@ TARGETS_US = {("float32", 32): 40.0, ("float32", 128): 140.0, ("float32", 256): 
 
 # --------------------------------------------------------------------------- peer (subprocess)
 
-def _peer_main(batches_dtypes, path):
+def _np_case(seed, b, state_dtype):
+    """The inputs of one case, from one seed (the peer regenerates the same)."""
+    x = common.np_inputs(seed, b, 1, HK, HV, K, V)
+    for n in ("q", "k"):
+        x[n] = x[n] / np.linalg.norm(x[n], axis=-1, keepdims=True)
+    return x
+
+
+def _peer_main(cases: list[dict], out_dir: str) -> None:
+    """Runs in a subprocess: FLA's fused recurrent GDN step on each case's inputs."""
+    import json
+    import os
+
     import torch
     import triton.testing as tt
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     res = {}
     dev = "cuda"
-    x = torch.empty(2 * 1024**3 // 4, device=dev)
+    x = torch.empty(1024**3 // 4, device=dev)
     y = torch.empty_like(x)
     ms = tt.do_bench(lambda: y.copy_(x), warmup=20, rep=200, return_mode="median")
-    res["copy_GBps"] = 2 * x.numel() * 4 / (ms * 1e-3) / 1e9
+    res["torch_copy"] = {"GBps": 2 * x.numel() * 4 / (ms * 1e-3) / 1e9}
     del x, y
-    # In-place read-modify-write of one B=128 fp32 state: the ceiling for an in-place update.
-    h = torch.randn(128, HV, K, V, device=dev)
-    ms = tt.do_bench(lambda: h.mul_(0.999), warmup=20, rep=200, return_mode="median")
-    res["inplace_mul_B128_GBps"] = 2 * h.numel() * 4 / (ms * 1e-3) / 1e9
-    del h
-    for sdt, b in batches_dtypes:
-        key = f"{sdt}_B{b}"
+    for c in cases:
+        key = c["key"]
         try:
-            torch.manual_seed(0)
-            nrm = torch.nn.functional.normalize
-            q = nrm(torch.randn(b, 1, HK, K, device=dev), dim=-1).to(torch.bfloat16)
-            k = nrm(torch.randn(b, 1, HK, K, device=dev), dim=-1).to(torch.bfloat16)
-            v = torch.randn(b, 1, HV, V, device=dev).to(torch.bfloat16)
-            g = -torch.nn.functional.softplus(torch.randn(b, 1, HV, device=dev))
-            beta = torch.sigmoid(torch.randn(b, 1, HV, device=dev)).to(torch.bfloat16)
-            h0 = (torch.randn(b, HV, K, V, device=dev) * 0.1).to(getattr(torch, sdt))
-            fn = lambda: fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
-                                                          output_final_state=True)
-            _, hf = fn()
+            a = {n: torch.from_numpy(v).to(dev) for n, v in _np_case(c["seed"], c["B"], c["state"]).items()}
+            q, k, v = (a[n].to(torch.bfloat16) for n in ("q", "k", "v"))
+            g, beta = a["g"], a["beta"]
+            h0 = a["h0"].to(getattr(torch, c["state"]))
+            # by keyword: the positional order is (q, k, v, g, gk, gv, beta, ...)
+            step = lambda h: fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h,
+                                                              output_final_state=True)
+            o, hf = step(h0.clone())     # the checked call on its own copy of the state
             torch.cuda.synchronize()
+            np.savez(os.path.join(out_dir, f"{key}.npz"), o=o[:, 0].float().cpu().numpy(),
+                     state=hf.float().cpu().numpy())
+            h_run = h0.clone()
+            fn = lambda: step(h_run)
             t_ev = tt.do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e3
             try:
                 t_graph = tt.do_bench_cudagraph(fn, rep=300, return_mode="median") * 1e3
@@ -71,21 +84,9 @@ def _peer_main(batches_dtypes, path):
                         "final_state_dtype": str(hf.dtype)}
         except Exception as e:  # noqa: BLE001 - report, keep going
             res[key] = {"error": f"{type(e).__name__}: {e}"[:400]}
-        print("peer", key, res[key], flush=True)
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-
-
-def _run_peer(batches_dtypes, path):
-    code = (f"import sys; sys.path.insert(0, {os.getcwd()!r}); from gdn_jax.bench.decode import "
-            f"_peer_main; _peer_main({batches_dtypes!r}, {path!r})")
-    try:
-        subprocess.run([sys.executable, "-c", code], check=True, timeout=400)
-        with open(path) as f:
-            return json.load(f)
-    except Exception as e:  # noqa: BLE001
-        print(f"peer failed: {e}", flush=True)
-        return {}
+        print(f"fla {key}: {res[key]}", flush=True)
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump(res, f)
 
 
 # --------------------------------------------------------------------------- ours
@@ -93,16 +94,12 @@ def _run_peer(batches_dtypes, path):
 def _inputs(b, state_dtype, seed=0):
     import jax
     import jax.numpy as jnp
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    nrm = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-    q = nrm(jax.random.normal(ks[0], (b, HK, K))).astype(jnp.bfloat16)
-    k = nrm(jax.random.normal(ks[1], (b, HK, K))).astype(jnp.bfloat16)
-    v = jax.random.normal(ks[2], (b, HV, V)).astype(jnp.bfloat16)
-    g = -jax.nn.softplus(jax.random.normal(ks[3], (b, HV)))
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, HV)))
-    s = (0.1 * jax.random.normal(ks[5], (b, HV, K, V))).astype(state_dtype)
+    x = _np_case(seed, b, state_dtype)
+    q, k, v = (jnp.asarray(x[n][:, 0]).astype(jnp.bfloat16) for n in ("q", "k", "v"))
+    g, beta = jnp.asarray(x["g"][:, 0]), jnp.asarray(x["beta"][:, 0])   # [B, HV]: one token
+    s = jnp.asarray(x["h0"]).astype(state_dtype)
     # committed to the device, as a step's outputs are: chaining them then hits the same executable
-    return tuple(jax.device_put(x, jax.devices()[0]) for x in (q, k, v, g, beta, s))
+    return tuple(jax.device_put(a, jax.devices()[0]) for a in (q, k, v, g, beta, s))
 
 
 def _time_steps(step, args, unroll, calls=None, repeats=None):
@@ -129,13 +126,11 @@ def _check(b, state_dtype, block):
     """Max relative L2 error of o and state vs the reference on this config (one call)."""
     import jax.numpy as jnp
     from gdn_jax import decode as dec, reference as ref
-    import numpy as np
     q, k, v, g, beta, s = _inputs(b, state_dtype, seed=1)
     ro, rs = ref.decode_step(q.astype(jnp.float32), k, v, g, beta, s)
     o, s2 = dec.gdn_decode(q, k, v, g, beta, s.copy(), impl="pallas", block_sizes=block,
                            interpret=INTERPRET)
-    err = lambda a, r: float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(r, np.float64))
-                             / np.linalg.norm(np.asarray(r, np.float64)))
+    err = common.rel_err
     return max(err(o.astype(jnp.float32), ro), err(s2.astype(jnp.float32), rs.astype(jnp.float32)))
 
 
@@ -182,7 +177,8 @@ def _probes(args):
                         (s.copy(),), args.unroll)
     q, k, v, g, beta, s = _inputs(b, jnp.float32)
     step = functools.partial(dec.gdn_decode, impl="pallas", interpret=INTERPRET)
-    unroll_us = [(u, _time_steps(step, (q, k, v, g, beta, s.copy()), u) * 1e6) for u in (1, 5, 20, 60)]
+    unrolls = (1, 2) if INTERPRET else (1, 5, 20, 60)
+    unroll_us = [(u, _time_steps(step, (q, k, v, g, beta, s.copy()), u) * 1e6) for u in unrolls]
     return {"pallas_rmw_us": t_pallas * 1e6, "pallas_rmw_GBps": nbytes / t_pallas / 1e9,
             "xla_rmw_us": t_xla * 1e6, "xla_rmw_GBps": nbytes / t_xla / 1e9, "unroll_us": unroll_us}
 
@@ -196,158 +192,202 @@ def _blk_str(bk: dict) -> str:
     return s + ("ef" if bk["evict_first"] else "")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gdn_jax bench decode", description=__doc__,
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gdn-jax bench decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", default="1,32,128,256")
-    p.add_argument("--sweep", action="store_true", help="time every block shape, keep the best")
-    p.add_argument("--unroll", type=int, default=20)
-    p.add_argument("--no-peer", action="store_true")
-    p.add_argument("--md", default="BENCHMARKS.md", help="file whose section is (re)written")
-    p.add_argument("--json", default=None, help="write every number here too")
-    p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.smoke:  # check the script itself on a CPU: tiny heads, interpret mode, no peer
-        global HV, HK, K, V, INTERPRET
-        HV, HK, K, V, INTERPRET = 4, 2, 32, 32, True
-        args.no_peer, args.unroll = True, 2
-    batches = [int(x) for x in args.batches.split(",")]
-    cases = [("float32", 128)] + [("float32", b) for b in batches if b != 128] + [("float16", 128)]
-    if args.smoke:
-        cases = [("float32", 1), ("float32", 3), ("float16", 3)]
+    common.add_shared_flags(p, batches="1,32,128,256", seq_lens="1", dtype="bfloat16", peers="fla")
+    p.add_argument("--state-dtypes", default="float32,float16",
+                   help="recurrent state dtypes, comma-separated (default %(default)s)")
+    p.add_argument("--sweep", action="store_true", help="also time other block shapes, keep the best")
+    p.add_argument("--unroll", type=int, default=20, help="decode steps chained per jitted call")
+    return p
 
-    peer = {} if args.no_peer else _run_peer(cases, os.path.abspath((args.json or "decode") + ".peer.json"))
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    why = common.missing_gpu(args.smoke)
+    if why:
+        print(f"gdn-jax bench decode: {why}")
+        return 2
+    global HV, HK, K, V, INTERPRET
+    state_dtypes = [x.strip() for x in args.state_dtypes.split(",") if x.strip()]
+    batches = args.batches
+    if args.smoke:  # check the script itself on a CPU: tiny heads, interpret mode, no peer
+        HV, HK, K, V, INTERPRET = 4, 2, 32, 32, True
+        args.unroll, batches = 2, [1, 3]
+    cases = [(sdt, b) for sdt in state_dtypes for b in batches]
 
     import jax
     import jax.numpy as jnp
     from gdn_jax import decode as dec
-    from gdn_jax.bench import common
     from pallas_kernels import gdn_decode as kern
 
-    copy_gbps = peer.get("copy_GBps", common.COPY_BANDWIDTH_GBPS)
-    results = {"device": common.device_name(), "date": common.today(), "copy_GBps": copy_gbps,
-               "peer": peer, "cases": []}
+    rep = common.Report("decode", args)
+    peers = [p for p in common.peer_list(args) if p == "fla"]
+    if "jla" in common.peer_list(args):
+        rep.note("peer jla skipped: this bench times FLA's decode only")
+    for name in list(peers):
+        reason = common.peer_available(name)
+        if reason:
+            rep.note(reason)
+            peers.remove(name)
+    peer = {}
+    if peers:
+        rep.progress("running FLA in a subprocess ...")
+        peer = common.run_peer("gdn_jax.bench.decode:_peer_main", [
+            dict(key=f"{sdt}_B{b}", seed=i, B=b, state=sdt) for i, (sdt, b) in enumerate(cases)],
+            progress=rep.progress)
+    copy_gbps = common.measure_copy_gbps(1 << 22 if args.smoke else 1 << 30)
+    rep.progress(f"device copy bandwidth measured now: {copy_gbps:.0f} GB/s (read + write)")
+    rep.meta.update(copy_GBps=copy_gbps, torch_copy_GBps=peer.get("torch_copy", {}).get("GBps"),
+                    heads=dict(HK=HK, HV=HV, K=K, V=V), unroll=args.unroll,
+                    timing=f"{args.unroll} chained steps per jitted call, state donated")
     rows = []
-    for sdt, b in cases:
+    for i, (sdt, b) in enumerate(cases):
         state_dtype = jnp.dtype(sdt)
         table = kern.default_block_sizes(b, V, state_dtype, False)
         cands = [table] + ([c for c in _sweep_blocks(sdt, b)
                             if c != table and c.block_v <= V and HV % c.heads == 0]
                            if args.sweep else [])
-        args_b = _inputs(b, state_dtype)
+        args_b = _inputs(b, state_dtype, seed=i)
         timings = []
         for blk in cands:
             step = functools.partial(dec.gdn_decode, impl="pallas", block_sizes=blk,
                                      interpret=INTERPRET)
             try:
                 a = tuple(args_b[:5]) + (args_b[5].copy(),)
-                t = _time_steps(step, a, args.unroll)
+                t = _time_steps(step, a, args.unroll, repeats=1 if args.smoke else args.repeats)
             except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
-                print(f"  {sdt} B={b} {blk}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                rep.progress(f"{sdt} B={b} {blk}: failed {type(e).__name__}: {str(e)[:200]}")
                 continue
             timings.append((t, blk))
-            print(f"  {sdt} B={b} {blk}: {t * 1e6:.1f} us", flush=True)
+            rep.progress(f"{sdt} B={b} {_blk_str(dataclasses.asdict(blk))}: {t * 1e6:.1f} us (chained)")
+        if not timings:
+            rep.note(f"{sdt} B={b}: no block shape ran")
+            continue
         timings.sort(key=lambda x: x[0])
         t_best, best = timings[0]
-        t_table = next(t for t, blk in timings if blk == table)
+        t_table = next((t for t, blk in timings if blk == table), float("nan"))
         err = _check(b, state_dtype, best)
-        # one step through the Python entry point, host dispatch included
+        # the checked output of the same inputs the peer got: one step from the case's state
+        o_ours, s_ours = dec.gdn_decode(*args_b[:5], args_b[5].copy(), impl="pallas",
+                                        block_sizes=best, interpret=INTERPRET)
         one = functools.partial(dec.gdn_decode, impl="pallas", block_sizes=best, interpret=INTERPRET)
         a = tuple(args_b[:5]) + (args_b[5].copy(),)
-        t_call = common.time_jax(one, *a, calls=20, repeats=3,
+        t_call = common.time_jax(one, *a, calls=2 if args.smoke else 20, repeats=1 if args.smoke else 3,
                                  chain=lambda out, a: tuple(a[:-1]) + (out[1],))
         nbytes = 2 * b * HV * K * V * state_dtype.itemsize
         pk = peer.get(f"{sdt}_B{b}", {})
         t_peer = pk.get("us")
-        case = {"state": sdt, "B": b, "us": t_best * 1e6, "us_table": t_table * 1e6,
-                "us_python_call": t_call * 1e6, "block": dataclasses.asdict(best),
-                "GBps": nbytes / t_best / 1e9, "pct_copy": 100 * nbytes / t_best / 1e9 / copy_gbps,
-                "rel_err": err, "peer_us": t_peer, "peer": pk,
-                "target_us": TARGETS_US.get((sdt, b)),
-                "sweep": [(t * 1e6, dataclasses.asdict(blk)) for t, blk in timings]}
-        results["cases"].append(case)
-        rows.append(dict(case, _timings=timings))
+        peer_err = None
+        if "samples" in pk:
+            peer_err = max(common.rel_err(pk["samples"]["o"], np.asarray(o_ours, np.float32)),
+                           common.rel_err(pk["samples"]["state"], np.asarray(s_ours, np.float32)))
+        if pk:
+            rep.progress(f"{sdt} B={b}: FLA {t_peer if t_peer else float('nan'):.1f} us, output vs ours "
+                         f"{common.peer_verdict(peer_err)}" + (f" ({pk['error']})" if "error" in pk else ""))
+        case = rep.add(state=sdt, B=b, us=t_best * 1e6, us_table=t_table * 1e6,
+                       us_python_call=t_call * 1e6, block=dataclasses.asdict(best),
+                       GBps=nbytes / t_best / 1e9, pct_copy=100 * nbytes / t_best / 1e9 / copy_gbps,
+                       rel_err=err, peer_us=t_peer, peer_GBps=nbytes / t_peer / 1e3 if t_peer else None,
+                       peer_rel_err=peer_err, peer_error=pk.get("error"),
+                       target_us=None if args.smoke else TARGETS_US.get((sdt, b)), chained=True,
+                       sweep=[(t * 1e6, dataclasses.asdict(blk)) for t, blk in timings])
+        rows.append(case)
 
-    # Variants at B = 128, fp32 state, tuning-table block sizes: fused norm, pool + packed rows.
-    b = 128 if not args.smoke else 4
-    q, k, v, g, beta, s = _inputs(b, jnp.float32)
-    z = jnp.ones((b, HV, V), jnp.bfloat16) * 0.5
-    w = jnp.ones((V,), jnp.float32)
-    norm_step = lambda q, k, v, g, beta, s: dec.gdn_decode(q, k, v, g, beta, s, z=z, norm_weight=w,
-                                                           impl="pallas", interpret=INTERPRET)
-    t_norm = _time_steps(norm_step, (q, k, v, g, beta, s.copy()), args.unroll)
-    norm_sweep = []
-    if args.sweep:
-        D = kern.DecodeBlockSizes
-        for blk in (D(V, None, 4), D(V, None, 8), D(V, V // 2, 4), D(V, V // 4, 4),
-                    D(V, V // 2, 4, heads=2), D(V, V // 2, 8)):
-            st = lambda q, k, v, g, beta, s, blk=blk: dec.gdn_decode(
-                q, k, v, g, beta, s, z=z, norm_weight=w, impl="pallas", interpret=INTERPRET,
-                block_sizes=blk)
-            try:
-                norm_sweep.append((_time_steps(st, (q, k, v, g, beta, s.copy()), args.unroll) * 1e6,
-                                   dataclasses.asdict(blk)))
-            except Exception as e:  # noqa: BLE001
-                print(f"  norm {blk}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
-        norm_sweep.sort(key=lambda x: x[0])
-    qkv = jnp.concatenate([q.reshape(b, -1), k.reshape(b, -1), v.reshape(b, -1)], axis=1)
-    pool = jnp.concatenate([s, s[: b // 2]], axis=0)  # 1.5 x B slots, every other one used
-    slots = jnp.arange(b, dtype=jnp.int32) * 3 // 2
-    ab = jnp.concatenate([g, beta], axis=1)  # stand-in raw projection row: a | b
-    A_log, dt_bias = jnp.zeros((HV,)), jnp.zeros((HV,))
-    pool_step = lambda qkv, ab, pool: dec.gdn_decode_pool(
-        qkv, ab, ab, pool, slots, num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=V,
-        beta_col=HV, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True, z=z.reshape(b, -1),
-        norm_weight=w, impl="pallas", interpret=INTERPRET)
-    t_pool = _time_steps(pool_step, (qkv, ab, pool), args.unroll)
-    nb = 2 * b * HV * K * V * 4
-    probes = _probes(args)
-    results["probes"] = probes
-    results["variants"] = {"fused_norm_B128_us": t_norm * 1e6, "pool_packed_raw_l2_norm_B128_us": t_pool * 1e6,
-                           "fused_norm_sweep": norm_sweep}
+    # Variants at B = 128 (only when 128 is among --batches), fp32 state, tuning-table block
+    # sizes: fused norm, pool + packed rows; then the ceiling probes.
+    run_variants = args.smoke or 128 in batches
+    probes, norm_sweep = {}, []
+    if not run_variants:
+        rep.note("variants (fused norm, pool) and ceiling probes run at B = 128: not in --batches")
+    if run_variants:
+        b = 128 if not args.smoke else 4
+        q, k, v, g, beta, s = _inputs(b, jnp.float32)
+        z = jnp.ones((b, HV, V), jnp.bfloat16) * 0.5
+        w = jnp.ones((V,), jnp.float32)
+        norm_step = lambda q, k, v, g, beta, s: dec.gdn_decode(q, k, v, g, beta, s, z=z, norm_weight=w,
+                                                               impl="pallas", interpret=INTERPRET)
+        t_norm = _time_steps(norm_step, (q, k, v, g, beta, s.copy()), args.unroll)
+        norm_sweep = []
+        if args.sweep:
+            D = kern.DecodeBlockSizes
+            for blk in (D(V, None, 4), D(V, None, 8), D(V, V // 2, 4), D(V, V // 4, 4),
+                        D(V, V // 2, 4, heads=2), D(V, V // 2, 8)):
+                st = lambda q, k, v, g, beta, s, blk=blk: dec.gdn_decode(
+                    q, k, v, g, beta, s, z=z, norm_weight=w, impl="pallas", interpret=INTERPRET,
+                    block_sizes=blk)
+                try:
+                    norm_sweep.append((_time_steps(st, (q, k, v, g, beta, s.copy()), args.unroll) * 1e6,
+                                       dataclasses.asdict(blk)))
+                except Exception as e:  # noqa: BLE001
+                    rep.progress(f"norm {blk}: failed {type(e).__name__}: {str(e)[:200]}")
+            norm_sweep.sort(key=lambda x: x[0])
+        qkv = jnp.concatenate([q.reshape(b, -1), k.reshape(b, -1), v.reshape(b, -1)], axis=1)
+        pool = jnp.concatenate([s, s[: b // 2]], axis=0)  # 1.5 x B slots, every other one used
+        slots = jnp.arange(b, dtype=jnp.int32) * 3 // 2
+        ab = jnp.concatenate([g, beta], axis=1)  # stand-in raw projection row: a | b
+        A_log, dt_bias = jnp.zeros((HV,)), jnp.zeros((HV,))
+        pool_step = lambda qkv, ab, pool: dec.gdn_decode_pool(
+            qkv, ab, ab, pool, slots, num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=V,
+            beta_col=HV, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True, z=z.reshape(b, -1),
+            norm_weight=w, impl="pallas", interpret=INTERPRET)
+        t_pool = _time_steps(pool_step, (qkv, ab, pool), args.unroll)
+        nb = 2 * b * HV * K * V * 4
+        rep.progress("ceiling probes ...")
+        probes = _probes(args)
+        rep.meta["probes"] = probes
+        rep.meta["variants"] = {"fused_norm_B128_us": t_norm * 1e6,
+                                "pool_packed_raw_l2_norm_B128_us": t_pool * 1e6,
+                                "fused_norm_sweep": norm_sweep}
 
     # ---------------------------------------------------------------- the section
+    torch_copy = rep.meta["torch_copy_GBps"]
     lines = [
-        f"Device: {results['device']}; date {results['date']}; jax {jax.__version__}; "
-        f"copy bandwidth measured in this run {copy_gbps:.0f} GB/s (torch device-to-device, read + write).",
+        f"Device: {rep.meta['device']}; date {rep.meta['date']}; jax {jax.__version__}; "
+        f"copy bandwidth measured in this run {copy_gbps:.0f} GB/s (XLA elementwise, read + write)"
+        + (f", torch copy_ {torch_copy:.0f} GB/s" if torch_copy else "") + "."
+        + (" SMOKE RUN (interpret mode, tiny heads): times mean nothing." if args.smoke else ""),
         f"HV={HV}, HK={HK}, K=V={V}, bf16 q/k/v, fp32 g/beta; bytes = state read + written. Ours: "
         f"{args.unroll} chained, donated steps per jitted call, many calls + one block_until_ready. "
-        "FLA `fused_recurrent_gated_delta_rule` in the same run: faster of do_bench (events) and "
-        "do_bench_cudagraph, median.",
+        "FLA `fused_recurrent_gated_delta_rule` in the same run on the same inputs: faster of "
+        "do_bench (events) and do_bench_cudagraph, median; its output and final state checked "
+        "against ours.",
         "",
-        "| state | B | ours (us) | block (block_v/tile/warps) | tuning-table block (us) | FLA (us) | FLA / ours | GB/s | % copy BW | target | rel err vs ref (bf16 o) | one Python call (us) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| state | B | ours (us) | block (block_v/tile/warps) | tuning-table block (us) | FLA (us) | FLA / ours | FLA output vs ours | GB/s | % copy BW | target | rel err vs ref | one Python call (us) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows.sort(key=lambda c: (c["state"] != "float32", c["B"]))
     for c in rows:
-        blk = c["block"]
-        ratio = f"{c['peer_us'] / c['us']:.2f}" if c["peer_us"] else "n/a"
-        peer_s = f"{c['peer_us']:.1f}" if c["peer_us"] else c["peer"].get("error", "n/a")[:40]
+        ratio = f"{c['peer_us'] / c['us']:.2f}" if c["peer_us"] else "-"
+        peer_s = f"{c['peer_us']:.1f}" if c["peer_us"] else (c["peer_error"] or "-")[:40]
         tgt = c["target_us"]
         if tgt:
             tgt_s = f"<= {tgt:.0f}: " + ("met" if c["us"] <= tgt else
                                           "MISSED by %.0f%%" % (100 * (c["us"] / tgt - 1)))
-        elif c["B"] == 1:
-            tgt_s = "<= FLA: " + ("met" if c["peer_us"] and c["us"] <= c["peer_us"] else "MISSED")
+        elif c["B"] == 1 and c["peer_us"] and not args.smoke:
+            tgt_s = "<= FLA: " + ("met" if c["us"] <= c["peer_us"] else "MISSED")
         else:
-            tgt_s = ""
-        lines.append(f"| {c['state']} | {c['B']} | {c['us']:.1f} | {_blk_str(blk)} | {c['us_table']:.1f} | {peer_s} | {ratio} | {c['GBps']:.0f} | "
+            tgt_s = "-"
+        check = "-" if c["peer_rel_err"] is None else common.peer_verdict(c["peer_rel_err"])
+        lines.append(f"| {c['state']} | {c['B']} | {c['us']:.1f} | {_blk_str(c['block'])} | {c['us_table']:.1f} | {peer_s} | {ratio} | {check} | {c['GBps']:.0f} | "
                      f"{c['pct_copy']:.0f} | {tgt_s} | {c['rel_err']:.1e} | {c['us_python_call']:.1f} |")
-    lines += [
-        "",
-        f"Variants, B=128, fp32 state, tuning-table blocks: decode + fused gated RMSNorm (bf16 out) "
-        f"{t_norm * 1e6:.1f} us ({nb / t_norm / 1e9:.0f} GB/s); pool with slot table + packed qkv row "
-        f"+ raw gates + in-kernel L2 norm + fused norm {t_pool * 1e6:.1f} us ({nb / t_pool / 1e9:.0f} GB/s).",
-    ]
+    if run_variants:
+        lines += [
+            "",
+            f"Variants, B={b}, fp32 state, tuning-table blocks: decode + fused gated RMSNorm (bf16 "
+            f"out) {t_norm * 1e6:.1f} us ({nb / t_norm / 1e9:.0f} GB/s); pool with slot table + packed "
+            f"qkv row + raw gates + in-kernel L2 norm + fused norm {t_pool * 1e6:.1f} us "
+            f"({nb / t_pool / 1e9:.0f} GB/s).",
+        ]
     if probes:
         lines.append("")
         lines.append(
-            "Ceiling probes, B=128 fp32 state (256 MiB, read + written in place): "
+            "Ceiling probes, fp32 state read + written in place: "
             f"Pallas load/scale/store of the same [K, 64] tiles {probes['pallas_rmw_us']:.1f} us "
             f"({probes['pallas_rmw_GBps']:.0f} GB/s); XLA `s * 0.999` donated "
-            f"{probes['xla_rmw_us']:.1f} us ({probes['xla_rmw_GBps']:.0f} GB/s); torch `mul_` "
-            f"{peer.get('inplace_mul_B128_GBps', float('nan')):.0f} GB/s. Decode steps per jitted "
-            "call vs us per step: " + ", ".join(f"{u}: {t:.1f}" for u, t in probes["unroll_us"]) + ".")
+            f"{probes['xla_rmw_us']:.1f} us ({probes['xla_rmw_GBps']:.0f} GB/s). Decode steps per "
+            "jitted call vs us per step: " + ", ".join(f"{u}: {t:.1f}" for u, t in probes["unroll_us"]) + ".")
     if norm_sweep:
         lines.append("Fused-norm block sweep, B=128 fp32 (us): " + ", ".join(
             f"{_blk_str(bk)} {t:.1f}" for t, bk in norm_sweep))
@@ -358,13 +398,18 @@ def main(argv=None) -> int:
         for c in rows:
             lines.append(f"- {c['state']} B={c['B']}: " + ", ".join(
                 f"{_blk_str(bk)} {t:.1f}" for t, bk in c["sweep"]))
-    md = "\n".join(lines)
-    print(md, flush=True)
-    common.write_section("GDN decode (Pallas, single token)", md, path=args.md)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-    return 0
+
+    def plot(path):
+        series: dict[str, list] = {}
+        for c in rows:
+            series.setdefault(f"ours, {c['state']} state", []).append((c["B"], c["GBps"]))
+            if c["peer_GBps"]:
+                series.setdefault(f"FLA, {c['state']} state", []).append((c["B"], c["peer_GBps"]))
+        common.line_plot(path, series, xlabel="batch size B", ylabel="GB/s (state read + written)",
+                         title=f"GDN decode, HV={HV} K=V={V} ({rep.meta['device']})",
+                         hline=(copy_gbps, "copy bandwidth (measured)"))
+
+    return rep.finish("GDN decode (Pallas, single token)", "\n".join(lines), plot)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`python -m gdn_jax bench verify`: speculative verify vs the plain decode step on an H200.
+"""`gdn-jax bench verify`: speculative verify vs the plain decode step on an H200.
 
 B = 128 sequences in a pool of 128 slots (slot table = a permutation), HV = 32, HK = 16,
 K = V = 128, fp32 state, bf16 q/k/v, T = 2 and 4 draft tokens. Timed, each as a jitted program
@@ -13,7 +13,8 @@ of `--unroll` chained rounds with the pool (and stash) donated, divided by the r
 
 Bytes per round: the state read + written once (+ the T states for `states`), plus the stash
 rows, tokens and outputs; reported as achieved GB/s against the measured device copy rate.
-Target: carried-exact <= 1.3x decode at T = 4.
+Target: carried-exact <= 1.3x decode at T = 4 (no verdict on a --smoke run). The copy rate is
+measured in the same run. Peers: none (no library offers a carried-state verify to compare).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+from typing import Sequence
+
+from gdn_jax.bench import common
 
 B, HV, HK, K, V = 128, 32, 16, 128, 128
 FAST_VARIANTS = ((64, 4), (32, 4))  # fast-flavour (block_v, num_warps) timed besides the default
@@ -74,16 +78,6 @@ def _time(round_fn, carry, consts, unroll, calls, repeats, profile=None):
     return sec
 
 
-def _copy_gbps():
-    import jax
-    import jax.numpy as jnp
-    from gdn_jax.bench.common import time_jax
-    x = jnp.ones((512 * 1024 * 1024 // 4,), jnp.float32)
-    f = jax.jit(lambda x: x + 1.0)
-    s = time_jax(f, x, calls=20, repeats=3)
-    return 2 * x.size * 4 / s / 1e9
-
-
 def _check_exact(interp) -> bool:
     """One carried round (T = 4, every token accepted) and a flush against four launches of the
     decode kernel at the bench shape: outputs and pools must be bit-identical."""
@@ -109,39 +103,53 @@ def _check_exact(interp) -> bool:
                 and np.array_equal(np.asarray(pc), np.asarray(pd)))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gdn_jax bench verify")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gdn-jax bench verify", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_shared_flags(p, batches="128", seq_lens="2,4", dtype="bfloat16", peers="none")
     p.add_argument("--unroll", type=int, default=8, help="rounds chained in one jitted program")
     p.add_argument("--calls", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check)")
+    p.add_argument("--tokens", dest="seq_lens", type=common.int_list, help=argparse.SUPPRESS)  # = --seq-lens
     p.add_argument("--profile", action="store_true",
                    help="print each kernel's device time per round (JAX profiler trace)")
-    p.add_argument("--tokens", default="2,4", help="draft widths T to time, comma-separated "
-                   "(T=4, the target's width, is always timed)")
-    p.add_argument("--md-out", default=None, help="also write the markdown section to this file")
-    args = p.parse_args(argv)
+    return p
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """--batches takes one B (the pool holds B slots); --seq-lens are the draft widths T
+    (T = 4, the target's width, is always timed)."""
+    args = build_parser().parse_args(argv)
+    why = common.missing_gpu(args.smoke)
+    if why:
+        print(f"gdn-jax bench verify: {why}")
+        return 2
+    if len(args.batches) != 1:
+        print(f"gdn-jax bench verify: --batches takes one batch size, got {args.batches}")
+        return 2
+    if common.peer_list(args):
+        print("[bench verify] --peers ignored: no peer offers a carried-state verify")
+    args.tokens = ",".join(str(t) for t in args.seq_lens)
     import jax
     import jax.numpy as jnp
     from gdn_jax import decode as dec
     from gdn_jax import verify as vf, carry as cv, DeltaPool, DeltaStash
-    from gdn_jax.bench.common import device_name, today, write_section
     from pallas_kernels import gdn_verify as kv
 
     global B, HV, HK, K, V
+    B = args.batches[0]
     interp = args.smoke
     if args.smoke:
         B, HV, HK, K, V = 4, 2, 1, 16, 16
         args.unroll, args.calls, args.repeats = 1, 1, 1
+    rep = common.Report("verify", args)
     S = B
     state_bytes = S * HV * K * V * 4
     rows = []        # (name, T, seconds, bytes)
 
     def add(name, t, sec, nbytes):
         rows.append((name, t, sec, nbytes))
-        print(f"{name:34s} T={t}  {sec * 1e6:9.1f} us  {nbytes / sec / 1e9:7.0f} GB/s", flush=True)
+        rep.add(path=name, T=t, us=sec * 1e6, GBps=nbytes / sec / 1e9, chained=True)
+        rep.progress(f"{name:34s} T={t}  {sec * 1e6:9.1f} us  {nbytes / sec / 1e9:7.0f} GB/s")
 
     # ------------------------------------------------------------------ decode (T = 1)
     q, k, v, g, beta, pool, slots = _inputs(B, 1, S)
@@ -235,30 +243,40 @@ def main(argv=None) -> int:
         add("flush (T pending rows)", T, sec, 2 * state_bytes + stash_rw(T) // 2)
 
     bitwise = _check_exact(interp)
-    print(f"exact carried verify == 4 decode launches, bitwise at the bench shape: {bitwise}", flush=True)
-    copy = 0.0 if args.smoke else _copy_gbps()
-    lines = [f"{device_name()}, {today()}; B={B}, HV={HV}, HK={HK}, K=V={K}, fp32 state in a pool "
-             f"of {S} slots, bf16 q/k/v; each time = one round in a jitted program of {args.unroll} "
-             f"chained rounds (pool/stash donated), median of {args.repeats}x{args.calls} calls. "
-             f"Device copy rate measured now: {copy:.0f} GB/s (read + write).", "",
+    rep.progress(f"exact carried verify == 4 decode launches, bitwise at the bench shape: {bitwise}")
+    copy = common.measure_copy_gbps(1 << 22 if args.smoke else 1 << 29, repeats=3)
+    rep.meta.update(copy_GBps=copy, bitwise_exact=bitwise, shape=dict(B=B, HV=HV, HK=HK, K=K, V=V))
+    lines = [f"{rep.meta['device']}, {rep.meta['date']}; B={B}, HV={HV}, HK={HK}, K=V={K}, fp32 state "
+             f"in a pool of {S} slots, bf16 q/k/v; each time = one round in a jitted program of "
+             f"{args.unroll} chained rounds (pool/stash donated), median of {args.repeats}x{args.calls} "
+             f"calls. Device copy rate measured in this run: {copy:.0f} GB/s (read + write)."
+             + (" SMOKE RUN (interpret mode, tiny shapes): times mean nothing, no target verdict."
+                if args.smoke else ""), "",
              "| path | T | us / round | vs decode | achieved GB/s |", "|---|---|---|---|---|"]
     for name, t, sec, nb in rows:
         lines.append(f"| {name} | {t} | {sec * 1e6:.1f} | {sec / t_decode:.2f}x | {nb / sec / 1e9:.0f} |")
     r4 = results[("exact", 4)] / t_decode
+    verdict = lambda r: "no verdict (smoke run)" if args.smoke else ("met" if r <= 1.3 else "NOT met")
     lines += ["", f"Carried verify (exact) at T=4: {r4:.2f}x the decode step "
-              f"(target <= 1.3x: {'met' if r4 <= 1.3 else 'NOT met'}); fast (best shape): "
+              f"(target <= 1.3x: {verdict(r4)}); fast (best shape): "
               f"{results[('fast', 4)] / t_decode:.2f}x (target <= 1.3x: "
-              f"{'met' if results[('fast', 4)] / t_decode <= 1.3 else 'NOT met'}); intermediate states: "
+              f"{verdict(results[('fast', 4)] / t_decode)}); intermediate states: "
               f"{results[('states', 4)] / t_decode:.2f}x.",
               f"Exact flavour at this shape (T=4, all accepted, then a flush) vs 4 decode-kernel "
-              f"launches: {'bit-identical' if bitwise else 'NOT bit-identical'} (outputs and pool).",
+              f"launches: {'bit-identical' if bitwise else 'NOT bit-identical'} (outputs and pool)"
+              + (" (interpret mode on a CPU: bitwise equality is a property of the compiled "
+                 "kernels, not expected here)." if args.smoke else "."),
               "Bytes counted: state read + written once (intermediate: + T states written and the "
               "commit's copy), the stash rows read and written, tokens and outputs."]
-    md = "\n".join(lines)
-    print("\n" + md, flush=True)
-    if args.md_out:
-        with open(args.md_out, "w") as f:
-            f.write(md + "\n")
-    if not args.no_write and not args.smoke:
-        write_section("Speculative verify (GDN, carried vs intermediate states vs decode)", md)
-    return 0
+
+    def plot(path):
+        series: dict[str, list] = {}
+        for r in rep.rows:
+            if r["T"] > 1:
+                series.setdefault(r["path"], []).append((r["T"], r["us"]))
+        common.line_plot(path, series, xlabel="draft tokens T", ylabel="us per round",
+                         title=f"GDN verify, B={B} HV={HV} K=V={K} ({rep.meta['device']})",
+                         logx=False, hline=(t_decode * 1e6, "decode step (T = 1)"))
+
+    return rep.finish("Speculative verify (GDN, carried vs intermediate states vs decode)",
+                      "\n".join(lines), plot)

@@ -1,0 +1,235 @@
+"""`gdn-jax bench kda`: Kimi Delta Attention prefill and decode against flash-linear-attention.
+
+Prefill: B=1, T=8192 (--seq-lens), H = HK = HV = 32, K = V = 128, bf16 q/k/v, fp32 per-channel
+gate g [B, T, HV, K] and beta, q/k L2-normed in the call, no initial state:
+`gdn_jax.kda(..., impl=...)` for each impl in --impls that can take the call, timed as
+back-to-back calls and one block_until_ready, against FLA `chunk_kda(q, k, v, g=g, beta=beta,
+output_final_state=True, use_qk_l2norm_in_kernel=True)`; TFLOP/s from the chunk form's FLOPs
+against a 790 TFLOP/s bf16 roofline.
+
+Decode: B=128 (--batches), one token, fp32 state [B, HV, K, V]: `gdn_jax.decode.gdn_decode` with
+the per-channel gate (the Pallas decode kernel), `--unroll` chained steps per jitted call (state
+donated), against FLA `fused_recurrent_kda(q, k, v, g=g, beta=beta, initial_state=h0,
+output_final_state=True, use_qk_l2norm_in_kernel=True)` with do_bench; GB/s of state read +
+written against the device copy bandwidth measured in the same run.
+
+Every peer's outputs are checked against ours in the run (relative L2 error; MISMATCH above
+2e-2). Peers run in a subprocess (torch and JAX would compete for GPU memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Sequence
+
+import numpy as np
+
+from gdn_jax.bench import common
+
+H, K, V = 32, 128, 128
+SAMPLE = 256
+SMOKE = dict(h=2, k=32, v=32, T=40, B=3)
+
+
+def _fla_peer(cases: list[dict], out_dir: str) -> None:
+    """Runs in a subprocess: FLA's chunk_kda (prefill) / fused_recurrent_kda (decode)."""
+    import json
+    import os
+
+    import torch
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+    res = {}
+    for c in cases:
+        key = c["key"]
+        try:
+            x = common.np_inputs(c["seed"], c["B"], c["T"], c["h"], c["h"], c["k"], c["v"],
+                                 per_channel=True, state=c["mode"] == "decode")
+            dt = getattr(torch, c["dtype"])
+            t = {n: torch.from_numpy(a).cuda() for n, a in x.items()}
+            q, k, v = (t[n].to(dt) for n in ("q", "k", "v"))
+            g, beta = t["g"], t["beta"].to(dt)
+            if c["mode"] == "prefill":
+                fn = lambda: chunk_kda(q, k, v, g=g, beta=beta, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True)
+                o, ht = fn()
+                samples = dict(head=o[:, :SAMPLE], tail=o[:, -SAMPLE:], state=ht)
+            else:
+                # The kernel may update initial_state in place: the checked call gets its own copy.
+                o, ht = fused_recurrent_kda(q, k, v, g=g, beta=beta, initial_state=t["h0"].clone(),
+                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
+                samples = dict(o=o, state=ht)
+                h_run = t["h0"].clone()
+                fn = lambda: fused_recurrent_kda(q, k, v, g=g, beta=beta, initial_state=h_run,
+                                                 output_final_state=True, use_qk_l2norm_in_kernel=True)
+            torch.cuda.synchronize()
+            samples = {n: a.float().cpu().numpy() for n, a in samples.items()}
+            us = common.torch_do_bench_us(fn)
+            np.savez(os.path.join(out_dir, f"{key}.npz"), **samples)
+            res[key] = {"us": us}
+        except Exception as e:  # noqa: BLE001 - one line per failed case, keep going
+            res[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        print(f"fla {key}: {res[key]}", flush=True)
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump(res, f)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gdn-jax bench kda", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_shared_flags(p, batches="128", seq_lens="8192", dtype="bfloat16", peers="fla")
+    p.add_argument("--impls", default="chunked,pallas",
+                   help="our prefill impls, comma-separated (default %(default)s)")
+    p.add_argument("--unroll", type=int, default=20, help="decode steps chained per jitted call")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    why = common.missing_gpu(args.smoke)
+    if why:
+        print(f"gdn-jax bench kda: {why}")
+        return 2
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+    import gdn_jax
+    from gdn_jax.decode import gdn_decode
+
+    rep = common.Report("kda", args)
+    h, kd, vd = H, K, V
+    seq_lens, batches = args.seq_lens, args.batches
+    if args.smoke:
+        h, kd, vd = SMOKE["h"], SMOKE["k"], SMOKE["v"]
+        seq_lens, batches, args.unroll = [SMOKE["T"]], [SMOKE["B"]], 2
+    interp = jax.default_backend() != "gpu"
+    peers = [p for p in common.peer_list(args) if p == "fla"]
+    if "jla" in common.peer_list(args):
+        rep.note("peer jla skipped: this bench times FLA only (jla has no KDA call here)")
+    for name in list(peers):
+        reason = common.peer_available(name)
+        if reason:
+            rep.note(reason)
+            peers.remove(name)
+    copy = common.measure_copy_gbps(1 << 22 if args.smoke else 1 << 30)
+    rep.meta.update(copy_GBps=copy, heads=dict(H=h, K=kd, V=vd), dtype=args.dtype)
+    rep.progress(f"device copy bandwidth measured now: {copy:.0f} GB/s (read + write)")
+
+    cases = [dict(key=f"p{i}", mode="prefill", seed=i, B=1, T=t) for i, t in enumerate(seq_lens)]
+    cases += [dict(key=f"d{i}", mode="decode", seed=100 + i, B=b, T=1) for i, b in enumerate(batches)]
+    for c in cases:
+        c.update(h=h, k=kd, v=vd, dtype=args.dtype)
+    fla = {}
+    if peers:
+        rep.progress("running FLA in a subprocess ...")
+        fla = common.run_peer("gdn_jax.bench.kda:_fla_peer", cases, progress=rep.progress)
+
+    def peer_row(c, label, want, flops=None, nbytes=None):
+        r = fla.get(c["key"])
+        if r is None:
+            return
+        err = (max(common.rel_err(r["samples"][n], want[n]) for n in want) if "samples" in r else None)
+        us = r.get("us")
+        rep.add(case=label, mode=c["mode"], B=c["B"], T=c["T"], who=f"FLA {'chunk_kda' if flops else 'fused_recurrent_kda'}",
+                us=us, TFLOPs=flops / us / 1e6 if (flops and us) else None,
+                GBps=nbytes / us / 1e3 if (nbytes and us) else None, rel_err_vs_ours=err,
+                error=r.get("error"), chained=False)
+        rep.progress(f"{label}: FLA {us if us is not None else float('nan'):.1f} us, output vs ours "
+                     f"{common.peer_verdict(err)}" + (f" ({r['error']})" if "error" in r else ""))
+
+    switch = getattr(gdn_jax, "interpret", None)
+    # a fresh context per use: a generator-based context manager cannot be entered twice
+    ctx = lambda: switch() if (callable(switch) and interp) else contextlib.nullcontext()
+    impls = [x.strip() for x in args.impls.split(",") if x.strip()]
+    for c in cases:
+        x = common.np_inputs(c["seed"], c["B"], c["T"], h, h, kd, vd, per_channel=True,
+                             state=c["mode"] == "decode")
+        q, k, v = (jnp.asarray(x[n]).astype(args.dtype) for n in ("q", "k", "v"))
+        g, beta = jnp.asarray(x["g"]), jnp.asarray(x["beta"])
+        if c["mode"] == "prefill":
+            label = f"prefill B=1 T={c['T']}"
+            flops = common.chunk_flops(1, c["T"], h, kd, vd)
+            ours = None
+            for impl in impls:
+                fn = jax.jit(functools.partial(gdn_jax.kda, output_final_state=True,
+                                               use_qk_l2norm=True, impl=impl))
+                try:
+                    with ctx():
+                        out = jax.block_until_ready(fn(q, k, v, g, beta))
+                        sec = common.time_jax(fn, q, k, v, g, beta, calls=1 if args.smoke else 5,
+                                              repeats=1 if args.smoke else args.repeats)
+                except ValueError as e:
+                    rep.note(f"impl={impl!r} unavailable: {str(e).split(':', 1)[-1].strip()[:200]}")
+                    continue
+                except Exception as e:  # noqa: BLE001 - a failing impl is one line, the others still run
+                    rep.note(f"impl={impl!r} failed on {label}: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                err = None if ours is None else max(common.rel_err(out[0], ours[0]),
+                                                    common.rel_err(out[1], ours[1]))
+                ours = ours or out
+                rep.add(case=label, mode="prefill", B=1, T=c["T"], who=f"ours impl={impl}",
+                        us=sec * 1e6, TFLOPs=flops / sec / 1e12, rel_err_vs_first=err, chained=False)
+                rep.progress(f"{label}: ours impl={impl} {sec * 1e6:.0f} us")
+            if ours is not None:
+                o, st = (np.asarray(a, np.float32) for a in ours)
+                peer_row(c, label, {"head": o[:, :SAMPLE], "tail": o[:, -SAMPLE:], "state": st}, flops=flops)
+            continue
+        # decode: one token, chained steps in one jitted program, state donated
+        b = c["B"]
+        label = f"decode B={b}"
+        h0 = jnp.asarray(x["h0"])
+        o_ref, s_ref = gdn_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], jnp.copy(h0),
+                                  use_qk_l2norm=True, impl="pallas", interpret=interp)
+        unroll = args.unroll
+
+        @functools.partial(jax.jit, donate_argnums=(5,))
+        def run(q, k, v, g, beta, s):
+            for _ in range(unroll):
+                o, s = gdn_decode(q, k, v, g, beta, s, use_qk_l2norm=True, impl="pallas",
+                                  interpret=interp)
+            return o, s
+
+        args_d = (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], jnp.copy(h0))
+        sec = common.time_jax(run, *args_d, calls=1 if args.smoke else 10,
+                              repeats=1 if args.smoke else args.repeats,
+                              chain=lambda out, a: tuple(a[:5]) + (out[1],)) / unroll
+        nbytes = 2 * b * h * kd * vd * 4
+        rep.add(case=label, mode="decode", B=b, T=1, who="ours gdn_decode (per-channel gate)",
+                us=sec * 1e6, GBps=nbytes / sec / 1e9, pct_copy=100 * nbytes / sec / 1e9 / copy,
+                chained=True)
+        rep.progress(f"{label}: ours {sec * 1e6:.1f} us ({nbytes / sec / 1e9:.0f} GB/s, chained)")
+        peer_row(c, label, {"o": np.asarray(o_ref, np.float32)[:, None],
+                            "state": np.asarray(s_ref, np.float32)}, nbytes=nbytes)
+
+    lines = [f"{rep.meta['device']}, {rep.meta['date']}, jax {rep.meta['jax']}; H={h}, K=V={kd}, "
+             f"{args.dtype} q/k/v, fp32 per-channel gate and beta, in-call q/k L2 norm. Prefill: "
+             f"back-to-back calls, one sync; decode: {args.unroll} chained steps per jitted call "
+             f"(state donated), fp32 state, bytes = state read + written. FLA by triton do_bench. "
+             f"Copy bandwidth measured in this run: {copy:.0f} GB/s."
+             + (" SMOKE RUN: times mean nothing." if args.smoke else ""), "",
+             "| case | who | us | TFLOP/s | GB/s | chained | output vs ours |",
+             "|---|---|---|---|---|---|---|"]
+    fmt = lambda x, f: "-" if x is None else format(x, f)
+    for r in rep.rows:
+        check = r.get("rel_err_vs_ours", r.get("rel_err_vs_first"))
+        lines.append(f"| {r['case']} | {r['who']} | {fmt(r.get('us'), '.1f')} | "
+                     f"{fmt(r.get('TFLOPs'), '.1f')} | {fmt(r.get('GBps'), '.0f')} | "
+                     f"{'yes' if r.get('chained') else 'no'} | "
+                     f"{'-' if check is None else common.peer_verdict(check)} |")
+
+    def plot(path):
+        series: dict[str, list] = {}
+        for r in rep.rows:
+            if r["mode"] == "decode" and r.get("GBps"):
+                series.setdefault(r["who"], []).append((r["B"], r["GBps"]))
+        common.line_plot(path, series, xlabel="batch size B", ylabel="GB/s (state read + written)",
+                         title=f"KDA decode, H={h} K=V={kd} ({rep.meta['device']})",
+                         hline=(copy, "copy bandwidth (measured)"))
+
+    return rep.finish("KDA prefill and decode vs FLA", "\n".join(lines), plot)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

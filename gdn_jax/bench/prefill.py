@@ -1,0 +1,246 @@
+"""`gdn-jax bench prefill`: GDN prefill (`gated_delta_rule`) against flash-linear-attention and
+jax-linear-attention, as time and as a share of the tensor-core roofline.
+
+Cases (HK = 16, HV = 32, K = V = 128, bf16 q/k/v, fp32 g/beta, q/k L2-normed in the call, no
+initial state): B=1 T=8192; B=8 T=4096; B=1 T=32768 (--batches and --seq-lens pair up when they
+have the same length, else every combination); plus a packed batch of 16 random lengths summing
+to 32768 (cu_seqlens) against a dense batch of the same total length (B=16, T=2048).
+
+Ours: `gdn_jax.gated_delta_rule(..., impl=...)` for each impl in --impls that can take the call
+(an impl that cannot is reported in one line), jitted, timed as back-to-back calls and one
+block_until_ready, median of --repeats. Peers: FLA `chunk_gated_delta_rule(q, k, v, g=g,
+beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=...)` with
+triton.testing.do_bench in a subprocess; jla `linear_attention("gated_deltanet", q, k, v, g=g,
+beta=beta, impl="mosaic_gpu", output_final_state=True)` on L2-normed q/k, timed like ours. Every
+peer's outputs (first and last 256 tokens, final states) are checked against ours in the run.
+
+FLOPs: the chunk form's matmuls (gdn_jax.bench.common.chunk_flops, chunk 64); % roofline is
+against a dense bf16 peak of 790 TFLOP/s (H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Sequence
+
+import numpy as np
+
+from gdn_jax.bench import common
+
+HK, HV, K, V = 16, 32, 128, 128
+VARLEN_PIECES, VARLEN_TOTAL = 16, 32768
+SAMPLE = 256          # tokens at each end of o that a peer returns for the check
+SMOKE = dict(hk=2, hv=4, k=32, v=32, cases=((1, 64), (2, 40)), pieces=4, total=96)
+
+
+def _cases(args, pieces: int, total: int, seed: int = 0):
+    """[(label, B, T, cu_seqlens or None)]."""
+    bs, ts = args.batches, args.seq_lens
+    pairs = list(zip(bs, ts)) if len(bs) == len(ts) else [(b, t) for b in bs for t in ts]
+    out = [(f"B={b} T={t}", b, t, None) for b, t in pairs]
+    if not args.no_varlen:
+        rng = np.random.default_rng(seed)
+        cuts = np.sort(rng.choice(np.arange(1, total), pieces - 1, replace=False))
+        cu = np.concatenate([[0], cuts, [total]]).astype(np.int32)
+        out.append((f"varlen N={pieces} total={total}", 1, total, cu))
+        out.append((f"dense B={pieces} T={total // pieces}", pieces, total // pieces, None))
+    return out
+
+
+# --------------------------------------------------------------------------- peers
+
+def _fla_peer(cases: list[dict], out_dir: str) -> None:
+    """Runs in a subprocess: FLA's chunked GDN on the same inputs; times and output samples."""
+    import json
+    import os
+
+    import torch
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    res = {}
+    for c in cases:
+        key = c["key"]
+        try:
+            x = common.np_inputs(c["seed"], c["B"], c["T"], c["hk"], c["hv"], c["k"], c["v"], state=False)
+            dt = getattr(torch, c["dtype"])
+            t = {n: torch.from_numpy(a).cuda() for n, a in x.items()}
+            q, k, v = (t[n].to(dt) for n in ("q", "k", "v"))
+            g, beta = t["g"], t["beta"].to(dt)
+            cu = None if c["cu"] is None else torch.tensor(c["cu"], dtype=torch.long, device="cuda")
+            fn = lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+            o, ht = fn()
+            torch.cuda.synchronize()
+            us = common.torch_do_bench_us(fn)
+            np.savez(os.path.join(out_dir, f"{key}.npz"), head=o[:, :SAMPLE].float().cpu().numpy(),
+                     tail=o[:, -SAMPLE:].float().cpu().numpy(), state=ht.float().cpu().numpy())
+            res[key] = {"us": us}
+        except Exception as e:  # noqa: BLE001 - one line per failed case, keep going
+            res[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        print(f"fla {key}: {res[key]}", flush=True)
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump(res, f)
+
+
+def _jla_call(q, k, v, g, beta):
+    from jla.ops import linear_attention
+    return linear_attention("gated_deltanet", q, k, v, g=g, beta=beta, impl="mosaic_gpu",
+                            output_final_state=True)
+
+
+# --------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gdn-jax bench prefill", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_shared_flags(p, batches="1,8,1", seq_lens="8192,4096,32768", dtype="bfloat16",
+                            peers="fla,jla")
+    p.add_argument("--impls", default="chunked,pallas",
+                   help="our impls to time, comma-separated from reference, chunked, pallas, auto "
+                        "(default %(default)s)")
+    p.add_argument("--no-varlen", action="store_true", help="skip the packed vs dense pair")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    why = common.missing_gpu(args.smoke)
+    if why:
+        print(f"gdn-jax bench prefill: {why}")
+        return 2
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+    import gdn_jax
+
+    rep = common.Report("prefill", args)
+    hk, hv, kd, vd = HK, HV, K, V
+    pieces, total = VARLEN_PIECES, VARLEN_TOTAL
+    if args.smoke:
+        hk, hv, kd, vd = SMOKE["hk"], SMOKE["hv"], SMOKE["k"], SMOKE["v"]
+        pieces, total = SMOKE["pieces"], SMOKE["total"]
+        args.batches, args.seq_lens = [b for b, _ in SMOKE["cases"]], [t for _, t in SMOKE["cases"]]
+    impls = [x.strip() for x in args.impls.split(",") if x.strip()]
+    cases = _cases(args, pieces, total)
+    peers = common.peer_list(args)
+    for name in list(peers):
+        reason = common.peer_available(name)
+        if reason:
+            rep.note(reason)
+            peers.remove(name)
+
+    copy = common.measure_copy_gbps(1 << 22 if args.smoke else 1 << 30)
+    rep.meta.update(copy_GBps=copy, heads=dict(HK=hk, HV=hv, K=kd, V=vd), dtype=args.dtype,
+                    roofline_TFLOPs=common.H200_BF16_TFLOPS, timing="back-to-back calls, one sync")
+    rep.progress(f"device copy bandwidth measured now: {copy:.0f} GB/s (read + write)")
+
+    fla = {}
+    if "fla" in peers:
+        rep.progress("running FLA in a subprocess ...")
+        fla = common.run_peer("gdn_jax.bench.prefill:_fla_peer", [
+            dict(key=f"c{i}", seed=i, B=b, T=t, hk=hk, hv=hv, k=kd, v=vd, dtype=args.dtype,
+                 cu=None if cu is None else cu.tolist()) for i, (_, b, t, cu) in enumerate(cases)],
+            progress=rep.progress)
+
+    interpret = getattr(gdn_jax, "interpret", None)
+    # a fresh context per use: a generator-based context manager cannot be entered twice
+    ctx = lambda: (interpret() if (callable(interpret) and jax.default_backend() != "gpu")
+                   else contextlib.nullcontext())
+    unavailable: set[tuple[str, bool]] = set()
+    calls = 1 if args.smoke else 5
+    for i, (label, b, t, cu) in enumerate(cases):
+        x = common.np_inputs(i, b, t, hk, hv, kd, vd, state=False)
+        q, k, v = (jnp.asarray(x[n]).astype(args.dtype) for n in ("q", "k", "v"))
+        g, beta = jnp.asarray(x["g"]), jnp.asarray(x["beta"])
+        flops = common.chunk_flops(b, t, hv, kd, vd)
+        ours = None
+        for impl in impls:
+            if (impl, cu is None) in unavailable:   # declined once: packed and dense apart
+                continue
+            fn = jax.jit(functools.partial(gdn_jax.gated_delta_rule, output_final_state=True,
+                                           use_qk_l2norm=True, impl=impl,
+                                           cu_seqlens=None if cu is None else jnp.asarray(cu)))
+            try:
+                with ctx():
+                    out = jax.block_until_ready(fn(q, k, v, g, beta))
+                    sec = common.time_jax(fn, q, k, v, g, beta, calls=calls if impl != "reference" else 1,
+                                          repeats=1 if args.smoke else args.repeats)
+            except ValueError as e:
+                rep.note(f"impl={impl!r} unavailable: {str(e).split(':', 1)[-1].strip()[:200]}")
+                unavailable.add((impl, cu is None))
+                continue
+            except Exception as e:  # noqa: BLE001 - a failing impl is one line, the others still run
+                rep.note(f"impl={impl!r} failed on {label}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            err = None if ours is None else max(common.rel_err(out[0], ours[0]),
+                                                common.rel_err(out[1], ours[1]))
+            ours = ours or out
+            row = rep.add(case=label, B=b, T=t, who=f"ours impl={impl}", us=sec * 1e6,
+                          TFLOPs=flops / sec / 1e12, pct_roofline=100 * flops / sec / 1e12 / common.H200_BF16_TFLOPS,
+                          rel_err_vs_first=err, chained=False)
+            rep.progress(f"{label}: {row['who']} {row['us']:.0f} us, {row['TFLOPs']:.1f} TFLOP/s"
+                         + ("" if err is None else f", vs first impl {err:.1e}"))
+        if ours is None:
+            continue
+        o, st = (np.asarray(a, np.float32) for a in ours)
+        want = {"head": o[:, :SAMPLE], "tail": o[:, -SAMPLE:], "state": st}
+        r = fla.get(f"c{i}")
+        if r is not None:
+            err = (max(common.rel_err(r["samples"][n], want[n]) for n in want)
+                   if "samples" in r else None)
+            rep.add(case=label, B=b, T=t, who="FLA chunk_gated_delta_rule", us=r.get("us"),
+                    TFLOPs=flops / r["us"] / 1e6 if r.get("us") else None,
+                    pct_roofline=100 * flops / r["us"] / 1e6 / common.H200_BF16_TFLOPS if r.get("us") else None,
+                    rel_err_vs_ours=err, error=r.get("error"), chained=False)
+            rep.progress(f"{label}: FLA {r.get('us', float('nan')):.0f} us, output vs ours "
+                         f"{common.peer_verdict(err)}" + (f" ({r['error']})" if "error" in r else ""))
+        if "jla" in peers and cu is None:
+            nrm = lambda a: (a.astype(jnp.float32) * jax.lax.rsqrt(
+                jnp.sum(jnp.square(a.astype(jnp.float32)), -1, keepdims=True) + 1e-6)).astype(a.dtype)
+            qn, kn = nrm(q), nrm(k)
+            fn = jax.jit(_jla_call)
+            try:
+                jo, js = jax.block_until_ready(fn(qn, kn, v, g, beta))
+                sec = common.time_jax(fn, qn, kn, v, g, beta, calls=calls, repeats=args.repeats)
+                err = max(common.rel_err(np.asarray(jo, np.float32), o),
+                          common.rel_err(np.asarray(js, np.float32), st))
+                rep.add(case=label, B=b, T=t, who="jla mosaic_gpu", us=sec * 1e6, TFLOPs=flops / sec / 1e12,
+                        pct_roofline=100 * flops / sec / 1e12 / common.H200_BF16_TFLOPS,
+                        rel_err_vs_ours=err, chained=False)
+                rep.progress(f"{label}: jla {sec * 1e6:.0f} us, output vs ours {common.peer_verdict(err)}")
+            except Exception as e:  # noqa: BLE001 - a peer's failure is one line, not a traceback
+                rep.note(f"jla failed on {label}: {type(e).__name__}: {str(e)[:200]}")
+        elif "jla" in peers:
+            rep.progress(f"{label}: jla not run (this bench calls it without cu_seqlens)")
+
+    lines = [f"{rep.meta['device']}, {rep.meta['date']}, jax {rep.meta['jax']}; HK={hk}, HV={hv}, "
+             f"K=V={kd}, {args.dtype} q/k/v, fp32 g/beta, in-call q/k L2 norm, no initial state. "
+             f"Times: back-to-back calls and one sync (not chained), median of {args.repeats}; FLA "
+             f"by triton do_bench. TFLOP/s from the chunk form's matmul FLOPs; % of a "
+             f"{common.H200_BF16_TFLOPS:.0f} TFLOP/s bf16 roofline. Copy bandwidth measured in "
+             f"this run: {copy:.0f} GB/s." + (" SMOKE RUN (interpret mode / tiny shapes): times "
+                                               "mean nothing." if args.smoke else ""), "",
+             "| case | who | us | TFLOP/s | % roofline | output vs ours |", "|---|---|---|---|---|---|"]
+    for r in rep.rows:
+        check = r.get("rel_err_vs_ours", r.get("rel_err_vs_first"))
+        us = "-" if r.get("us") is None else f"{r['us']:.0f}"
+        tf = "-" if r.get("TFLOPs") is None else f"{r['TFLOPs']:.1f}"
+        pct = "-" if r.get("pct_roofline") is None else f"{r['pct_roofline']:.1f}"
+        lines.append(f"| {r['case']} | {r['who']} | {us} | {tf} | {pct} | "
+                     f"{'-' if check is None else common.peer_verdict(check)} |")
+
+    def plot(path):
+        series: dict[str, list] = {}
+        for r in rep.rows:
+            if r.get("us") and not r["case"].startswith(("varlen", "dense")):
+                series.setdefault(r["who"], []).append((r["B"] * r["T"], r["us"] / 1e3))
+        common.line_plot(path, series, xlabel="tokens per call (B x T)", ylabel="ms per call",
+                         title=f"GDN prefill, HV={hv} K=V={kd}, {args.dtype} ({rep.meta['device']})")
+
+    return rep.finish("GDN prefill (chunked) vs FLA and jla", "\n".join(lines), plot)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""The benchmarks as commands (never timed tests): shared flags, one line without a GPU, nothing
+written unless asked, JSON / PNG / markdown on request, the FLA decode call by keyword."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import os
+import pathlib
+
+import jax
+import pytest
+
+from gdn_jax.bench import common
+from gdn_jax.cli import _bench_names
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NAMES = ["decode", "kda", "prefill", "verify"]
+SHARED = ["--batches", "--seq-lens", "--dtype", "--peers", "--repeats", "--smoke", "--json",
+          "--plot", "--write-md"]
+
+
+def test_bench_names():
+    assert _bench_names() == NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_shared_flags(name, capsys):
+    mod = importlib.import_module(f"gdn_jax.bench.{name}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in SHARED:
+        assert flag in out, f"bench {name} lacks {flag}"
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the no-GPU message")
+@pytest.mark.parametrize("name", NAMES)
+def test_one_line_without_gpu(name, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc = importlib.import_module(f"gdn_jax.bench.{name}").main(["--batches", "1"])
+    out = capsys.readouterr()
+    assert rc == 2
+    assert out.out.count("\n") == 1 and "no GPU" in out.out and "Traceback" not in out.err
+    assert os.listdir(tmp_path) == []
+
+
+def test_smoke_writes_only_what_is_asked(tmp_path, monkeypatch, capsys):
+    """bench kda --smoke in an empty folder: JSON, PNG and the markdown section where asked, nothing
+    else (and nothing in the source tree)."""
+    tracked = (ROOT / "BENCHMARKS.md").read_text()
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    out = tmp_path / "out"
+    out.mkdir()
+    md = out / "B.md"
+    md.write_text("# Benchmarks\n\n## Other\n\nkeep me\n")
+    from gdn_jax.bench import kda
+    assert kda.main(["--smoke", "--json", str(out / "r.json"), "--plot", str(out / "r.png"),
+                     "--write-md", str(md)]) == 0
+    assert os.listdir(work) == []
+    assert (ROOT / "BENCHMARKS.md").read_text() == tracked
+    data = json.loads((out / "r.json").read_text())
+    assert data["meta"]["smoke"] and data["meta"]["copy_GBps"] > 0
+    assert {r["mode"] for r in data["rows"]} == {"prefill", "decode"}
+    assert all(r["us"] > 0 for r in data["rows"])
+    assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = md.read_text()
+    assert "keep me" in text and "## KDA prefill and decode vs FLA" in text and "SMOKE RUN" in text
+    assert "[bench kda]" in capsys.readouterr().out          # progress lines
+
+
+def test_decode_smoke(tmp_path, capsys):
+    from gdn_jax.bench import decode
+    path = tmp_path / "d.json"
+    assert decode.main(["--smoke", "--state-dtypes", "float32", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["B"] for r in rows] == [1, 3] and all(r["rel_err"] < 5e-3 for r in rows)
+    assert "measured in this run" in capsys.readouterr().out
+
+
+def test_prefill_smoke_reports_unavailable_impl_in_one_line(capsys):
+    from gdn_jax.bench import prefill
+    assert prefill.main(["--smoke", "--no-varlen", "--impls", "chunked,pallas"]) == 0
+    out = capsys.readouterr().out
+    assert "Traceback" not in out
+    lines = [ln for ln in out.splitlines() if ln.startswith("[bench prefill] impl='pallas'")]
+    assert len(lines) <= 1
+
+
+def test_write_section_replaces_only_its_section(tmp_path):
+    p = tmp_path / "x.md"
+    p.write_text("# T\n\n## A\n\nold a\n\n## B\n\nb\n")
+    common.write_section(str(p), "A", "new a")
+    assert p.read_text() == "# T\n\n## A\n\nnew a\n\n## B\n\nb\n"
+    common.write_section(str(p), "C", "c")
+    assert p.read_text().endswith("## C\n\nc\n\n") and "## B\n\nb" in p.read_text()
+
+
+def test_peer_available_names_what_is_missing(monkeypatch):
+    monkeypatch.setattr(common.importlib.util, "find_spec", lambda name: None)
+    msg = common.peer_available("fla")
+    assert msg.count("\n") == 0 and "torch" in msg and "flash-linear-attention" in msg
+
+
+def test_fla_decode_peer_passes_g_and_beta_by_keyword():
+    """FLA 0.6's fused_recurrent_gated_delta_rule is (q, k, v, g, gk, gv, beta, ...): a positional
+    beta lands in gk. Every call of an FLA function in the benches passes only q, k, v positionally."""
+    fla_funcs = {"fused_recurrent_gated_delta_rule", "chunk_gated_delta_rule", "chunk_kda",
+                 "fused_recurrent_kda"}
+    seen = set()
+    for name in NAMES:
+        tree = ast.parse((ROOT / "gdn_jax" / "bench" / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in fla_funcs:
+                seen.add(node.func.id)
+                assert len(node.args) <= 3, f"{name}: {node.func.id} takes more than q, k, v positionally"
+                kws = {k.arg for k in node.keywords}
+                assert {"g", "beta"} <= kws, f"{name}: {node.func.id} without g=/beta= keywords"
+    assert seen == fla_funcs
+
+
+def test_chunk_flops_counts_the_chunk_form():
+    # per token and head: 4CK + 3CV + 6KV
+    assert common.chunk_flops(1, 1, 1, 128, 128) == 4 * 64 * 128 + 3 * 64 * 128 + 6 * 128 * 128
+    assert common.chunk_flops(2, 10, 3, 16, 32) == 60 * (4 * 64 * 16 + 3 * 64 * 32 + 6 * 16 * 32)
+
+
+def fake_peer(cases, out_dir):
+    """A stand-in peer for run_peer's plumbing (runs in the subprocess)."""
+    import numpy as np
+    res = {}
+    for c in cases:
+        if c["key"] == "bad":
+            res["bad"] = {"error": "ValueError: no"}
+            continue
+        x = common.np_inputs(c["seed"], 1, 2, 1, 1, 4, 4, state=False)
+        np.savez(os.path.join(out_dir, f"{c['key']}.npz"), q=x["q"])
+        res[c["key"]] = {"us": 1.5}
+    print("fake peer done", flush=True)
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump(res, f)
+
+
+def fake_peer_crash(cases, out_dir):
+    raise RuntimeError("CUDA not available")
+
+
+def test_run_peer_plumbing():
+    """Cases in, times and output samples back; the peer regenerates our inputs from the seed."""
+    lines = []
+    res = common.run_peer("tests.test_bench:fake_peer", [{"key": "a", "seed": 3}, {"key": "bad"}],
+                          progress=lines.append, timeout=120)
+    assert res["a"]["us"] == 1.5 and res["bad"]["error"].startswith("ValueError")
+    want = common.np_inputs(3, 1, 2, 1, 1, 4, 4, state=False)["q"]
+    assert (res["a"]["samples"]["q"] == want).all()
+    assert "fake peer done" in lines
+    lines = []
+    assert common.run_peer("tests.test_bench:fake_peer_crash", [], progress=lines.append) == {}
+    assert len(lines) == 1 and "CUDA not available" in lines[0]
