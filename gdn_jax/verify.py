@@ -209,12 +209,14 @@ def _chain_wy(S, qf, kf, vf, gf, bf):
     tokens). With G_i the cumulative log decay from S:
         u_i = beta_i (v_i - (k_i e^{G_i})^T S - sum_{j<i} c_ij u_j),  c_ij = sum_c k_ic k_jc e^{G_ic - G_jc}
         o_i = (q_i e^{G_i})^T S + sum_{j<=i} d_ij u_j,                d_ij = sum_c q_ic k_jc e^{G_ic - G_jc}
-    Every exponent is <= 0 (cumulative decays formed pairwise), so no gate size overflows."""
+    Every exponent is <= 0 (cumulative decays formed pairwise, from `reference.chunk_log_decay`),
+    so any gate in [-inf, 0] is safe and the differences keep full precision."""
     S = S.astype(F32)
     t = qf.shape[1]
     per_channel = gf.ndim == 4
-    G = jnp.cumsum(gf, axis=1)                                   # [B, T, HV(, K)]
-    eG = jnp.exp(G)
+    HI, LO = ref.chunk_log_decay(gf, axis=1)                     # [B, T, HV(, K)], exact differences
+    eG = jnp.exp(HI + LO)
+    seg = lambda i, j: jnp.exp((HI[:, i] - HI[:, j]) + (LO[:, i] - LO[:, j]))
     if per_channel:
         kd_ = kf * eG
         qd_ = qf * eG
@@ -229,11 +231,11 @@ def _chain_wy(S, qf, kf, vf, gf, bf):
         acc_o = p[:, i]
         for j in range(i + 1):
             if per_channel:
-                w = jnp.exp(G[:, i] - G[:, j])                    # [B, HV, K]
+                w = seg(i, j)                                     # [B, HV, K]
                 c = jnp.sum(kf[:, i] * kf[:, j] * w, -1)
                 d = jnp.sum(qf[:, i] * kf[:, j] * w, -1)
             else:
-                w = jnp.exp(G[:, i] - G[:, j])                    # [B, HV]
+                w = seg(i, j)                                     # [B, HV]
                 c = jnp.sum(kf[:, i] * kf[:, j], -1) * w
                 d = jnp.sum(qf[:, i] * kf[:, j], -1) * w
             if j < i:

@@ -44,6 +44,8 @@ from jax.experimental.pallas import triton as plgpu
 
 F32 = jnp.float32
 L2NORM_EPS = 1e-6
+L2NORM_RESCALE_ABOVE = 2.0 ** 50  # max |x| above which a row's squares may overflow fp32
+HUGE_ROW_SCALE = 2.0 ** -100      # exact; brings any finite fp32 row well inside range
 SOFTPLUS_THRESHOLD = 20.0
 STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
@@ -60,8 +62,23 @@ __all__ = [
 # plain JAX). Keep the operation order fixed: the verify kernel relies on bit-identical results.
 
 def l2_normalize(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
-    """x * rsqrt(sum(x^2) + eps) over the last axis, fp32 (the reference's `l2norm`)."""
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+    """x * rsqrt(sum(x^2) + eps) over the last axis, fp32 (the reference's `l2norm`), for any
+    finite x: a vector whose max |x| exceeds L2NORM_RESCALE_ABOVE (its squares would overflow)
+    is first scaled by an exact power of two (eps then no longer matters); below that the
+    plain formula runs, bit for bit."""
+    huge = jnp.max(jnp.abs(x), axis=-1, keepdims=True) > L2NORM_RESCALE_ABOVE
+    x = x * jnp.where(huge, jnp.float32(HUGE_ROW_SCALE), jnp.float32(1.0))
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True)
+                         + jnp.where(huge, jnp.float32(0.0), jnp.float32(eps)))
+
+
+def tame_huge_rows(x: jax.Array) -> jax.Array:
+    """x (any float dtype, rows on the last axis) with every row whose max |x| exceeds
+    L2NORM_RESCALE_ABOVE scaled by an exact power of two: the same rows after an L2 norm, and
+    their squares no longer overflow. For launchers whose kernels form raw dot products of rows
+    that are L2-normalised afterwards (one elementwise XLA pass; ordinary rows are unchanged)."""
+    huge = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True) > L2NORM_RESCALE_ABOVE
+    return jnp.where(huge, x * jnp.asarray(HUGE_ROW_SCALE, x.dtype), x)
 
 
 def softplus_value(x: jax.Array) -> jax.Array:

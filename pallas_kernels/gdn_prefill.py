@@ -52,6 +52,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.gdn_decode import tame_huge_rows
+
 F32 = jnp.float32
 CHUNK = 64
 SUB = 16                 # diagonal blocks inverted by substitution
@@ -61,7 +63,7 @@ L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 
 __all__ = ["PrefillSpec", "PrefillBlockSizes", "unsupported_reason", "chunk_table",
-           "chunk_prefill"]
+           "chunk_prefill", "split_gate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,11 +169,17 @@ def _softplus(x):
                      jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
 
 
-def _split_cumsum(g):
-    """In-chunk cumulative log decay as (hi, lo) sums; see the module docstring."""
+def split_gate(g):
+    """A log decay clamped at GATE_FLOOR, as (hi, lo): hi a multiple of 1 / GATE_QUANTUM, lo the
+    small rest. Running sums of hi are exact in fp32; see the module docstring."""
     g = jnp.maximum(g, GATE_FLOOR)
     hi = jnp.floor(g * GATE_QUANTUM + 0.5) * (1.0 / GATE_QUANTUM)
-    lo = g - hi
+    return hi, g - hi
+
+
+def _split_cumsum(g):
+    """In-chunk cumulative log decay as (hi, lo) sums along axis 0."""
+    hi, lo = split_gate(g)
     return jnp.cumsum(hi, axis=0), jnp.cumsum(lo, axis=0)
 
 
@@ -425,6 +433,8 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
     HV = v.shape[1]
     N = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
+    if spec.use_qk_l2norm:  # raw q, k rows go into dot products and are normalised afterwards
+        q, k = tame_huge_rows(q), tame_huge_rows(k)
     start, length, first = chunk_table(cu, q.shape[0])
     A_log = jnp.zeros((HV,), F32) if A_log is None else A_log
     dt_bias = jnp.zeros((HV,), F32) if dt_bias is None else dt_bias

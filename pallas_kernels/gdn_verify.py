@@ -51,6 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gdn_decode as dec
+from pallas_kernels.gdn_prefill import split_gate
 
 F32 = jnp.float32
 MAX_TOKENS = 4
@@ -362,16 +363,32 @@ def _wy_solve(C, D, betas):
     return A, E
 
 
+def _cumulative_log_decay(gs):
+    """Running sums of a list of gates as (HI, LO) lists (gdn_prefill.split_gate): the log decay
+    from token j to i is (HI[i] - HI[j]) + (LO[i] - LO[j]), finite and precise for any gate in
+    [-inf, 0] (a plain running sum gives -inf - -inf = NaN, and loses precision after a huge
+    gate)."""
+    HI, LO = [], []
+    for g in gs:
+        hi, lo = split_gate(g)
+        HI.append(hi if not HI else HI[-1] + hi)
+        LO.append(lo if not LO else LO[-1] + lo)
+    return HI, LO
+
+
+def _decay_between(HI, LO, i, j):
+    return jnp.exp((HI[i] - HI[j]) + (LO[i] - LO[j]))
+
+
 def _wy_scalars(rq, rk, kk, qk, gs, betas):
     """WY matrices of one (row, head) from the raw Gram entries: rq/rk the row factors
     (`_row_factors`), kk[i][j] = k_i.k_j (j < i), qk[i][j] = q_i.k_j (j <= i), gs the scalar log
     decays, betas. Elementwise: runs on scalars in a kernel or on arrays in XLA."""
     T = len(gs)
-    G = [gs[0]]
-    for t in range(1, T):
-        G.append(G[-1] + gs[t])
-    C = [[kk[i][j] * rk[i] * rk[j] * jnp.exp(G[i] - G[j]) for j in range(i)] for i in range(T)]
-    D = [[qk[i][j] * rq[i] * rk[j] * jnp.exp(G[i] - G[j]) for j in range(i + 1)] for i in range(T)]
+    HI, LO = _cumulative_log_decay(gs)
+    w = lambda i, j: _decay_between(HI, LO, i, j)
+    C = [[kk[i][j] * rk[i] * rk[j] * w(i, j) for j in range(i)] for i in range(T)]
+    D = [[qk[i][j] * rq[i] * rk[j] * w(i, j) for j in range(i + 1)] for i in range(T)]
     return _wy_solve(C, D, betas)
 
 
@@ -395,9 +412,9 @@ def _fast_prelude(q, k, g, beta, spec):
         sq = jnp.sum(x * x, axis=-1)                                             # [B, 2T, HK]
         rq, rk = _row_factors([sq[:, t] for t in range(T)], [sq[:, T + t] for t in range(T)], spec)
         r = jnp.stack(rq + rk, axis=1)                                           # [B, 2T, HK]
-        G = jnp.cumsum(g.astype(F32), axis=1)                                    # [B, T, HV, K]
+        HI, LO = _cumulative_log_decay([g[:, t].astype(F32) for t in range(T)])  # [B, HV, K] each
         xn = jnp.repeat(x * r[..., None], grp, axis=2)                           # [B, 2T, HV, K]
-        dot_w = lambda a, c, i, j: jnp.sum(a * c * jnp.exp(G[:, i] - G[:, j]), axis=-1)
+        dot_w = lambda a, c, i, j: jnp.sum(a * c * _decay_between(HI, LO, i, j), axis=-1)
         C = [[dot_w(xn[:, T + i], xn[:, T + j], i, j) for j in range(i)] for i in range(T)]
         D = [[dot_w(xn[:, i], xn[:, T + j], i, j) for j in range(i + 1)] for i in range(T)]
         A, E = _wy_solve(C, D, bt)
@@ -431,15 +448,11 @@ def _fold_pending_fast(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, 
         g = stash_g_ref[slot, bank, h, i, :] if spec.per_channel_gate else stash_g_ref[slot, bank, h, i]
         live = i < count
         rows.append((k, jnp.where(live, u, 0.0), jnp.where(live, g, 0.0), live))
-    Gs, G = [], None
-    for _, _, g, _ in rows:
-        G = g if G is None else G + g
-        Gs.append(G)
-    GP = Gs[-1]
-    decay = jnp.exp(GP)
+    HI, LO = _cumulative_log_decay([g for _, _, g, _ in rows])
+    decay = jnp.exp(HI[-1] + LO[-1])
     S = S * (decay[:, None] if spec.per_channel_gate else decay)
-    for (k, u, _, live), Gi in zip(rows, Gs):
-        a = jnp.where(live, k * jnp.exp(GP - Gi), 0.0)
+    for i, (k, u, _, live) in enumerate(rows):
+        a = jnp.where(live, k * _decay_between(HI, LO, C - 1, i), 0.0)
         S = a[:, None] * u[None, :] + S
     return S
 
@@ -510,10 +523,10 @@ def _carried_fast_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, 
         def _():
             pool_out_ref[slot, h, :, cols] = S.astype(pool_out_ref.dtype)
 
-        G, xs_k, xs_q = None, [], []
-        for q, k, g in zip(qs, ks, gs):
-            G = g if G is None else G + g
-            d = jnp.exp(G)
+        xs_k, xs_q = [], []
+        HI, LO = _cumulative_log_decay(gs)
+        for q, k, hi, lo in zip(qs, ks, HI, LO):
+            d = jnp.exp(hi + lo)
             xs_k.append(k * d)
             xs_q.append(q * d)
         proj = _projections(S, xs_k + xs_q)
@@ -685,6 +698,8 @@ def _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pen
     b, t = q.shape[:2]
     hv, vd = spec.num_v_heads, spec.v_dim
     row_bank, row_pending = _row_counters(bank, pending, slots, pool.shape[0])
+    if spec.use_qk_l2norm and not spec.exact:  # raw Gram sums of rows normalised afterwards
+        q, k = dec.tame_huge_rows(q), dec.tame_huge_rows(k)
     if spec.exact:
         kernel = _carried_verify_kernel
         tokens = (q, k, v, g, beta)

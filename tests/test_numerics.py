@@ -175,6 +175,40 @@ def test_l2norm_any_finite_size(size):
     np.testing.assert_allclose(np.asarray(got), [[2 ** -0.5, -(2 ** -0.5), 0.0]], atol=1e-7)
 
 
+@pytest.mark.parametrize("path", ["prefill", "decode", "carried fast", "carried exact"])
+def test_kernels_take_huge_query_and_key_rows(path):
+    """q/k rows of any finite size through the kernels (interpret mode) with the L2 norm: the
+    same result as the rows at an ordinary scale (the norm makes the scale irrelevant)."""
+    import gdn_jax
+    from gdn_jax import carry as cv
+    from gdn_jax.state import DeltaPool
+    B, T, HK, HV, K = 2, (70 if path == "prefill" else 1 if path == "decode" else 3), 1, 2, 16
+    ks = jax.random.split(_key("huge rows", path), 6)
+    q, k = (jax.random.normal(x, (B, T, HK, K)) for x in ks[:2])
+    v = jax.random.normal(ks[2], (B, T, HV, K))
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, HV)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, HV)))
+    h0 = jax.random.normal(ks[5], (B, HV, K, K))
+    big = jnp.where(jnp.arange(T)[None, :, None, None] % 2 == 0, 3e38, 1e30) / 4.0
+
+    def run(q, k):
+        if path in ("prefill", "decode"):
+            return gdn_jax.gated_delta_rule(q, k, v, g, beta, initial_state=h0, impl="pallas",
+                                            use_qk_l2norm=True, output_final_state=True,
+                                            interpret=True)
+        pool = DeltaPool.init(B, num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=K)
+        pool = DeltaPool(jnp.array(h0, copy=True), pool.stash)  # donated
+        o, pool, _ = cv.carried_verify(q, k, v, g, beta, pool, jnp.arange(B, dtype=jnp.int32),
+                                       exact=path == "carried exact", use_qk_l2norm=True,
+                                       impl="pallas", interpret=True)
+        return o, cv.flush(pool, impl="reference").states
+
+    want_o, want_s = run(q, k)
+    o, s = run(q * big, k * big)
+    assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(s)))
+    assert rel_err(o, want_o) <= 1e-5 and rel_err(s, want_s) <= 1e-5
+
+
 def test_l2norm_unchanged_bit_for_bit_on_ordinary_inputs():
     x = 100.0 * jax.random.normal(_key("l2 plain"), (8, 128))
     plain = x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + ref.L2NORM_EPS)
@@ -199,12 +233,13 @@ def test_huge_queries_and_keys_through_the_sequence_path(impl):
 
 def _carried_rounds(kind, exact, impl, g_fill):
     """Two carried verify rounds of T = 3 (all accepted, so round two folds three pending rows)
-    and a flush; token 1 of each round has the gate g_fill. Returns (outputs, flushed pool)."""
-    from gdn_jax import verify as vf
+    and a flush; token 1 of each round has the gate g_fill. Returns (outputs, flushed states)."""
+    from gdn_jax import carry as cv
+    from gdn_jax.state import DeltaPool
     B, HK, HV, K, V, T = 2, 1, 2, 16, 16, 3
-    pool = jax.random.normal(_key("pool"), (B, HV, K, V))
-    stash = vf.DeltaStash.init(B, num_v_heads=HV, num_k_heads=HK, head_k_dim=K, head_v_dim=V,
-                               per_channel_gate=kind == "kda")
+    pool = DeltaPool.init(B, num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=V,
+                          per_channel_gate=kind == "kda")
+    pool = DeltaPool(jax.random.normal(_key("pool"), (B, HV, K, V)), pool.stash)
     slots = jnp.arange(B, dtype=jnp.int32)
     outs = []
     for r in range(2):
@@ -214,24 +249,20 @@ def _carried_rounds(kind, exact, impl, g_fill):
         g = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, HV) + ((K,) if kind == "kda" else ())))
         g = g.at[:, 1].set(g_fill)
         beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, HV)))
-        o, pool, stash = vf.carried_verify(q, k, v, g, beta, pool, stash, slots, exact=exact,
-                                           use_qk_l2norm=True, impl=impl,
-                                           interpret=impl == "pallas")
-        stash, _ = vf.accept(stash, slots, jnp.full((B,), T, jnp.int32))
+        o, pool, _ = cv.carried_verify(q, k, v, g, beta, pool, slots, exact=exact,
+                                       use_qk_l2norm=True, impl=impl, interpret=impl == "pallas")
+        pool, _ = cv.accept(pool, slots, jnp.full((B,), T, jnp.int32))
         outs.append(o)
-    pool, _ = vf.flush(pool, stash, impl="reference")
-    return jnp.stack(outs), pool
+    pool = cv.flush(pool, impl="reference")
+    return jnp.stack(outs), pool.states
 
 
 @pytest.mark.parametrize("impl, kind, g_fill", [("reference", "gdn", -jnp.inf),
+                                                 ("pallas", "gdn", -jnp.inf),
                                                  ("pallas", "kda", -3e38)])
-@pytest.mark.xfail(strict=True, reason="the fast carried verify forms exp(G_i - G_j) from plain "
-                   "cumulative sums of the gates (gdn_jax/verify.py _chain_wy, _fold_pending; "
-                   "pallas_kernels/gdn_verify.py): -inf - -inf = NaN. Fix: the gates through "
-                   "reference.chunk_log_decay (owned by another branch)")
 def test_fast_carried_verify_takes_minus_inf_gates(impl, kind, g_fill):
-    """-inf (today NaN) and -3e38 (today silently wrong: -3e38 - -3e38 = 0, no decay) gates in
-    the fast carried verify, against the exact flavour (token by token, which handles them)."""
+    """-inf and -3e38 gates in the fast carried verify (reference and kernel, pending-row fold
+    included) equal the exact flavour, token by token."""
     want_o, want_pool = _carried_rounds(kind, True, "reference", g_fill)
     assert np.all(np.isfinite(want_o)) and np.all(np.isfinite(want_pool))
     o, pool = _carried_rounds(kind, False, impl, g_fill)
