@@ -315,18 +315,26 @@ def test_sequence_choice_is_a_table():
         return gdn_jax.explain(op, sds(1, T, 1, 16), sds(1, T, 1, 16), sds(1, T, 2, 16), g,
                                sds(1, T, 2), impl=impl, interpret=interpret, **kw)
 
-    assert why("kda", 4096).impl == "chunked" and "prefill" in why("kda", 4096).reason
-    assert why("gdn", 4).impl == "reference"
+    prefill = gdn_jax.Choice("gated_delta_rule", "pallas", "chunked prefill")
+    assert why("gdn", 4096) == prefill and why("gdn", 2) == prefill
+    assert why("kda", 4096).family == "chunked prefill"
     assert why("gdn", 4096, "reference").impl == "reference"
     assert why("gdn", 1, "chunked").impl == "chunked"
     assert why("gdn", 1) == gdn_jax.Choice("gated_delta_rule", "pallas", "decode")
     assert why("kda", 1, "pallas").family == "decode"
-    assert why("gdn", 1, cu_seqlens=np.array([0, 1], np.int32)).impl == "reference"   # packed
-    off = why("gdn", 1, interpret=False)
+    assert why("gdn", 1, cu_seqlens=np.array([0, 1], np.int32)).family == "chunked prefill"
+    off = why("gdn", 4096, interpret=False)
     if jax.default_backend() != "gpu":
-        assert off.impl == "reference" and "GPU" in off.reason
-    with pytest.raises(ValueError, match="pallas.*T=2"):
-        why("gdn", 2, "pallas")
+        assert off.impl == "chunked" and "GPU" in off.reason
+        assert why("gdn", 4, interpret=False).impl == "reference"     # the scan below 16 tokens
+
+    def odd(T, impl="auto"):  # head dims the kernels cannot take (K = V = 24)
+        return gdn_jax.explain("gated_delta_rule", sds(1, T, 1, 24), sds(1, T, 1, 24),
+                               sds(1, T, 2, 24), sds(1, T, 2), sds(1, T, 2), impl=impl,
+                               interpret=True)
+    assert odd(4096).impl == "chunked" and "head_k_dim=24" in odd(4096).reason
+    with pytest.raises(ValueError, match="pallas.*head_k_dim=24"):
+        odd(2, "pallas")
 
 
 # ------------------------------------------------------------------ bad input
