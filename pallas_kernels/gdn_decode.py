@@ -25,7 +25,7 @@ Static flags of the one kernel body (`DecodeSpec`):
   * state dtype:     fp32, fp16 or bf16 state; math is fp32, one round-to-nearest-even per store.
 
 The per-token math lives in `token_update` (and its helpers `l2_normalize`, `gdn_gate_value`,
-`kda_gate_value`, `gated_rmsnorm_value`): plain jnp on in-register values, so any Pallas kernel
+`kda_gate_value`): plain jnp on in-register values, so any Pallas kernel
 body (the K-token verify in gdn_verify.py) can call them and get bit-identical results, provided
 it uses the same tile shape [K, tile_v] and num_warps (Triton's reduction order follows the
 layout).
@@ -53,7 +53,7 @@ __all__ = [
     "DecodeBlockSizes", "DecodeSpec", "TUNING_TABLE", "default_block_sizes", "unsupported_reason",
     "index_overflow_reason",
     "token_update", "l2_normalize", "softplus_value", "gdn_gate_value", "kda_gate_value",
-    "gated_rmsnorm_value", "gdn_decode",
+    "gdn_decode",
 ]
 
 
@@ -117,13 +117,6 @@ def token_update(S: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.
     S = S + k[:, None] * u[None, :]
     o = jnp.sum(q[:, None] * S, axis=0)
     return o, S
-
-
-def gated_rmsnorm_value(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float,
-                        activation: str) -> jax.Array:
-    """x * rsqrt(mean(x^2) + eps) * w * act(z) over one head's full V row, fp32."""
-    act = z * jax.nn.sigmoid(z) if activation == "silu" else jax.nn.sigmoid(z)
-    return o * lax.rsqrt(jnp.mean(o * o) + eps) * weight * act
 
 
 # --------------------------------------------------------------------------- tuning
