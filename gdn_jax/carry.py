@@ -242,7 +242,7 @@ def carried_verify(q, k, v, g, beta, pool: DeltaPool, slots, *, exact=True, scal
 def _carried_verify_pallas(q, k, v, g, beta, pool, stash, slots, *, exact, scale, use_qk_l2norm,
                            block, interpret):
     from pallas_kernels import gdn_verify as verify_kernel
-    o, pool, sk, su, sg, bank, pending, drafted = verify_kernel.carried_verify(
+    o, pool, sk, su, sg, bank, pending, drafted = verify_kernel.carried_verify_launch(
         q, k, v, g, beta, pool, stash.k, stash.u, stash.g, stash.bank, stash.pending, stash.drafted,
         slots, exact=exact, scale=scale, use_qk_l2norm=use_qk_l2norm, block=block,
         interpret=interpret)
@@ -386,7 +386,7 @@ def flush_validated(pool: DeltaPool, slots, *, impl="auto", interpret=None, bloc
 @functools.partial(jax.jit, static_argnames=("block", "interpret"), donate_argnames=("pool", "stash"))
 def _flush_pallas(pool, stash, slots, *, block, interpret):
     from pallas_kernels import gdn_verify as verify_kernel
-    pool = verify_kernel.flush(pool, stash.k, stash.u, stash.g, stash.bank, stash.pending, slots, block=block,
+    pool = verify_kernel.flush_launch(pool, stash.k, stash.u, stash.g, stash.bank, stash.pending, slots, block=block,
                       interpret=interpret)
     return pool, _after_flush(stash, slots)
 

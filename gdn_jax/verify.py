@@ -265,7 +265,7 @@ def verify_states(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=Fa
     slots = normalise_slots(slots, pool.shape[0])
     if choice.impl == "pallas":
         from pallas_kernels import gdn_verify as verify_kernel
-        return verify_kernel.verify_states(q, k, v, g, beta, pool, slots, scale=call.scale,
+        return verify_kernel.verify_states_launch(q, k, v, g, beta, pool, slots, scale=call.scale,
                                            use_qk_l2norm=call.use_qk_l2norm, block=block_sizes,
                                            interpret=dispatch.interpret_enabled(interpret))
     return _verify_states_ref(q, k, v, g, beta, pool, slots, scale=call.scale,

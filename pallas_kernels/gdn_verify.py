@@ -5,9 +5,11 @@ Per (batch row b, value head h) one program owns a [K, block_v] column slab of t
 slot = slots[b] (columns of the delta rule are independent). Slot -1 (or outside the pool) is
 padding: no state or stash traffic at all, output rows zero.
 
-  verify_states   read S once, run the T tokens in registers, write the T outputs and the
+Launchers (the public functions in gdn_jax.verify / gdn_jax.carry validate and call them):
+
+  verify_states_launch   read S once, run the T tokens in registers, write the T outputs and the
                   state after every token ([B, T, HV, K, V]); the pool is only read.
-  carried_verify  read S, fold the slot's pending stash rows (S <- exp(g) S + k u^T, one row per
+  carried_verify_launch  read S, fold the slot's pending stash rows (S <- exp(g) S + k u^T, one row per
                   accepted token of the previous verify), write the folded S once (only if
                   something was pending), run the T tokens in registers, write the T outputs
                   and stash each token's rows (k, u = beta (v - S^T k), g) in the slot's other
@@ -19,7 +21,7 @@ padding: no state or stash traffic at all, output rows zero.
                   solves its head's T x T WY scalars from them, folds the pending rows as one
                   rank-C update and forms all 2T projections k^T S, q^T S as one fp32 dot (see
                   "fast flavour" below).
-  flush           fold the pending rows of the named slots into H (exact fold).
+  flush_launch    fold the pending rows of the named slots into H (exact fold).
   accept_counts   the verdict: pending[slot] = accepted, drafted[slot] = 0 (one program per row;
                   one launch instead of XLA's gather and two scatters).
 
@@ -57,7 +59,8 @@ F32 = jnp.float32
 MAX_TOKENS = 4
 
 __all__ = ["VerifySpec", "VerifyBlockSizes", "TUNING_TABLE", "default_block_sizes",
-           "unsupported_reason", "delta_value", "fold_row", "verify_states", "carried_verify", "flush",
+           "unsupported_reason", "delta_value", "fold_row", "verify_states_launch",
+           "carried_verify_launch", "flush_launch",
            "accept_counts"]
 
 
@@ -642,7 +645,7 @@ def _compiler_params(block):
     return plgpu.CompilerParams(num_warps=block.num_warps, num_stages=block.num_stages)
 
 
-def verify_states(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=False,
+def verify_states_launch(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=False,
                   block: VerifyBlockSizes | None = None, interpret=False):
     """T tokens per row from pool[slots[b]], keeping every intermediate state.
 
@@ -672,7 +675,7 @@ def _verify_states_launch(q, k, v, g, beta, pool, slots, *, spec, block, interpr
     )(slots, q, k, v, g, beta, pool)
 
 
-def carried_verify(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pending, drafted, slots,
+def carried_verify_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pending, drafted, slots,
                    *, exact=True, scale=None, use_qk_l2norm=False,
                    block: VerifyBlockSizes | None = None, interpret=False):
     """Carried-state verify (see the module docstring). Stash arrays as gdn_jax.state.DeltaStash:
@@ -777,7 +780,7 @@ def _accept_launch(slots, accepted, pending, drafted, *, interpret):
     )(slots, accepted, pending, drafted)
 
 
-def flush(pool, stash_k, stash_u, stash_g, bank, pending, slots, *,
+def flush_launch(pool, stash_k, stash_u, stash_g, bank, pending, slots, *,
           block: VerifyBlockSizes | None = None, interpret=False):
     """Fold the pending rows of the named slots (slots [N] int32, -1 padding) into the pool.
     Returns the pool (aliased to its input: donate it). The caller zeroes pending after."""

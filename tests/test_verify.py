@@ -469,7 +469,7 @@ def test_bad_inputs_raise_value_error_naming_the_argument():
         vf.commit_states(pool, states.astype(jnp.int32), ok, jnp.asarray([1, 1, 0], jnp.int32))
     with pytest.raises(AssertionError, match="^num_tokens=5 exceeds the stash capacity"):  # launcher
         q5 = jnp.concatenate([q, q[:, :2]], 1)
-        kv.carried_verify(q5, q5, jnp.concatenate([v, v[:, :2]], 1), jnp.concatenate([g, g[:, :2]], 1),
+        kv.carried_verify_launch(q5, q5, jnp.concatenate([v, v[:, :2]], 1), jnp.concatenate([g, g[:, :2]], 1),
                           jnp.concatenate([beta, beta[:, :2]], 1), pool, stash.k, stash.u, stash.g,
                           stash.bank, stash.pending, stash.drafted, ok, interpret=True)
 
