@@ -134,7 +134,7 @@ def _prefill_run(spec, q, k, v, g, beta, initial_state, cu_seqlens):
     o, final, _ = prefill.gdn_prefill(q, k, v, g, beta, scale=spec.scale,
                                       initial_state=initial_state, output_final_state=True,
                                       use_qk_l2norm=spec.use_qk_l2norm, cu_seqlens=cu_seqlens,
-                                      interpret=dispatch.interpret_enabled())
+                                      impl="pallas", interpret=dispatch.interpret_enabled())
     return o, final
 
 

@@ -19,12 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdn_jax import dispatch
 from gdn_jax import reference as ref
 from pallas_kernels import gdn_prefill as kern
 
 CHUNK = kern.CHUNK
 
-__all__ = ["ChunkStates", "gdn_prefill", "gdn_prefill_pool", "prefill_kernel_reason", "CHUNK"]
+__all__ = ["ChunkStates", "gdn_prefill", "gdn_prefill_pool", "reference_prefill_pool",
+           "prefill_kernel_reason", "CHUNK"]
 
 
 class ChunkStates(NamedTuple):
@@ -46,6 +48,33 @@ def prefill_kernel_reason(*, head_k_dim: int, head_v_dim: int, backend: str,
     spec = kern.PrefillSpec(num_k_heads=1, num_v_heads=1, head_k_dim=head_k_dim,
                             head_v_dim=head_v_dim, scale=1.0)
     return kern.unsupported_reason(spec)
+
+
+def _kernel_runs(impl, interpret, head_k_dim, head_v_dim) -> bool:
+    """The dispatch rule for these entry points: "reference" runs the pure-JAX path, "pallas" the
+    kernels (ValueError with the reason when they cannot run here), "auto" the kernels when they
+    can, else the pure-JAX path."""
+    if impl not in ("auto", "pallas", "reference"):
+        raise ValueError(f"impl must be one of ('auto', 'pallas', 'reference'), got {impl!r}")
+    if impl == "reference":
+        return False
+    reason = prefill_kernel_reason(head_k_dim=head_k_dim, head_v_dim=head_v_dim,
+                                   backend=jax.default_backend(),
+                                   interpret=dispatch.interpret_enabled(interpret))
+    if reason is not None and impl == "pallas":
+        raise ValueError(f"impl='pallas': {reason}")
+    return reason is None
+
+
+def _raw_to_gates(g, beta, A_log, dt_bias, lower_bound):
+    if A_log is None:
+        return g, beta
+    if g.ndim == 4:
+        HV, K = g.shape[2], g.shape[3]
+        g = ref.kda_gate(g, A_log, jnp.reshape(dt_bias, (HV, K)), lower_bound=lower_bound)
+    else:
+        g = ref.gdn_gate(g, A_log, dt_bias)
+    return g, ref.gdn_beta(beta)
 
 
 def _pack(x):
@@ -77,7 +106,7 @@ def _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, *, scale, use_qk_l
 
 def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=True,
                 use_qk_l2norm=False, cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None,
-                chunk_states=False, interpret=False):
+                chunk_states=False, impl="auto", interpret=None):
     """GDN over whole prompts with the chunked Pallas kernels (validated by the caller's front
     door, or call it directly with FLA-layout arrays).
 
@@ -87,9 +116,22 @@ def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
     `lower_bound` < 0 for the GLM form g = lb * sigmoid(exp(A_log) * (a + dt_bias))).
     cu_seqlens [N + 1]: B = 1 packed sequences (empty and one-token ones legal).
     initial_state [N, HV, K, V]. Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V]
-    in initial_state's dtype (fp32 without one) or None, ChunkStates or None)."""
+    in initial_state's dtype (fp32 without one) or None, ChunkStates or None).
+    impl: "auto" (the kernels where they run: a GPU or `gdn_jax.interpret()`), "pallas",
+    "reference" (the public sequence function with impl="chunked"; no chunk states)."""
     B, T = q.shape[:2]
     K, V = q.shape[3], v.shape[3]
+    if not _kernel_runs(impl, interpret, K, V):
+        if chunk_states:
+            raise ValueError("chunk_states=True needs the prefill kernels (a GPU, or "
+                             "gdn_jax.interpret()); split the call at the positions instead")
+        from gdn_jax.ops import gated_delta_rule, kda
+        g, beta = _raw_to_gates(g, beta, A_log, dt_bias, lower_bound)
+        o, final = (kda if g.ndim == 4 else gated_delta_rule)(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
+            cu_seqlens=cu_seqlens, impl="chunked")
+        return o, final, None
     scale = float(K ** -0.5 if scale is None else scale)
     cu = (jnp.arange(B + 1, dtype=jnp.int32) * T if cu_seqlens is None
           else jnp.asarray(cu_seqlens, jnp.int32))
@@ -100,7 +142,8 @@ def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
                             scale=scale, use_qk_l2norm=bool(use_qk_l2norm), raw_gates=raw,
                             lower_bound=None if lower_bound is None else float(lower_bound),
                             output_final_state=bool(output_final_state),
-                            chunk_states=bool(chunk_states), interpret=bool(interpret))
+                            chunk_states=bool(chunk_states),
+                            interpret=dispatch.interpret_enabled(interpret))
     return o, final if output_final_state else None, chunks
 
 
@@ -123,13 +166,14 @@ def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, *, scale, use_q
 
 
 def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=False,
-                     cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None, interpret=False):
+                     cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None, impl="auto",
+                     interpret=None):
     """Prefill that lands in a state pool: sequence n starts from pool[slots[n]] and its final
     state is written there, in place (the pool is donated: use the returned one). A slot outside
     [0, P) (-1 by convention) is padding: nothing is read or written and its outputs are zero;
     slots not named keep their bits. Shapes as `gdn_prefill`; pool [P, HV, K, V] (fp32, fp16 or
     bf16: math in fp32, one rounding at the store); slots [N] int32 (N = B, or len(cu_seqlens)-1).
-    Returns (o, pool)."""
+    impl as `gdn_prefill` ("reference": `reference_prefill_pool`). Returns (o, pool)."""
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else int(np.shape(cu_seqlens)[0]) - 1
@@ -144,6 +188,10 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
                          f"{slots.shape} dtype {slots.dtype}")
     if (A_log is None) != (dt_bias is None):
         raise ValueError("A_log and dt_bias must be given together (raw gates) or not at all")
+    if not _kernel_runs(impl, interpret, K, V):
+        return reference_prefill_pool(q, k, v, g, beta, pool, slots, scale=scale,
+                                      use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
+                                      A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     scale = float(K ** -0.5 if scale is None else scale)
     cu = (jnp.arange(B + 1, dtype=jnp.int32) * T if cu_seqlens is None
           else jnp.asarray(cu_seqlens, jnp.int32))
@@ -153,19 +201,13 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
                      None if not raw else jnp.asarray(dt_bias, jnp.float32),
                      scale=scale, use_qk_l2norm=bool(use_qk_l2norm), raw_gates=raw,
                      lower_bound=None if lower_bound is None else float(lower_bound),
-                     interpret=bool(interpret))
+                     interpret=dispatch.interpret_enabled(interpret))
 
 
 def reference_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=False,
                            cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None):
     """The pure-JAX meaning of `gdn_prefill_pool` (the oracle its kernel is tested against)."""
-    if A_log is not None:
-        if g.ndim == 4:
-            HV, K = g.shape[2], g.shape[3]
-            g = ref.kda_gate(g, A_log, jnp.reshape(dt_bias, (HV, K)), lower_bound=lower_bound)
-        else:
-            g = ref.gdn_gate(g, A_log, dt_bias)
-        beta = ref.gdn_beta(beta)
+    g, beta = _raw_to_gates(g, beta, A_log, dt_bias, lower_bound)
     P = pool.shape[0]
     slots = jnp.asarray(slots, jnp.int32)
     live = (slots >= 0) & (slots < P)

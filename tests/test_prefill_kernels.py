@@ -361,3 +361,29 @@ def test_kda_prefill_pool_lower_bound_gate(mode):
     assert rel_err(o, want_o) <= 1e-5
     assert rel_err(got[:2], want_pool[:2]) <= 1e-5
     assert np.array_equal(np.asarray(got[2:]), pool_np[2:])  # the argument pool was donated
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the no-kernel path is the CPU's")
+def test_prefill_entry_points_without_a_kernel():
+    """Off a GPU and outside interpret mode: "auto" runs the pure-JAX path, "pallas" and chunk
+    states say why they cannot run; `gdn_jax.interpret()` switches the kernels on."""
+    import gdn_jax
+    from gdn_jax.prefill import gdn_prefill, gdn_prefill_pool, reference_prefill_pool
+    q, k, v, g, beta, h0, cu = _packed_inputs(41, [20, 9], HK=1, HV=2, K=16, V=16)
+    args = (q[None], k[None], v[None], g[None], beta[None])
+    o, hT, chunks = gdn_prefill(*args, cu_seqlens=cu, initial_state=h0, use_qk_l2norm=True)
+    ro, rs = _oracle(q, k, v, g, beta, h0, cu)
+    assert chunks is None and rel_err(o[0], ro) <= 1e-5 and rel_err(hT, rs) <= 1e-5
+    with pytest.raises(ValueError, match="impl='pallas'.*GPU"):
+        gdn_prefill(*args, cu_seqlens=cu, impl="pallas")
+    with pytest.raises(ValueError, match="chunk_states"):
+        gdn_prefill(*args, cu_seqlens=cu, chunk_states=True)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        gdn_prefill(*args, cu_seqlens=cu, impl="chunked")
+    pool, slots = jnp.asarray(np.asarray(h0)), jnp.asarray([1, 0], jnp.int32)
+    want = reference_prefill_pool(*args, pool, slots, cu_seqlens=cu)
+    got = gdn_prefill_pool(*args, jnp.array(pool, copy=True), slots, cu_seqlens=cu)
+    assert rel_err(got[0], want[0]) <= 1e-6 and rel_err(got[1], want[1]) <= 1e-6
+    with gdn_jax.interpret():
+        _, _, chunks = gdn_prefill(*args, cu_seqlens=cu, chunk_states=True)
+    assert np.asarray(chunks.count).tolist() == [1, 1]
