@@ -83,6 +83,21 @@ def test_check_passes_and_writes_json(tmp_path, capsys):
     assert all(r["rel_err"] is not None for r in rows if r["status"] == "pass")
 
 
+def test_check_runs_the_prefill_kernels_and_carried_verify(tmp_path):
+    """T > 1 under impl="pallas" is the chunked prefill kernel (dense, packed, into a pool), and
+    carried verify goes through a DeltaPool: every such row runs (interpret mode) and passes."""
+    path = tmp_path / "check.json"
+    rc = main(["check", *SMALL, "--seq-len", "70", "--draft-tokens", "2",
+               "--ops", "gdn,prefill_pool,carried_verify", "--json", str(path)])
+    rows = json.loads(path.read_text())["rows"]
+    assert rc == 0
+    by = {(r["op"], r["impl"]): r["status"] for r in rows}
+    for key in (("gdn", "pallas"), ("gdn varlen", "pallas"), ("prefill_pool", "pallas"),
+                ("prefill_pool", "reference"), ("carried_verify", "pallas (exact)"),
+                ("carried_verify", "pallas (fast)")):
+        assert by[key] == "pass", (key, by)
+
+
 def test_check_fails_on_a_wrong_implementation(monkeypatch, capsys):
     """The harness can fail: an implementation that is off by 1e-3 is a FAIL and exit status 1."""
     from gdn_jax import decode as dec
