@@ -35,7 +35,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-3, "float16": 5e-3}
-OPERATIONS = ("gdn", "kda", "decode", "decode_kda", "decode_pool", "verify", "carried_verify")
+OPERATIONS = ("gdn", "kda", "prefill_pool", "decode", "decode_kda", "decode_pool", "verify",
+              "carried_verify")
 
 
 @dataclasses.dataclass
@@ -192,13 +193,16 @@ def _sequence_rows(kind: str, s: Shapes, dtype: str, seed: int, on_gpu: bool, pr
     # packed variable-length input: the batch's rows laid end to end with unequal lengths
     if varlen and s.seq_len >= 4:
         cut = [0] + sorted({max(1, s.seq_len // 3), s.seq_len})
-        for impl in ("chunked",):
+        for impl in ("chunked", "pallas"):
             def run_varlen(impl=impl):
                 import jax.numpy as jnp
                 n = len(cut) - 1
-                o, st = fn(*(x[:1] for x in (q, k, v, g, beta)), initial_state=jnp.repeat(h0[:1], n, 0),
-                           output_final_state=True, use_qk_l2norm=True, impl=impl,
-                           cu_seqlens=np.asarray(cut, np.int32))
+                ctx = (_interpret_context() if impl == "pallas" and not on_gpu
+                       else contextlib.nullcontext())
+                with ctx:
+                    o, st = fn(*(x[:1] for x in (q, k, v, g, beta)), initial_state=jnp.repeat(h0[:1], n, 0),
+                               output_final_state=True, use_qk_l2norm=True, impl=impl,
+                               cu_seqlens=np.asarray(cut, np.int32))
                 errs = []
                 for i, (a, b) in enumerate(zip(cut[:-1], cut[1:])):
                     ow, sw = oracle_delta_rule(*(x[:1, a:b] for x in (q, k, v, g, beta)), h0[:1])
@@ -260,10 +264,47 @@ def _pool_rows(s: Shapes, dtype: str, seed: int, on_gpu: bool, progress):
     return rows
 
 
-def _verify_rows(op: str, s: Shapes, dtype: str, seed: int, on_gpu: bool, progress):
-    """verify_states (T outputs + T states) or carried_verify + accept(all T) + flush."""
+def _prefill_pool_rows(s: Shapes, dtype: str, seed: int, on_gpu: bool, progress):
+    """The prefill kernel landing in a state pool (B + 2 slots, the last row padding, slot -1)
+    against `reference_prefill_pool` and the float64 oracle."""
     import jax
     import jax.numpy as jnp
+    from gdn_jax import prefill as pf
+    q, k, v, g, beta, _ = _inputs(seed, s, s.seq_len, dtype, per_channel=False)
+    b = s.batch
+    pool = 0.1 * jax.random.normal(jax.random.PRNGKey(seed + 9),
+                                   (b + 2, s.num_v_heads, s.head_k_dim, s.head_v_dim))
+    slots = np.arange(b, dtype=np.int32)[::-1] + 2
+    slots[-1] = -1
+    live = slots >= 0
+    o_want, states = oracle_delta_rule(q, k, v, g, beta, np.asarray(pool)[np.maximum(slots, 0)])
+    pool_want = np.asarray(pool, np.float64).copy()
+    pool_want[slots[live]] = states[live, -1]
+    rows = []
+    for impl in ("reference", "pallas"):
+        def run(impl=impl):
+            if impl == "reference":
+                o, p = pf.reference_prefill_pool(q, k, v, g, beta, jnp.copy(pool), jnp.asarray(slots),
+                                                 use_qk_l2norm=True)
+            else:
+                o, p = pf.gdn_prefill_pool(q, k, v, g, beta, jnp.copy(pool), jnp.asarray(slots),
+                                           use_qk_l2norm=True, interpret=not on_gpu)
+            jax.block_until_ready((o, p))
+            o = np.asarray(o, np.float64)
+            if np.any(o[~live] != 0):
+                raise AssertionError("padding row (slot -1) has a non-zero output")
+            return max(rel_err(o[live], o_want[live]), rel_err(p, pool_want))
+        rows.append(_row("prefill_pool", impl, dtype, f"B={b} T={s.seq_len} slots={b + 2} "
+                         "(1 padding row)", run, progress))
+    return rows
+
+
+def _verify_rows(op: str, s: Shapes, dtype: str, seed: int, on_gpu: bool, progress):
+    """verify_states (T outputs + T states) or carried_verify + accept(all T) + flush, with the
+    carried state in a `DeltaPool`."""
+    import jax
+    import jax.numpy as jnp
+    from gdn_jax import carry
     from gdn_jax import verify as vf
     t = s.draft_tokens
     q, k, v, g, beta, h0 = _inputs(seed, s, t, dtype, per_channel=False)
@@ -281,14 +322,18 @@ def _verify_rows(op: str, s: Shapes, dtype: str, seed: int, on_gpu: bool, progre
                                              impl=impl, interpret=not on_gpu)
                     jax.block_until_ready((o, st))
                     return max(rel_err(o, o_want), rel_err(st, states))
-                stash = vf.DeltaStash.init(b, num_v_heads=s.num_v_heads, num_k_heads=s.num_k_heads,
-                                           head_k_dim=s.head_k_dim, head_v_dim=s.head_v_dim)
-                o, pool, stash = vf.carried_verify(q, k, v, g, beta, pool, stash, slots, exact=exact,
-                                                   use_qk_l2norm=True, impl=impl,
-                                                   interpret=not on_gpu)
-                stash, _ = vf.accept(stash, slots, jnp.full((b,), t, jnp.int32))
-                pool, stash = vf.flush(pool, stash, slots, impl=impl, interpret=not on_gpu)
-                jax.block_until_ready((o, pool))
+                dpool = carry.DeltaPool(states=pool, stash=carry.DeltaStash.init(
+                    b, num_v_heads=s.num_v_heads, num_k_heads=s.num_k_heads,
+                    head_k_dim=s.head_k_dim, head_v_dim=s.head_v_dim))
+                o, dpool, refused = carry.carried_verify(q, k, v, g, beta, dpool, slots, exact=exact,
+                                                         use_qk_l2norm=True, impl=impl,
+                                                         interpret=not on_gpu)
+                dpool, invalid = carry.accept(dpool, slots, jnp.full((b,), t, jnp.int32))
+                dpool = carry.flush(dpool, slots, impl=impl, interpret=not on_gpu)
+                jax.block_until_ready((o, dpool))
+                if np.any(np.asarray(refused)) or np.any(np.asarray(invalid)):
+                    raise AssertionError("a live row was refused by verify or flagged by accept")
+                pool = dpool.states
                 return max(rel_err(o, o_want), rel_err(np.asarray(pool)[::-1], states[:, -1]))
             label = impl + (f" ({name})" if name else "")
             rows.append(_row(op, label, dtype, f"B={b} T={t} HV={s.num_v_heads} K={s.head_k_dim} "
@@ -378,6 +423,8 @@ def run_check(shapes: Shapes = Shapes(), *, dtypes: Sequence[str] = ("float32", 
                                        varlen=dtype == dtypes[0])
             elif op in ("decode", "decode_kda"):
                 rows += _decode_rows(op, shapes, dtype, seed, on_gpu, progress)
+            elif op == "prefill_pool":
+                rows += _prefill_pool_rows(shapes, dtype, seed, on_gpu, progress)
             elif op == "decode_pool":
                 rows += _pool_rows(shapes, dtype, seed, on_gpu, progress)
             else:

@@ -57,35 +57,38 @@ def _package_version(name: str) -> str | None:
 def auto_choices(backend: str) -> list[dict[str, str]]:
     """Which implementation `impl="auto"` picks for typical calls on `backend`, and why.
 
-    Every call into the library's selection functions is in this one function (pure: no device
-    work), so a change of the dispatch API changes only this place."""
+    Every question to the library's dispatch is in this one function (pure: no device work):
+    arguments are `jax.ShapeDtypeStruct`s read by the operation's own argument reader, and
+    `gdn_jax.dispatch.select` answers for the named backend."""
+    import jax
     import jax.numpy as jnp
-    from gdn_jax import ops
-    from gdn_jax.decode import select_decode_impl
-    from pallas_kernels import gdn_decode as dk
+    from gdn_jax import dispatch
 
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    S = jax.ShapeDtypeStruct
+    hk, hv, kd, vd = 16, 32, 128, 128
+
+    def seq_args(b, t, kda, dt):
+        g = S((b, t, hv, kd) if kda else (b, t, hv), f32)
+        return (S((b, t, hk, kd), dt), S((b, t, hk, kd), dt), S((b, t, hv, vd), dt), g,
+                S((b, t, hv), f32))
+
+    calls = []
+    for fn, t in (("gated_delta_rule", 8192), ("gated_delta_rule", 64), ("kda", 8192),
+                  ("gated_delta_rule", 1)):
+        calls.append((fn, f"{fn}, B=1 T={t} HK={hk} HV={hv} K=V={kd}, bf16",
+                      seq_args(1, t, fn == "kda", bf16), {}))
+    for b, sdt, kdim in ((128, f32, kd), (128, bf16, kd), (8, f32, 96)):
+        calls.append(("gdn_decode", f"gdn_decode (T=1), B={b} K={kdim} V={vd}, "
+                      f"{jnp.dtype(sdt).name} state",
+                      (S((b, hk, kdim), bf16), S((b, hk, kdim), bf16), S((b, hv, vd), bf16),
+                       S((b, hv), f32), S((b, hv), f32), S((b, hv, kdim, vd), sdt)), {}))
     rows = []
-    for kind, t in (("gdn", 8192), ("gdn", 8), ("kda", 8192)):
-        fn = "gated_delta_rule" if kind == "gdn" else "kda"
-        choice = ops.select_impl("auto", seq_len=t, kind=kind)
-        why = (f"T >= {ops.AUTO_CHUNKED_MIN_T}: the pure-JAX WY chunk form" if choice == "chunked"
-               else f"T < {ops.AUTO_CHUNKED_MIN_T}: the token-serial scan is as fast and simpler")
-        try:
-            ops.select_impl("pallas", seq_len=t, kind=kind)
-        except ValueError as e:
-            why += f"; no kernel: {str(e).split(':', 1)[-1].split('; use')[0].strip()}"
-        rows.append({"call": f"{fn}, B=1 T={t} HK=16 HV=32 K=V=128", "choice": choice, "why": why})
-    for b, sdt, kd, norm in ((128, jnp.float32, 128, False), (128, jnp.float16, 128, False),
-                             (128, jnp.float32, 128, True), (8, jnp.float32, 96, False)):
-        spec = dk.DecodeSpec(num_k_heads=16, num_v_heads=32, k_dim=kd, v_dim=128, scale=kd ** -0.5,
-                             use_qk_l2norm=True, fused_norm=norm)
-        block = dk.default_block_sizes(b, 128, sdt, norm)
-        c = select_decode_impl("auto", backend=backend, spec=spec, block=block, state_dtype=sdt,
-                               num_state_elements=b * 32 * kd * 128)
-        what = f"decode (T=1), B={b} K={kd} V=128, {jnp.dtype(sdt).name} state" + (
-            ", fused norm" if norm else "")
-        rows.append({"call": what, "choice": c.impl,
-                     "why": c.reason or "the Pallas decode kernel takes this call"})
+    for op, what, args, kwargs in calls:
+        spec = dispatch._operation(op).spec_of(*args, **kwargs)
+        c = dispatch.select(op, spec, "auto", backend=backend, log=False)
+        rows.append({"call": what, "choice": c.impl, "family": c.family or "",
+                     "why": c.reason or f"the Pallas {c.family} kernel takes this call"})
     return rows
 
 
@@ -108,6 +111,10 @@ def env_report() -> dict[str, Any]:
     }
 
 
+def _choice_str(row: dict[str, str]) -> str:
+    return row["choice"] + (f" ({row['family']})" if row.get("family") else "")
+
+
 def _env(args: argparse.Namespace) -> int:
     rep = env_report()
     if args.json:
@@ -125,11 +132,11 @@ def _env(args: argparse.Namespace) -> int:
     print('\nimpl="auto" on this backend picks:')
     width = max(len(r["call"]) for r in rep["auto"])
     for r in rep["auto"]:
-        print(f"  {r['call']:<{width}}  -> {r['choice']:<10} {r['why']}")
+        print(f"  {r['call']:<{width}}  -> {_choice_str(r):<26} {r['why']}")
     if rep["auto_on_gpu"]:
         print('\nand on a GPU would pick:')
         for r in rep["auto_on_gpu"]:
-            print(f"  {r['call']:<{width}}  -> {r['choice']:<10} {r['why']}")
+            print(f"  {r['call']:<{width}}  -> {_choice_str(r):<26} {r['why']}")
     return 0
 
 

@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import pathlib
+import re
 
 import jax
 import pytest
@@ -76,10 +77,14 @@ def test_smoke_writes_only_what_is_asked(tmp_path, monkeypatch, capsys):
 def test_decode_smoke(tmp_path, capsys):
     from gdn_jax.bench import decode
     path = tmp_path / "d.json"
-    assert decode.main(["--smoke", "--state-dtypes", "float32", "--json", str(path)]) == 0
+    assert decode.main(["--smoke", "--sweep", "--state-dtypes", "float32", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
     assert [r["B"] for r in rows] == [1, 3] and all(r["rel_err"] < 5e-3 for r in rows)
-    assert "measured in this run" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "measured in this run" in out
+    # the sweep builds plain DecodeBlockSizes (block_v/tile_v/num_warps) and times them
+    sweep = [ln for ln in out.splitlines() if ln.startswith("- float32 B=")]
+    assert sweep and all(re.search(r"\d+/\d+/\d+ [\d.]+", ln) for ln in sweep)
 
 
 def test_prefill_smoke_reports_unavailable_impl_in_one_line(capsys):
@@ -89,6 +94,15 @@ def test_prefill_smoke_reports_unavailable_impl_in_one_line(capsys):
     assert "Traceback" not in out
     lines = [ln for ln in out.splitlines() if ln.startswith("[bench prefill] impl='pallas'")]
     assert len(lines) <= 1
+
+
+def test_prefill_smoke_times_the_chunked_prefill_kernel(tmp_path):
+    """impl="pallas" for T > 1 is the chunked prefill kernel (interpret mode in --smoke)."""
+    from gdn_jax.bench import prefill
+    path = tmp_path / "p.json"
+    assert prefill.main(["--smoke", "--no-varlen", "--impls", "chunked,pallas", "--json", str(path)]) == 0
+    who = [r["who"] for r in json.loads(path.read_text())["rows"]]
+    assert "ours impl=pallas" in who and "ours impl=chunked" in who
 
 
 def test_write_section_replaces_only_its_section(tmp_path):

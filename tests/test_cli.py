@@ -51,7 +51,7 @@ def test_env_json(tmp_path, capsys):
     rep = json.loads(path.read_text())
     assert rep["gdn_jax"] and rep["devices"] and rep["packages"]["jax"]
     assert "impl=\"auto\"" in capsys.readouterr().out
-    decode_rows = [r for r in rep["auto"] if r["call"].startswith("decode")]
+    decode_rows = [r for r in rep["auto"] if r["call"].startswith("gdn_decode")]
     assert decode_rows and all(r["choice"] in ("pallas", "reference") and r["why"] for r in decode_rows)
     if rep["backend"] != "gpu":
         assert all(r["choice"] == "reference" and "GPU" in r["why"] for r in decode_rows)
@@ -59,6 +59,12 @@ def test_env_json(tmp_path, capsys):
         k96 = next(r for c, r in gpu.items() if "K=96" in c)
         assert k96["choice"] == "reference" and "K=96" in k96["why"]
         assert any(r["choice"] == "pallas" for r in gpu.values())
+        # on a GPU, sequences go to the chunked prefill kernels (GDN and KDA), T = 1 to decode
+        for fn in ("gated_delta_rule", "kda"):
+            long = gpu[next(c for c in gpu if c.startswith(f"{fn}, B=1 T=8192"))]
+            assert (long["choice"], long["family"]) == ("pallas", "chunked prefill")
+        one = gpu[next(c for c in gpu if c.startswith("gated_delta_rule, B=1 T=1 "))]
+        assert (one["choice"], one["family"]) == ("pallas", "decode")
     seq = next(r for r in rep["auto"] if r["call"].startswith("gated_delta_rule, B=1 T=8192"))
     assert seq["choice"] == "chunked"
 
@@ -75,6 +81,21 @@ def test_check_passes_and_writes_json(tmp_path, capsys):
     assert by[("verify", "pallas")]["status"] == "pass"
     assert all(r["status"] in ("pass", "n/a") for r in rows)
     assert all(r["rel_err"] is not None for r in rows if r["status"] == "pass")
+
+
+def test_check_runs_the_prefill_kernels_and_carried_verify(tmp_path):
+    """T > 1 under impl="pallas" is the chunked prefill kernel (dense, packed, into a pool), and
+    carried verify goes through a DeltaPool: every such row runs (interpret mode) and passes."""
+    path = tmp_path / "check.json"
+    rc = main(["check", *SMALL, "--seq-len", "70", "--draft-tokens", "2",
+               "--ops", "gdn,prefill_pool,carried_verify", "--json", str(path)])
+    rows = json.loads(path.read_text())["rows"]
+    assert rc == 0
+    by = {(r["op"], r["impl"]): r["status"] for r in rows}
+    for key in (("gdn", "pallas"), ("gdn varlen", "pallas"), ("prefill_pool", "pallas"),
+                ("prefill_pool", "reference"), ("carried_verify", "pallas (exact)"),
+                ("carried_verify", "pallas (fast)")):
+        assert by[key] == "pass", (key, by)
 
 
 def test_check_fails_on_a_wrong_implementation(monkeypatch, capsys):

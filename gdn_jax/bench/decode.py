@@ -135,17 +135,11 @@ def _check(b, state_dtype, block):
 
 
 def _sweep_blocks(sdt, b, best_so_far=()):
-    """Block shapes to time besides the tuning-table entry. Sweeps of 2026-11-30
-    (BENCHMARKS.md, docs/decode.md): single tiles of 16..128 columns with 1..8 warps, then programs
-    walking several tiles or heads with a register prefetch; the spread among the best five was
-    under 2%, and the table holds the winners. This list re-times the runners-up."""
+    """Block shapes to time besides the tuning-table entry: single programs of 32, 64 and 128
+    value columns, and 128 columns walked in two tiles of 64 (the table holds the winners of the
+    sweeps recorded in BENCHMARKS.md; this list re-times the runners-up)."""
     from pallas_kernels.gdn_decode import DecodeBlockSizes as D
-    if sdt == "float16":
-        return [D(128, None, 8), D(64, None, 4), D(128, 64, 4, prefetch=False)]
-    if b <= 8:
-        return [D(128, 64, 4), D(16, None, 2), D(64, None, 4)]
-    return [D(128, None, 4), D(64, None, 4), D(128, 64, 8), D(128, 64, 4, heads=2),
-            D(128, 64, 4, evict_first=True)]
+    return [D(32), D(64), D(128, 64), D(128)]
 
 
 def _probes(args):
@@ -184,12 +178,9 @@ def _probes(args):
 
 
 def _blk_str(bk: dict) -> str:
+    """block_v/tile_v/num_warps, with "sN" when num_stages is not 1."""
     s = f"{bk['block_v']}/{bk['tile_v'] or bk['block_v']}/{bk['num_warps']}"
-    if bk.get("heads", 1) > 1:
-        s += f"x{bk['heads']}"
-    if not bk.get("prefetch", True) and (bk.get("heads", 1) > 1 or bk["tile_v"]):
-        s += "np"
-    return s + ("ef" if bk["evict_first"] else "")
+    return s + (f"s{bk['num_stages']}" if bk.get("num_stages", 1) != 1 else "")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -247,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         state_dtype = jnp.dtype(sdt)
         table = kern.default_block_sizes(b, V, state_dtype, False)
         cands = [table] + ([c for c in _sweep_blocks(sdt, b)
-                            if c != table and c.block_v <= V and HV % c.heads == 0]
+                            if c != table and c.block_v <= V]
                            if args.sweep else [])
         args_b = _inputs(b, state_dtype, seed=i)
         timings = []
@@ -313,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.sweep:
             D = kern.DecodeBlockSizes
             for blk in (D(V, None, 4), D(V, None, 8), D(V, V // 2, 4), D(V, V // 4, 4),
-                        D(V, V // 2, 4, heads=2), D(V, V // 2, 8)):
+                        D(V, V // 2, 8)):
                 st = lambda q, k, v, g, beta, s, blk=blk: dec.gdn_decode(
                     q, k, v, g, beta, s, z=z, norm_weight=w, impl="pallas", interpret=INTERPRET,
                     block_sizes=blk)
@@ -393,8 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{_blk_str(bk)} {t:.1f}" for t, bk in norm_sweep))
     if args.sweep:
         lines.append("")
-        lines.append("Block-shape sweep (us; block_v/tile/warps, xN = N heads per program, "
-                     "np = no prefetch, ef = evict-first):")
+        lines.append("Block-shape sweep (us; block_v/tile/warps, sN = N pipeline stages):")
         for c in rows:
             lines.append(f"- {c['state']} B={c['B']}: " + ", ".join(
                 f"{_blk_str(bk)} {t:.1f}" for t, bk in c["sweep"]))
