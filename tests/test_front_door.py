@@ -124,8 +124,9 @@ def test_public_functions_and_a_block_run_through_the_kernels_in_interpret_mode(
     results match the pure-JAX paths."""
     from pallas_kernels import gdn_decode as dk, gdn_verify as vk, state_convert as ck
     launched = []
-    for mod, name in ((dk, "gdn_decode"), (vk, "verify_states"), (vk, "carried_verify"),
-                      (vk, "accept_counts"), (vk, "flush"), (ck, "convert_state")):
+    for mod, name in ((dk, "gdn_decode"), (vk, "verify_states_launch"),
+                      (vk, "carried_verify_launch"), (vk, "accept_counts"), (vk, "flush_launch"),
+                      (ck, "convert_state")):
         orig = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **kw: (launched.append(_n), _o(*a, **kw))[1])
     q, k, v, g, beta, h0 = _step(4)
@@ -145,8 +146,8 @@ def test_public_functions_and_a_block_run_through_the_kernels_in_interpret_mode(
     assert y16.dtype == BF16
     assert rel_err(ov, oc) <= 1e-6
     assert rel_err(dp.states[1], states[0, 1]) <= 1e-6
-    assert set(launched) == {"gdn_decode", "convert_state", "verify_states", "carried_verify",
-                             "accept_counts", "flush"}
+    assert set(launched) == {"gdn_decode", "convert_state", "verify_states_launch",
+                             "carried_verify_launch", "accept_counts", "flush_launch"}
     # a Flax block: a single-token call and the serving decode run the decode kernel
     launched.clear()
     from gdn_jax.layers import GDNConfig, Qwen3NextGatedDeltaNet
@@ -159,7 +160,7 @@ def test_public_functions_and_a_block_run_through_the_kernels_in_interpret_mode(
     y2, serving = block.decode(x, serving, jnp.asarray([2, 0], jnp.int32))
     monkeypatch.delenv(dispatch.INTERPRET_ENV)
     yr, _ = block(x, impl="reference")
-    assert launched.count("gdn_decode") == 2 and "flush" in launched
+    assert launched.count("gdn_decode") == 2 and "flush_launch" in launched
     assert rel_err(y, yr) <= 1e-5 and rel_err(y2, yr) <= 1e-5
 
 
