@@ -31,6 +31,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from gdn_jax.check import rel_err  # noqa: F401  (the benches' peer checks use the same measure)
+
 # Relative L2 error above which a peer's output is marked as a mismatch: the outputs are bf16
 # and the two implementations accumulate in different orders, so a few 1e-3 are expected.
 PEER_TOL = 2e-2
@@ -183,12 +185,6 @@ def np_inputs(seed: int, batch: int, seq_len: int, hk: int, hv: int, kd: int, vd
     return out
 
 
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if not np.all(np.isfinite(a)):
-        return float("inf")
-    den = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / (den if den > 0 else 1.0))
 
 
 def peer_verdict(err: float | None) -> str:
