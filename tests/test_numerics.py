@@ -382,15 +382,15 @@ GATE_VALUES = np.array([-np.inf, -3e38, -1e4, -88.5, -7.0, -0.3, -1e-3, -1e-30, 
 
 
 @st.composite
-def delta_problems(draw):
+def delta_problems(draw, k_dims=(4, 8, 16), v_dims=(4, 8)):
     """Random small shapes, grouped heads, and gates drawn per token (per channel for KDA) from
     -inf, huge, ordinary and tiny values, mixed with random softplus gates."""
     kind = draw(st.sampled_from(["gdn", "kda"]))
     B = draw(st.sampled_from([1, 2]))
     T = draw(st.sampled_from([1, 3, 17, 40, 70]))
     HK, group = draw(st.sampled_from([(1, 1), (1, 2), (2, 1)]))
-    K = draw(st.sampled_from([4, 8, 16]))
-    V = draw(st.sampled_from([4, 8]))
+    K = draw(st.sampled_from(k_dims))
+    V = draw(st.sampled_from(v_dims))
     p_special = draw(st.sampled_from([0.0, 0.1, 0.5, 1.0]))
     rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
     HV = HK * group
@@ -490,3 +490,25 @@ def test_drift_curves_show_the_stall_and_its_removal():
                                                  "bf16 8-channel g=-0.001 SR"}
     rne, sr = curves["bf16 8-channel g=-0.001 RNE"][-1], curves["bf16 8-channel g=-0.001 SR"][-1]
     assert rne > 0.2 and sr < 0.1 and rne > 4 * sr
+
+
+@examples(8)
+@given(problem=delta_problems(k_dims=(16, 32), v_dims=(16,)), data=st.data())
+def test_property_kernels_in_interpret_mode(problem, data):
+    """The Pallas kernels (interpret mode) on random problems and schedules: prefill pieces run
+    the chunked prefill kernel, single tokens the decode kernel; the carried state gives the
+    one-pass float64 answer."""
+    import gdn_jax
+    q, k, v, g, beta, h0 = problem
+    fn = gdn_jax.kda if g.ndim == 4 else gdn_jax.gated_delta_rule
+    T = q.shape[1]
+    cuts = sorted(data.draw(st.sets(st.integers(1, T - 1), max_size=2)) if T > 1 else set())
+    bounds = [0] + cuts + [T]
+    want_o, want_s = _f64_problem(*problem)
+    S, outs = jnp.asarray(h0), []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        o, S = fn(*(jnp.asarray(x[:, a:b]) for x in (q, k, v, g, beta)), initial_state=S,
+                  use_qk_l2norm=True, output_final_state=True, impl="pallas", interpret=True)
+        outs.append(o)
+    assert rel_err(jnp.concatenate(outs, axis=1), want_o) <= 1e-5
+    assert rel_err(S, want_s) <= 1e-5
