@@ -132,7 +132,7 @@ def decode_call(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False, A_l
         _need("z", z, (b, hv, vd))
     out = chk.float_dtype("out_dtype", out_dtype, jnp.bfloat16 if z is not None else q.dtype)
     spec = decode_kernel.DecodeSpec(
-        num_k_heads=hk, num_v_heads=hv, k_dim=kd, v_dim=vd, scale=chk.scale(scale, kd),
+        num_k_heads=hk, num_v_heads=hv, head_k_dim=kd, head_v_dim=vd, scale=chk.scale(scale, kd),
         raw_gates=A_log is not None, per_channel_gate=per_channel, gate_lower_bound=lower_bound,
         use_qk_l2norm=bool(use_qk_l2norm), fused_norm=z is not None, norm_eps=eps,
         norm_activation=norm_activation)
@@ -179,7 +179,7 @@ def decode_pool_call(qkv, g, beta, pool, slots, *, num_k_heads, num_v_heads, hea
                              f"{z_col + hv * vd}], got {_shape(z)}")
     out = chk.float_dtype("out_dtype", out_dtype, jnp.bfloat16 if z is not None else qkv.dtype)
     spec = decode_kernel.DecodeSpec(
-        num_k_heads=hk, num_v_heads=hv, k_dim=kd, v_dim=vd, scale=chk.scale(scale, kd),
+        num_k_heads=hk, num_v_heads=hv, head_k_dim=kd, head_v_dim=vd, scale=chk.scale(scale, kd),
         q_col=0, k_col=hk * kd, v_col=2 * hk * kd, g_col=g_col, beta_col=beta_col,
         z_col=z_col, raw_gates=A_log is not None, per_channel_gate=bool(per_channel_gate),
         gate_lower_bound=lower_bound, use_qk_l2norm=bool(use_qk_l2norm), pooled=True,
@@ -277,14 +277,14 @@ def _gdn_decode_jit(q, k, v, g, beta, state, A_log, dt_bias, z, norm_weight, *, 
         dt_bias=None if dt_bias is None else dt_bias.reshape(-1),
         z_rows=rows(z), norm_weight=norm_weight, out_dtype=out_dtype, block=block,
         interpret=interpret)
-    return o.reshape(b, spec.num_v_heads, spec.v_dim), state
+    return o.reshape(b, spec.num_v_heads, spec.head_v_dim), state
 
 
 def _sequence_call(spec, state_dtype=None) -> DecodeCall:
     """The decode call a single-token sequence call (`gdn_jax.ops.DeltaSpec`) makes."""
     dspec = decode_kernel.DecodeSpec(
-        num_k_heads=spec.num_k_heads, num_v_heads=spec.num_v_heads, k_dim=spec.head_k_dim,
-        v_dim=spec.head_v_dim, scale=spec.scale, per_channel_gate=spec.kind == "kda",
+        num_k_heads=spec.num_k_heads, num_v_heads=spec.num_v_heads, head_k_dim=spec.head_k_dim,
+        head_v_dim=spec.head_v_dim, scale=spec.scale, per_channel_gate=spec.kind == "kda",
         use_qk_l2norm=spec.use_qk_l2norm)
     sdt = spec.state_dtype if state_dtype is None else state_dtype
     block = decode_kernel.default_block_sizes(spec.batch, spec.head_v_dim, sdt, False)
@@ -361,7 +361,7 @@ def gdn_decode_pool(qkv, g, beta, pool, slots, *, num_k_heads, num_v_heads, head
 def _gdn_decode_pool_jit(qkv, g, beta, pool, slots, A_log, dt_bias, z, norm_weight, *, spec,
                          block, out_dtype, which, interpret):
     b = qkv.shape[0]
-    hk, hv, kd, vd = spec.num_k_heads, spec.num_v_heads, spec.k_dim, spec.v_dim
+    hk, hv, kd, vd = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
     if which == "pallas":
         o, pool = decode_kernel.gdn_decode(
             qkv, qkv, qkv, g, beta, pool, spec=spec, slots=slots,

@@ -115,8 +115,8 @@ def kernel_reason(call: VerifyCall):
     from pallas_kernels import gdn_decode as decode_kernel
     from pallas_kernels import gdn_verify as verify_kernel
     spec = verify_kernel.VerifySpec(
-        num_k_heads=call.num_k_heads, num_v_heads=call.num_v_heads, k_dim=call.head_k_dim,
-        v_dim=call.head_v_dim, num_tokens=call.num_tokens, scale=call.scale,
+        num_k_heads=call.num_k_heads, num_v_heads=call.num_v_heads, head_k_dim=call.head_k_dim,
+        head_v_dim=call.head_v_dim, num_tokens=call.num_tokens, scale=call.scale,
         per_channel_gate=call.kind == "kda", use_qk_l2norm=call.use_qk_l2norm, exact=call.exact)
     block = call.block or verify_kernel.default_block_sizes(call.batch, call.head_v_dim,
                                                             call.state_dtype, call.exact)

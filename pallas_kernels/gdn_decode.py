@@ -154,13 +154,13 @@ TUNING_TABLE: tuple[tuple[int, int, bool, DecodeBlockSizes], ...] = (
 )
 
 
-def default_block_sizes(batch: int, v_dim: int, state_dtype, fused_norm: bool) -> DecodeBlockSizes:
+def default_block_sizes(batch: int, head_v_dim: int, state_dtype, fused_norm: bool) -> DecodeBlockSizes:
     """The tuning-table entry for this call, clipped to the head size."""
     itemsize = 4 if jnp.dtype(state_dtype).itemsize == 4 else 2
     for max_b, size, norm, bs in TUNING_TABLE:
         if batch <= max_b and size == itemsize and norm == fused_norm:
             break
-    block_v = v_dim if fused_norm else min(bs.block_v, v_dim)
+    block_v = head_v_dim if fused_norm else min(bs.block_v, head_v_dim)
     tile_v = min(bs.tile, block_v)
     return dataclasses.replace(bs, block_v=block_v, tile_v=None if tile_v == block_v else tile_v)
 
@@ -180,8 +180,8 @@ class DecodeSpec:
     h, size V; g, beta, a, b: value head h, size 1, or K for a per-channel gate)."""
     num_k_heads: int
     num_v_heads: int
-    k_dim: int
-    v_dim: int
+    head_k_dim: int
+    head_v_dim: int
     scale: float
     q_col: int = 0
     k_col: int = 0
@@ -203,16 +203,16 @@ def unsupported_reason(spec: DecodeSpec, block: DecodeBlockSizes, state_dtype) -
     """Why this kernel cannot take the call (None when it can). Pure; no device work."""
     if jnp.dtype(state_dtype) not in STATE_DTYPES:
         return f"state dtype {jnp.dtype(state_dtype)} is not float32/float16/bfloat16"
-    if not (_pow2(spec.k_dim) and 16 <= spec.k_dim <= 256):
-        return f"K={spec.k_dim} must be a power of two in [16, 256] (Triton tile)"
-    if not (_pow2(spec.v_dim) and 16 <= spec.v_dim <= 256):
-        return f"V={spec.v_dim} must be a power of two in [16, 256] (Triton tile)"
-    if not (_pow2(block.block_v) and spec.v_dim % block.block_v == 0):
-        return f"block_v={block.block_v} must be a power of two dividing V={spec.v_dim}"
+    if not (_pow2(spec.head_k_dim) and 16 <= spec.head_k_dim <= 256):
+        return f"K={spec.head_k_dim} must be a power of two in [16, 256] (Triton tile)"
+    if not (_pow2(spec.head_v_dim) and 16 <= spec.head_v_dim <= 256):
+        return f"V={spec.head_v_dim} must be a power of two in [16, 256] (Triton tile)"
+    if not (_pow2(block.block_v) and spec.head_v_dim % block.block_v == 0):
+        return f"block_v={block.block_v} must be a power of two dividing V={spec.head_v_dim}"
     if not (_pow2(block.tile) and block.block_v % block.tile == 0):
         return f"tile_v={block.tile} must be a power of two dividing block_v={block.block_v}"
-    if spec.fused_norm and block.block_v != spec.v_dim:
-        return f"the fused norm needs a whole head per program (block_v={block.block_v} != V={spec.v_dim})"
+    if spec.fused_norm and block.block_v != spec.head_v_dim:
+        return f"the fused norm needs a whole head per program (block_v={block.block_v} != V={spec.head_v_dim})"
     if spec.norm_activation not in ("silu", "sigmoid"):
         return f"norm_activation must be 'silu' or 'sigmoid', got {spec.norm_activation!r}"
     if spec.num_k_heads <= 0 or spec.num_v_heads % spec.num_k_heads:
@@ -244,7 +244,7 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
         z_ref, w_ref, *rest = rest
     state_in_ref, o_ref, state_out_ref = rest
 
-    K, V, T = spec.k_dim, spec.v_dim, block.tile
+    K, V, T = spec.head_k_dim, spec.head_v_dim, block.tile
     col0 = pl.program_id(0) * block.block_v
     h = pl.program_id(1)
     b = pl.program_id(2)
@@ -351,7 +351,7 @@ def gdn_decode(q_rows, k_rows, v_rows, g_rows, beta_rows, state, *, spec: Decode
     [slots, HV, K, V] with `slots` [B] int32). The state output aliases `state`: donate it at
     the jit boundary to update it in place. Shapes are checked here, before any device work.
     """
-    K, V, HK, HV = spec.k_dim, spec.v_dim, spec.num_k_heads, spec.num_v_heads
+    K, V, HK, HV = spec.head_k_dim, spec.head_v_dim, spec.num_k_heads, spec.num_v_heads
     batch = q_rows.shape[0] if getattr(q_rows, "ndim", 0) >= 1 else -1
     gk = K if spec.per_channel_gate else 1
     _check_rows("q", q_rows, batch, spec.q_col + HK * K)
@@ -403,8 +403,8 @@ def _launch(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, z_
         # so programs resident at the same time stream one contiguous stretch of the state. With
         # the sequence fastest, neighbours are a whole sequence's state apart and a narrow block
         # reads rows of one head whose other columns come much later.
-        grid=(spec.v_dim // block.block_v, spec.num_v_heads, batch),
-        out_shape=(jax.ShapeDtypeStruct((batch, spec.num_v_heads * spec.v_dim), out_dtype),
+        grid=(spec.head_v_dim // block.block_v, spec.num_v_heads, batch),
+        out_shape=(jax.ShapeDtypeStruct((batch, spec.num_v_heads * spec.head_v_dim), out_dtype),
                    jax.ShapeDtypeStruct(state.shape, state.dtype)),
         input_output_aliases={len(inputs) - 1: 1},
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps, num_stages=block.num_stages),

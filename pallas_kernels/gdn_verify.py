@@ -99,8 +99,8 @@ class VerifySpec:
     """Static configuration of one verify launch (a jit static argument)."""
     num_k_heads: int
     num_v_heads: int
-    k_dim: int
-    v_dim: int
+    head_k_dim: int
+    head_v_dim: int
     num_tokens: int
     scale: float
     per_channel_gate: bool = False
@@ -126,13 +126,13 @@ TUNING_TABLE: tuple[tuple[int, VerifyBlockSizes], ...] = (
 )
 
 
-def default_block_sizes(batch: int, v_dim: int, state_dtype, exact: bool) -> VerifyBlockSizes:
+def default_block_sizes(batch: int, head_v_dim: int, state_dtype, exact: bool) -> VerifyBlockSizes:
     if exact:
-        d = dec.default_block_sizes(batch, v_dim, state_dtype, False)
+        d = dec.default_block_sizes(batch, head_v_dim, state_dtype, False)
         return VerifyBlockSizes(block_v=d.tile, num_warps=d.num_warps, num_stages=d.num_stages)
     for max_b, bs in TUNING_TABLE:
         if batch <= max_b:
-            return dataclasses.replace(bs, block_v=min(bs.block_v, v_dim))
+            return dataclasses.replace(bs, block_v=min(bs.block_v, head_v_dim))
     raise AssertionError("unreachable: the last tuning row takes any batch")
 
 
@@ -148,11 +148,11 @@ def unsupported_reason(spec: VerifySpec, block: VerifyBlockSizes, state_dtype) -
         return "the fast flavour needs an fp32 state (a 16-bit state carries with exact=True)"
     if not 1 <= spec.num_tokens <= MAX_TOKENS:
         return f"num_tokens={spec.num_tokens} must lie in 1..{MAX_TOKENS}"
-    for name, d in (("K", spec.k_dim), ("V", spec.v_dim)):
+    for name, d in (("K", spec.head_k_dim), ("V", spec.head_v_dim)):
         if not (_pow2(d) and 16 <= d <= 256):
             return f"{name}={d} must be a power of two in [16, 256] (Triton tile)"
-    if not (_pow2(block.block_v) and spec.v_dim % block.block_v == 0):
-        return f"block_v={block.block_v} must be a power of two dividing V={spec.v_dim}"
+    if not (_pow2(block.block_v) and spec.head_v_dim % block.block_v == 0):
+        return f"block_v={block.block_v} must be a power of two dividing V={spec.head_v_dim}"
     if spec.num_k_heads <= 0 or spec.num_v_heads % spec.num_k_heads:
         return f"HV={spec.num_v_heads} must be a multiple of HK={spec.num_k_heads}"
     if block.num_warps not in (1, 2, 4, 8, 16):
@@ -257,7 +257,7 @@ def _verify_states_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_
     def _():
         for t in range(T):
             o_ref[b, t, h, cols] = jnp.zeros((block.block_v,), o_ref.dtype)
-            states_ref[b, t, h, :, cols] = jnp.zeros((spec.k_dim, block.block_v), states_ref.dtype)
+            states_ref[b, t, h, :, cols] = jnp.zeros((spec.head_k_dim, block.block_v), states_ref.dtype)
 
 
 def _carried_verify_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
@@ -593,7 +593,7 @@ def _spec_from(q, v, g, *, scale, use_qk_l2norm, exact):
     hv, vd = v.shape[2:]
     if g.ndim not in (3, 4):
         raise AssertionError(f"g must be [B, T, HV] (GDN) or [B, T, HV, K] (KDA), got {g.shape}")
-    return VerifySpec(num_k_heads=hk, num_v_heads=hv, k_dim=kd, v_dim=vd, num_tokens=t,
+    return VerifySpec(num_k_heads=hk, num_v_heads=hv, head_k_dim=kd, head_v_dim=vd, num_tokens=t,
                       scale=float(kd ** -0.5 if scale is None else scale),
                       per_channel_gate=g.ndim == 4, use_qk_l2norm=bool(use_qk_l2norm),
                       exact=bool(exact))
@@ -601,7 +601,7 @@ def _spec_from(q, v, g, *, scale, use_qk_l2norm, exact):
 
 def _check_tokens(spec, q, k, v, g, beta, pool, slots):
     b, t = q.shape[:2]
-    hk, hv, kd, vd = spec.num_k_heads, spec.num_v_heads, spec.k_dim, spec.v_dim
+    hk, hv, kd, vd = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
     _need("k", k, q.shape)
     _need("v", v, (b, t, hv, vd))
     _need("g", g, (b, t, hv, kd) if spec.per_channel_gate else (b, t, hv))
@@ -615,7 +615,7 @@ def _check_tokens(spec, q, k, v, g, beta, pool, slots):
 
 def _check_stash(spec, pool, stash_k, stash_u, stash_g, bank, pending):
     s = pool.shape[0]
-    hv, kd, vd = spec.num_v_heads, spec.k_dim, spec.v_dim
+    hv, kd, vd = spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
     if getattr(stash_k, "ndim", None) != 5:
         raise AssertionError(f"stash_k must be [slots, 2, HK, C, K], got {getattr(stash_k, 'shape', None)}")
     c = stash_k.shape[3]
@@ -654,7 +654,7 @@ def verify_states_launch(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2
     states [B, T, HV, K, V] in the pool's dtype). Uses the decode kernel's tile for its batch."""
     spec = _spec_from(q, v, g, scale=scale, use_qk_l2norm=use_qk_l2norm, exact=True)
     _check_tokens(spec, q, k, v, g, beta, pool, slots)
-    block = block or default_block_sizes(q.shape[0], spec.v_dim, pool.dtype, True)
+    block = block or default_block_sizes(q.shape[0], spec.head_v_dim, pool.dtype, True)
     _reason_or_raise(spec, block, pool)
     return _verify_states_launch(q, k, v, g, beta, pool, slots.astype(jnp.int32), spec=spec,
                                  block=block, interpret=bool(interpret))
@@ -663,7 +663,7 @@ def verify_states_launch(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2
 @functools.partial(jax.jit, static_argnames=("spec", "block", "interpret"))
 def _verify_states_launch(q, k, v, g, beta, pool, slots, *, spec, block, interpret):
     b, t = q.shape[:2]
-    hv, kd, vd = spec.num_v_heads, spec.k_dim, spec.v_dim
+    hv, kd, vd = spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
     return pl.pallas_call(
         functools.partial(_verify_states_kernel, spec=spec, block=block),
         grid=(b, hv, vd // block.block_v),
@@ -688,7 +688,7 @@ def carried_verify_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, ban
     _check_tokens(spec, q, k, v, g, beta, pool, slots)
     _check_stash(spec, pool, stash_k, stash_u, stash_g, bank, pending)
     _need("drafted", drafted, (pool.shape[0],))
-    block = block or default_block_sizes(q.shape[0], spec.v_dim, pool.dtype, spec.exact)
+    block = block or default_block_sizes(q.shape[0], spec.head_v_dim, pool.dtype, spec.exact)
     _reason_or_raise(spec, block, pool)
     i32 = lambda x: x.astype(jnp.int32)
     return _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, i32(bank), i32(pending),
@@ -699,7 +699,7 @@ def carried_verify_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, ban
 def _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pending, drafted, slots,
                     *, spec, block, interpret):
     b, t = q.shape[:2]
-    hv, vd = spec.num_v_heads, spec.v_dim
+    hv, vd = spec.num_v_heads, spec.head_v_dim
     row_bank, row_pending = _row_counters(bank, pending, slots, pool.shape[0])
     if spec.use_qk_l2norm and not spec.exact:  # raw Gram sums of rows normalised afterwards
         q, k = dec.tame_huge_rows(q), dec.tame_huge_rows(k)
@@ -793,7 +793,7 @@ def flush_launch(pool, stash_k, stash_u, stash_g, bank, pending, slots, *,
     hk = stash_k.shape[2] if getattr(stash_k, "ndim", None) == 5 else hv
     if hk <= 0 or hv % hk:
         raise AssertionError(f"stash_k has {hk} key heads; the pool's HV={hv} must be a multiple")
-    spec = VerifySpec(num_k_heads=hk, num_v_heads=hv, k_dim=kd, v_dim=vd, num_tokens=1, scale=1.0,
+    spec = VerifySpec(num_k_heads=hk, num_v_heads=hv, head_k_dim=kd, head_v_dim=vd, num_tokens=1, scale=1.0,
                       per_channel_gate=per_channel, exact=True)
     _check_stash(spec, pool, stash_k, stash_u, stash_g, bank, pending)
     block = block or default_block_sizes(slots.shape[0], vd, pool.dtype, True)
@@ -809,7 +809,7 @@ def _flush_launch(pool, stash_k, stash_u, stash_g, bank, pending, slots, *, spec
     bank, pending = _row_counters(bank, pending, slots, pool.shape[0])
     return pl.pallas_call(
         functools.partial(_flush_kernel, spec=spec, block=block),
-        grid=(n, spec.num_v_heads, spec.v_dim // block.block_v),
+        grid=(n, spec.num_v_heads, spec.head_v_dim // block.block_v),
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         input_output_aliases={3: 0},
         compiler_params=_compiler_params(block),

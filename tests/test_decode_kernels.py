@@ -318,7 +318,7 @@ def test_decode_loop_does_not_retrace():
 def test_decode_choice_is_pure_and_explains():
     """gdn_decode's choice through the one dispatch: pure, with the reason visible."""
     from gdn_jax import dispatch
-    spec = kern.DecodeSpec(num_k_heads=16, num_v_heads=32, k_dim=128, v_dim=128, scale=0.1)
+    spec = kern.DecodeSpec(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128, scale=0.1)
     blk = kern.default_block_sizes(128, 128, F32, False)
     call = dec.DecodeCall(spec, blk, "float32", 128 * 32 * 128 * 128, 128, "bfloat16")
     sel = lambda impl, c=call, **kw: dispatch.select("gdn_decode", c, impl, log=False, **kw)
@@ -329,7 +329,7 @@ def test_decode_choice_is_pure_and_explains():
     assert sel("auto", backend="cpu", interpret=True).impl == "pallas"
     with pytest.raises(ValueError, match="need a GPU"):
         sel("pallas", backend="cpu", interpret=False)
-    odd = dataclasses_replace(call, spec=dataclasses_replace(spec, k_dim=48))
+    odd = dataclasses_replace(call, spec=dataclasses_replace(spec, head_k_dim=48))
     got = sel("auto", odd, backend="gpu")
     assert got.impl == "reference" and "K=48" in got.reason
     with pytest.raises(ValueError, match="K=48"):
@@ -422,7 +422,7 @@ def test_bad_inputs_raise_value_error():
     with pytest.raises(ValueError, match="pool must be"):
         pcall(qkv, g, beta, pool[:, :1], jnp.asarray([0, 1], jnp.int32))
     # the kernel launcher itself checks before any device work
-    spec = kern.DecodeSpec(num_k_heads=HK, num_v_heads=HV, k_dim=K, v_dim=K, scale=0.1)
+    spec = kern.DecodeSpec(num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=K, scale=0.1)
     with pytest.raises(ValueError, match="^v must have B="):
         kern.gdn_decode(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B - 1, -1)[:1], g, beta, h0,
                         spec=spec)
@@ -451,7 +451,7 @@ def test_variants_lower_to_triton_ir(monkeypatch, raw, pc, l2, pooled, norm, sdt
     monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
                         lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
     B, HK, HV, K = 4, 2, 4, 128
-    spec = kern.DecodeSpec(num_k_heads=HK, num_v_heads=HV, k_dim=K, v_dim=K, scale=0.1,
+    spec = kern.DecodeSpec(num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=K, scale=0.1,
                            k_col=HK * K, v_col=2 * HK * K, raw_gates=raw, per_channel_gate=pc,
                            use_qk_l2norm=l2, pooled=pooled, fused_norm=norm)
     gk = K if pc else 1
