@@ -81,19 +81,37 @@ def _pack(x):
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
+def _spec(q, v, g, *, scale, use_qk_l2norm, raw_gates, lower_bound, **flags):
+    """The kernels' static spec for FLA-layout q [B, T, HK, K], v [B, T, HV, V] and g."""
+    return kern.PrefillSpec(num_k_heads=q.shape[2], num_v_heads=v.shape[2], head_k_dim=q.shape[3],
+                            head_v_dim=v.shape[3], scale=scale, use_qk_l2norm=use_qk_l2norm,
+                            raw_gates=raw_gates, per_channel_gate=g.ndim == 4,
+                            gate_lower_bound=lower_bound, precise=v.dtype == jnp.float32, **flags)
+
+
+def _static_args(q, scale, cu_seqlens, A_log, dt_bias, lower_bound, use_qk_l2norm):
+    """What both entry points pass their jitted runner: (cu, A_log, dt_bias, static keywords)."""
+    B, T, K = q.shape[0], q.shape[1], q.shape[3]
+    cu = (jnp.arange(B + 1, dtype=jnp.int32) * T if cu_seqlens is None
+          else jnp.asarray(cu_seqlens, jnp.int32))
+    raw = A_log is not None
+    as_f32 = lambda x: None if not raw else jnp.asarray(x, jnp.float32)
+    static = dict(scale=float(K ** -0.5 if scale is None else scale),
+                  use_qk_l2norm=bool(use_qk_l2norm), raw_gates=raw,
+                  lower_bound=None if lower_bound is None else float(lower_bound))
+    return cu, as_f32(A_log), as_f32(dt_bias), static
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",
                                              "output_final_state", "chunk_states", "interpret"))
 def _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, *, scale, use_qk_l2norm,
          raw_gates, lower_bound, output_final_state, chunk_states, interpret):
-    B, T, HK, K = q.shape
+    B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
     N = cu.shape[0] - 1
-    spec = kern.PrefillSpec(num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=V,
-                            scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
-                            per_channel_gate=g.ndim == 4, gate_lower_bound=lower_bound,
-                            has_initial_state=initial_state is not None,
-                            output_final_state=output_final_state, boundary_states=chunk_states,
-                            precise=v.dtype == jnp.float32)
+    spec = _spec(q, v, g, scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
+                 lower_bound=lower_bound, has_initial_state=initial_state is not None,
+                 output_final_state=output_final_state, boundary_states=chunk_states)
     state_dtype = jnp.float32 if initial_state is None else initial_state.dtype
     o, final, bounds, (_, _, first) = kern.chunk_prefill(
         _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
@@ -119,7 +137,6 @@ def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
     in initial_state's dtype (fp32 without one) or None, ChunkStates or None).
     impl: "auto" (the kernels where they run: a GPU or `gdn_jax.interpret()`), "pallas",
     "reference" (the public sequence function with impl="chunked"; no chunk states)."""
-    B, T = q.shape[:2]
     K, V = q.shape[3], v.shape[3]
     if not _kernel_runs(impl, interpret, K, V):
         if chunk_states:
@@ -132,15 +149,9 @@ def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
             output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
             cu_seqlens=cu_seqlens, impl="chunked")
         return o, final, None
-    scale = float(K ** -0.5 if scale is None else scale)
-    cu = (jnp.arange(B + 1, dtype=jnp.int32) * T if cu_seqlens is None
-          else jnp.asarray(cu_seqlens, jnp.int32))
-    raw = A_log is not None
-    o, final, chunks = _run(q, k, v, g, beta, cu, initial_state,
-                            None if not raw else jnp.asarray(A_log, jnp.float32),
-                            None if not raw else jnp.asarray(dt_bias, jnp.float32),
-                            scale=scale, use_qk_l2norm=bool(use_qk_l2norm), raw_gates=raw,
-                            lower_bound=None if lower_bound is None else float(lower_bound),
+    cu, A_log, dt_bias, static = _static_args(q, scale, cu_seqlens, A_log, dt_bias, lower_bound,
+                                              use_qk_l2norm)
+    o, final, chunks = _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, **static,
                             output_final_state=bool(output_final_state),
                             chunk_states=bool(chunk_states),
                             interpret=dispatch.interpret_enabled(interpret))
@@ -152,12 +163,10 @@ def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
                    donate_argnames=("pool",))
 def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, *, scale, use_qk_l2norm,
               raw_gates, lower_bound, interpret):
-    B, T, HK, K = q.shape
+    B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
-    spec = kern.PrefillSpec(num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=V,
-                            scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
-                            per_channel_gate=g.ndim == 4, gate_lower_bound=lower_bound,
-                            pooled=True, precise=v.dtype == jnp.float32)
+    spec = _spec(q, v, g, scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
+                 lower_bound=lower_bound, pooled=True)
     o, pool, _, _ = kern.chunk_prefill(
         _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
         block=kern.PrefillBlockSizes.get_default(spec, cu.shape[0] - 1), A_log=A_log,
@@ -174,7 +183,7 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
     slots not named keep their bits. Shapes as `gdn_prefill`; pool [P, HV, K, V] (fp32, fp16 or
     bf16: math in fp32, one rounding at the store); slots [N] int32 (N = B, or len(cu_seqlens)-1).
     impl as `gdn_prefill` ("reference": `reference_prefill_pool`). Returns (o, pool)."""
-    B, T, _, K = q.shape
+    B, _, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else int(np.shape(cu_seqlens)[0]) - 1
     if getattr(pool, "ndim", None) != 4 or pool.shape[1:] != (HV, K, V):
@@ -192,16 +201,10 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
         return reference_prefill_pool(q, k, v, g, beta, pool, slots, scale=scale,
                                       use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
                                       A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
-    scale = float(K ** -0.5 if scale is None else scale)
-    cu = (jnp.arange(B + 1, dtype=jnp.int32) * T if cu_seqlens is None
-          else jnp.asarray(cu_seqlens, jnp.int32))
-    raw = A_log is not None
-    return _run_pool(q, k, v, g, beta, cu, pool, slots.astype(jnp.int32),
-                     None if not raw else jnp.asarray(A_log, jnp.float32),
-                     None if not raw else jnp.asarray(dt_bias, jnp.float32),
-                     scale=scale, use_qk_l2norm=bool(use_qk_l2norm), raw_gates=raw,
-                     lower_bound=None if lower_bound is None else float(lower_bound),
-                     interpret=dispatch.interpret_enabled(interpret))
+    cu, A_log, dt_bias, static = _static_args(q, scale, cu_seqlens, A_log, dt_bias, lower_bound,
+                                              use_qk_l2norm)
+    return _run_pool(q, k, v, g, beta, cu, pool, slots.astype(jnp.int32), A_log, dt_bias,
+                     **static, interpret=dispatch.interpret_enabled(interpret))
 
 
 def reference_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=False,
