@@ -11,7 +11,11 @@ Variants are keyword arguments of the same two functions:
   * KDA: a per-key-channel gate g [B, HV, K] (gdn_decode) or `per_channel_gate=True` (pool);
   * fused gated RMSNorm: pass `z` and `norm_weight`; the output is normalised per head
     (x * rsqrt(mean(x^2) + eps) * w * act(z)) and written once in `out_dtype` (bf16 default);
-  * 16-bit state: give the state (pool) in fp16 or bf16; math is fp32, one RNE rounding per store.
+  * 16-bit state: give the state (pool) in fp16 or bf16; math is fp32, one RNE rounding per store,
+    or with `rounding_key` (a PRNG key; pass a fresh one per step, e.g. fold_in(key, position))
+    a stochastic rounding that lets decays below half an ulp act (docs/numerics.md). The same key
+    gives the same state for a given implementation; the kernel and the reference draw
+    different random numbers (both unbiased).
 
 The state argument is donated: the kernel updates it in place and the caller must use the
 returned state (the argument's buffer is invalid afterwards, as for any donated jit argument).
@@ -107,7 +111,8 @@ def _check_gate_params(A_log, dt_bias, hv, kd, per_channel, lower_bound):
 
 def decode_call(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False, A_log=None,
                 dt_bias=None, lower_bound=None, z=None, norm_weight=None, norm_eps=1e-6,
-                norm_activation="silu", out_dtype=None, block_sizes=None) -> DecodeCall:
+                norm_activation="silu", out_dtype=None, rounding_key=None,
+                block_sizes=None) -> DecodeCall:
     """Validate `gdn_decode`'s arguments (ValueError naming the argument) into a DecodeCall."""
     for name, x, rank in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("beta", beta, 2), ("state", state, 4)):
         chk.array(name, x, rank=rank, floating=True)
@@ -131,11 +136,12 @@ def decode_call(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False, A_l
         chk.array("z", z, floating=True)
         _need("z", z, (b, hv, vd))
     out = chk.float_dtype("out_dtype", out_dtype, jnp.bfloat16 if z is not None else q.dtype)
+    chk.rounding_key("rounding_key", rounding_key, state.dtype)
     spec = decode_kernel.DecodeSpec(
         num_k_heads=hk, num_v_heads=hv, head_k_dim=kd, head_v_dim=vd, scale=chk.scale(scale, kd),
         raw_gates=A_log is not None, per_channel_gate=per_channel, gate_lower_bound=lower_bound,
         use_qk_l2norm=bool(use_qk_l2norm), fused_norm=z is not None, norm_eps=eps,
-        norm_activation=norm_activation)
+        norm_activation=norm_activation, stochastic_rounding=rounding_key is not None)
     block = block_sizes or decode_kernel.default_block_sizes(b, vd, state.dtype, spec.fused_norm)
     return DecodeCall(spec, block, str(jnp.dtype(state.dtype)), int(state.size), b, str(out))
 
@@ -144,7 +150,7 @@ def decode_pool_call(qkv, g, beta, pool, slots, *, num_k_heads, num_v_heads, hea
                      head_v_dim, g_col=0, beta_col=0, per_channel_gate=False, scale=None,
                      use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, z=None,
                      z_col=0, norm_weight=None, norm_eps=1e-6, norm_activation="silu",
-                     out_dtype=None, block_sizes=None) -> DecodeCall:
+                     out_dtype=None, rounding_key=None, block_sizes=None) -> DecodeCall:
     """Validate `gdn_decode_pool`'s arguments into a DecodeCall (`pool` is the state array)."""
     hk, hv, kd, vd = (chk.count(n, x) for n, x in (("num_k_heads", num_k_heads),
                                                    ("num_v_heads", num_v_heads),
@@ -178,12 +184,14 @@ def decode_pool_call(qkv, g, beta, pool, slots, *, num_k_heads, num_v_heads, hea
             raise ValueError(f"z must be a row array [B={b}, width >= z_col + HV * V = "
                              f"{z_col + hv * vd}], got {_shape(z)}")
     out = chk.float_dtype("out_dtype", out_dtype, jnp.bfloat16 if z is not None else qkv.dtype)
+    chk.rounding_key("rounding_key", rounding_key, pool.dtype)
     spec = decode_kernel.DecodeSpec(
         num_k_heads=hk, num_v_heads=hv, head_k_dim=kd, head_v_dim=vd, scale=chk.scale(scale, kd),
         q_col=0, k_col=hk * kd, v_col=2 * hk * kd, g_col=g_col, beta_col=beta_col,
         z_col=z_col, raw_gates=A_log is not None, per_channel_gate=bool(per_channel_gate),
         gate_lower_bound=lower_bound, use_qk_l2norm=bool(use_qk_l2norm), pooled=True,
-        fused_norm=z is not None, norm_eps=eps, norm_activation=norm_activation)
+        fused_norm=z is not None, norm_eps=eps, norm_activation=norm_activation,
+        stochastic_rounding=rounding_key is not None)
     block = block_sizes or decode_kernel.default_block_sizes(b, vd, pool.dtype, spec.fused_norm)
     return DecodeCall(spec, block, str(jnp.dtype(pool.dtype)), int(pool.size), b, str(out))
 
@@ -226,10 +234,10 @@ def _ref_gates(g, beta, A_log, dt_bias, per_channel, lower_bound):
 
 
 def _ref_step(q, k, v, g, beta, state, *, scale, use_qk_l2norm, z, norm_weight, norm_eps,
-              norm_activation, out_dtype):
+              norm_activation, out_dtype, rounding_key=None):
     """decode_step with the optional fused norm; o in fp32 before the norm (as in the kernel)."""
     o, s = ref.decode_step(q.astype(jnp.float32), k, v, g, beta, state, scale=scale,
-                           use_qk_l2norm=use_qk_l2norm)
+                           use_qk_l2norm=use_qk_l2norm, rounding_key=rounding_key)
     if z is not None:
         o = ref.gated_rmsnorm(o, z, norm_weight, eps=norm_eps, activation=norm_activation,
                               out_dtype=out_dtype)
@@ -240,44 +248,52 @@ def _ref_step(q, k, v, g, beta, state, *, scale, use_qk_l2norm, z, norm_weight, 
 
 def gdn_decode(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False, A_log=None,
                dt_bias=None, lower_bound=None, z=None, norm_weight=None, norm_eps=1e-6,
-               norm_activation="silu", out_dtype=None, impl="auto", interpret=None,
-               block_sizes: decode_kernel.DecodeBlockSizes | None = None):
+               norm_activation="silu", out_dtype=None, rounding_key=None, impl="auto",
+               interpret=None, block_sizes: decode_kernel.DecodeBlockSizes | None = None):
     """One decode token for a contiguous batch. Returns (o [B, HV, V], new state [B, HV, K, V]).
 
     q, k [B, HK, K]; v [B, HV, V]; g [B, HV] (GDN) or [B, HV, K] (KDA) log decay, or the raw `a`
     with A_log [HV] and dt_bias [HV] (KDA: [HV, K]); beta [B, HV] (or raw `b`); state
     [B, HV, K, V] fp32/fp16/bf16, donated. z [B, HV, V] and norm_weight [V] fuse the gated
     RMSNorm. o has out_dtype (a floating dtype; default: q's dtype, bf16 with the fused norm).
-    scale: positive finite (default K^-0.5); norm_eps >= 0; lower_bound finite and < 0."""
+    scale: positive finite (default K^-0.5); norm_eps >= 0; lower_bound finite and < 0.
+    rounding_key: a PRNG key: the 16-bit state's store rounds stochastically (module docstring)."""
     dispatch.check_impl("gdn_decode", impl)
     call = decode_call(q, k, v, g, beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm,
                        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, z=z,
                        norm_weight=norm_weight, norm_eps=norm_eps, norm_activation=norm_activation,
-                       out_dtype=out_dtype, block_sizes=block_sizes)
+                       out_dtype=out_dtype, rounding_key=rounding_key, block_sizes=block_sizes)
     choice = dispatch.select("gdn_decode", call, impl, interpret=interpret)
-    return _gdn_decode_jit(q, k, v, g, beta, state, A_log, dt_bias, z, norm_weight, spec=call.spec,
+    return _gdn_decode_jit(q, k, v, g, beta, state, A_log, dt_bias, z, norm_weight, rounding_key,
+                           spec=call.spec,
                            block=call.block, out_dtype=jnp.dtype(call.out_dtype), which=choice.impl,
                            interpret=dispatch.interpret_enabled(interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "block", "out_dtype", "which", "interpret"),
                    donate_argnames=("state",))
-def _gdn_decode_jit(q, k, v, g, beta, state, A_log, dt_bias, z, norm_weight, *, spec, block,
-                    out_dtype, which, interpret):
+def _gdn_decode_jit(q, k, v, g, beta, state, A_log, dt_bias, z, norm_weight, rounding_key, *,
+                    spec, block, out_dtype, which, interpret):
     b = q.shape[0]
     if which == "reference":
         gf, bf = _ref_gates(g, beta, A_log, dt_bias, spec.per_channel_gate, spec.gate_lower_bound)
         return _ref_step(q, k, v, gf, bf, state, scale=spec.scale, use_qk_l2norm=spec.use_qk_l2norm,
                          z=z, norm_weight=norm_weight, norm_eps=spec.norm_eps,
-                         norm_activation=spec.norm_activation, out_dtype=out_dtype)
+                         norm_activation=spec.norm_activation, out_dtype=out_dtype,
+                         rounding_key=rounding_key)
     rows = lambda x: None if x is None else x.reshape(b, -1)  # free: row-major views
     o, state = decode_kernel.gdn_decode(
         rows(q), rows(k), rows(v), rows(g), rows(beta), state, spec=spec,
         A_log=None if A_log is None else A_log.reshape(-1),
         dt_bias=None if dt_bias is None else dt_bias.reshape(-1),
-        z_rows=rows(z), norm_weight=norm_weight, out_dtype=out_dtype, block=block,
-        interpret=interpret)
+        z_rows=rows(z), norm_weight=norm_weight, seed=_seed(rounding_key), out_dtype=out_dtype,
+        block=block, interpret=interpret)
     return o.reshape(b, spec.num_v_heads, spec.head_v_dim), state
+
+
+def _seed(rounding_key):
+    """The kernel's two-word seed from a PRNG key (any key implementation), or None."""
+    return None if rounding_key is None else jax.random.bits(rounding_key, (2,), jnp.uint32)
 
 
 def _sequence_call(spec, state_dtype=None) -> DecodeCall:
@@ -302,7 +318,7 @@ def sequence_step(spec, q, k, v, g, beta, state):
     ... from `state` (donated). Returns (o [B, 1, HV, V], new state)."""
     call = _sequence_call(spec, jnp.dtype(state.dtype))
     o, s = _gdn_decode_jit(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, None, None, None,
-                           None, spec=call.spec, block=call.block, out_dtype=jnp.dtype(q.dtype),
+                           None, None, spec=call.spec, block=call.block, out_dtype=jnp.dtype(q.dtype),
                            which="pallas", interpret=dispatch.interpret_enabled())
     return o[:, None], s
 
@@ -313,7 +329,7 @@ def gdn_decode_pool(qkv, g, beta, pool, slots, *, num_k_heads, num_v_heads, head
                     head_v_dim, g_col=0, beta_col=0, per_channel_gate=False, scale=None,
                     use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, z=None,
                     z_col=0, norm_weight=None, norm_eps=1e-6, norm_activation="silu",
-                    out_dtype=None, impl="auto", interpret=None,
+                    out_dtype=None, rounding_key=None, impl="auto", interpret=None,
                     block_sizes: decode_kernel.DecodeBlockSizes | None = None):
     """One decode token for B sequences whose states live in a pool. Returns (o [B, HV, V], pool).
 
@@ -328,7 +344,9 @@ def gdn_decode_pool(qkv, g, beta, pool, slots, *, num_k_heads, num_v_heads, head
     slots [B] int32: the pool row of each sequence, -1 for padding (and any index outside the
     pool: its state is neither read nor written and its output row is zero). Rows not named are
     bit-for-bit untouched. Two sequences must not name one slot.
-    z [B, width] (head h at z_col + h * V) and norm_weight [V] fuse the gated RMSNorm."""
+    z [B, width] (head h at z_col + h * V) and norm_weight [V] fuse the gated RMSNorm.
+    rounding_key: a PRNG key: a 16-bit pool's stores round stochastically (module docstring); the
+    draw depends on the slot, not the batch row."""
     from gdn_jax.state import DeltaPool
     dispatch.check_impl("gdn_decode_pool", impl)
     carried = isinstance(pool, DeltaPool)
@@ -339,7 +357,7 @@ def gdn_decode_pool(qkv, g, beta, pool, slots, *, num_k_heads, num_v_heads, head
                             scale=scale, use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias,
                             lower_bound=lower_bound, z=z, z_col=z_col, norm_weight=norm_weight,
                             norm_eps=norm_eps, norm_activation=norm_activation, out_dtype=out_dtype,
-                            block_sizes=block_sizes)
+                            rounding_key=rounding_key, block_sizes=block_sizes)
     choice = dispatch.select("gdn_decode_pool", call, impl, interpret=interpret)
     slots = slots.astype(jnp.int32)
     if carried:
@@ -350,7 +368,7 @@ def gdn_decode_pool(qkv, g, beta, pool, slots, *, num_k_heads, num_v_heads, head
                                      interpret=interpret)
         states = pool.states
     o, states = _gdn_decode_pool_jit(qkv, g, beta, states, slots, A_log, dt_bias, z, norm_weight,
-                                     spec=call.spec, block=call.block,
+                                     rounding_key, spec=call.spec, block=call.block,
                                      out_dtype=jnp.dtype(call.out_dtype), which=choice.impl,
                                      interpret=dispatch.interpret_enabled(interpret))
     return o, (dataclasses.replace(pool, states=states) if carried else states)
@@ -358,8 +376,8 @@ def gdn_decode_pool(qkv, g, beta, pool, slots, *, num_k_heads, num_v_heads, head
 
 @functools.partial(jax.jit, static_argnames=("spec", "block", "out_dtype", "which", "interpret"),
                    donate_argnames=("pool",))
-def _gdn_decode_pool_jit(qkv, g, beta, pool, slots, A_log, dt_bias, z, norm_weight, *, spec,
-                         block, out_dtype, which, interpret):
+def _gdn_decode_pool_jit(qkv, g, beta, pool, slots, A_log, dt_bias, z, norm_weight, rounding_key,
+                         *, spec, block, out_dtype, which, interpret):
     b = qkv.shape[0]
     hk, hv, kd, vd = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
     if which == "pallas":
@@ -367,8 +385,8 @@ def _gdn_decode_pool_jit(qkv, g, beta, pool, slots, A_log, dt_bias, z, norm_weig
             qkv, qkv, qkv, g, beta, pool, spec=spec, slots=slots,
             A_log=None if A_log is None else A_log.reshape(-1),
             dt_bias=None if dt_bias is None else dt_bias.reshape(-1),
-            z_rows=z, norm_weight=norm_weight, out_dtype=out_dtype, block=block,
-            interpret=interpret)
+            z_rows=z, norm_weight=norm_weight, seed=_seed(rounding_key), out_dtype=out_dtype,
+            block=block, interpret=interpret)
         return o.reshape(b, hv, vd), pool
     # Reference: split the packed rows, gather the named states, step, scatter the valid ones.
     q = qkv[:, :hk * kd].reshape(b, hk, kd)
@@ -383,7 +401,8 @@ def _gdn_decode_pool_jit(qkv, g, beta, pool, slots, A_log, dt_bias, z, norm_weig
     states = pool[jnp.where(valid, slots, 0)]
     o, new = _ref_step(q, k, v, gf, bf, states, scale=spec.scale, use_qk_l2norm=spec.use_qk_l2norm,
                        z=zz, norm_weight=norm_weight, norm_eps=spec.norm_eps,
-                       norm_activation=spec.norm_activation, out_dtype=out_dtype)
+                       norm_activation=spec.norm_activation, out_dtype=out_dtype,
+                       rounding_key=rounding_key)
     pool = pool.at[jnp.where(valid, slots, pool.shape[0])].set(new, mode="drop")
     return jnp.where(valid[:, None, None], o, jnp.zeros((), o.dtype)), pool
 

@@ -110,6 +110,24 @@ def state_dtype(name, dtype):
     return d
 
 
+def rounding_key(name, key, state_dtype):
+    """None, or one PRNG key (`jax.random.key(...)`, or a raw `jax.random.PRNGKey(...)` uint32[2])
+    for the stochastic rounding of a float16/bfloat16 state's stores."""
+    if key is None:
+        return None
+    dt = getattr(key, "dtype", None)
+    if dt is None or not (
+            (jax.dtypes.issubdtype(dt, jax.dtypes.prng_key) and tuple(key.shape) == ())
+            or (dt == jnp.uint32 and tuple(key.shape) == (2,))):
+        raise ValueError(f"{name} must be one PRNG key (jax.random.key(seed) or "
+                         f"jax.random.PRNGKey(seed)), got {type(key).__name__} shape "
+                         f"{shape_of(key)} dtype {dt}")
+    if jnp.dtype(state_dtype).itemsize != 2:
+        raise ValueError(f"{name} asks for stochastic rounding of the state's stores, which needs a "
+                         f"float16 or bfloat16 state; the state is {jnp.dtype(state_dtype)}")
+    return key
+
+
 def column(name, value) -> int:
     """A non-negative integer column offset (static)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):

@@ -23,6 +23,11 @@ Static flags of the one kernel body (`DecodeSpec`):
                      [B, conv_dim] = q | k | v and the gates out of a packed projection row
                      (the same array passed twice with two offsets); nothing is split or copied.
   * state dtype:     fp32, fp16 or bf16 state; math is fp32, one round-to-nearest-even per store.
+  * stochastic rounding (16-bit state): the store rounds each value to one of its two 16-bit
+                     neighbours with the probabilities that make it unbiased, drawing from a
+                     counter hash of (seed, state row, head, k, column): deterministic for a seed
+                     and independent of the launch shape. Removes the decay stall of RNE stores
+                     (a |g| below half an ulp never moves the state).
 
 The per-token math lives in `token_update` (and its helpers `l2_normalize`, `gdn_gate_value`,
 `kda_gate_value`): plain jnp on in-register values, so any Pallas kernel
@@ -53,7 +58,7 @@ __all__ = [
     "DecodeBlockSizes", "DecodeSpec", "TUNING_TABLE", "default_block_sizes", "unsupported_reason",
     "index_overflow_reason",
     "token_update", "l2_normalize", "softplus_value", "gdn_gate_value", "kda_gate_value",
-    "gdn_decode",
+    "counter_uniform", "stochastic_round_value", "gdn_decode",
 ]
 
 
@@ -117,6 +122,44 @@ def token_update(S: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.
     S = S + k[:, None] * u[None, :]
     o = jnp.sum(q[:, None] * S, axis=0)
     return o, S
+
+
+# --------------------------------------------------------------------------- stochastic rounding
+# A counter-based draw: each state element hashes its own coordinates with the step's seed, so
+# the programs need no shared generator state and any tiling draws the same numbers.
+
+def _mix32(x: jax.Array) -> jax.Array:
+    """An invertible uint32 hash in which every input bit flips about half the output bits
+    (two xor-shift-multiply rounds: the "lowbias32" constants)."""
+    x = x ^ (x >> jnp.uint32(16))
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> jnp.uint32(15))
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> jnp.uint32(16))
+
+
+def counter_uniform(counter: jax.Array, seed0: jax.Array, seed1: jax.Array) -> jax.Array:
+    """Uniform fp32 draws in [0, 1) on a grid of 2**-24 from uint32 counters and a two-word seed."""
+    x = _mix32(_mix32(counter ^ seed0) ^ seed1)
+    return (x >> jnp.uint32(8)).astype(jnp.int32).astype(F32) * jnp.float32(2.0 ** -24)
+
+
+def stochastic_round_value(x: jax.Array, dtype, u: jax.Array) -> jax.Array:
+    """fp32 x -> fp16/bf16 rounded to one of x's two neighbours, the farther one with probability
+    p = (x - RNE(x)) / (other - RNE(x)) (exact in fp32), taken when the uniform draw u < p: so
+    E[result] = x. Values exact in `dtype`, infinities, NaN, and values whose other neighbour is
+    infinite round as RNE does (the same rule as the reference's `stochastic_round`)."""
+    r = x.astype(dtype)
+    r32 = r.astype(F32)
+    bits = lax.bitcast_convert_type(r, jnp.int16)
+    away = jnp.abs(x) > jnp.abs(r32)       # the other neighbour lies farther from zero
+    exact = x == r32
+    step = jnp.where(away, jnp.int16(1), jnp.where(exact, jnp.int16(0), jnp.int16(-1)))
+    other = lax.bitcast_convert_type(bits + step, dtype)
+    gap = other.astype(F32) - r32
+    ok = jnp.logical_not(exact) & (jnp.abs(gap) < jnp.float32(jnp.inf))
+    p = jnp.where(ok, (x - r32) / jnp.where(ok, gap, jnp.float32(1.0)), jnp.float32(0.0))
+    return jnp.where(u < p, other, r)
 
 
 # --------------------------------------------------------------------------- tuning
@@ -197,6 +240,7 @@ class DecodeSpec:
     fused_norm: bool = False
     norm_eps: float = 1e-6
     norm_activation: str = "silu"
+    stochastic_rounding: bool = False  # 16-bit state stores; a seed [2] uint32 is an input
 
 
 def unsupported_reason(spec: DecodeSpec, block: DecodeBlockSizes, state_dtype) -> str | None:
@@ -213,6 +257,8 @@ def unsupported_reason(spec: DecodeSpec, block: DecodeBlockSizes, state_dtype) -
         return f"tile_v={block.tile} must be a power of two dividing block_v={block.block_v}"
     if spec.fused_norm and block.block_v != spec.head_v_dim:
         return f"the fused norm needs a whole head per program (block_v={block.block_v} != V={spec.head_v_dim})"
+    if spec.stochastic_rounding and jnp.dtype(state_dtype).itemsize != 2:
+        return f"stochastic rounding applies to a float16/bfloat16 state, not {jnp.dtype(state_dtype)}"
     if spec.norm_activation not in ("silu", "sigmoid"):
         return f"norm_activation must be 'silu' or 'sigmoid', got {spec.norm_activation!r}"
     if spec.num_k_heads <= 0 or spec.num_v_heads % spec.num_k_heads:
@@ -235,11 +281,13 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
     refs = list(refs)
     q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:5]
     rest = refs[5:]
-    A_log_ref = dt_bias_ref = slots_ref = z_ref = w_ref = None
+    A_log_ref = dt_bias_ref = slots_ref = z_ref = w_ref = seed_ref = None
     if spec.raw_gates:
         A_log_ref, dt_bias_ref, *rest = rest
     if spec.pooled:
         slots_ref, *rest = rest
+    if spec.stochastic_rounding:
+        seed_ref, *rest = rest
     if spec.fused_norm:
         z_ref, w_ref, *rest = rest
     state_in_ref, o_ref, state_out_ref = rest
@@ -267,6 +315,18 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
         if spec.fused_norm:
             x["z"] = z_ref[b, pl.ds(spec.z_col + h * V + t * T, T)]
         return x
+
+    def store_state(S, t):
+        """Tile t of the updated state, rounded to the state dtype (RNE, or stochastically)."""
+        c = col0 + t * T
+        if spec.stochastic_rounding:
+            # the element's flat index in its state (or pool) is its counter
+            kk = lax.broadcasted_iota(jnp.int32, (K, T), 0)
+            cc = lax.broadcasted_iota(jnp.int32, (K, T), 1) + c
+            counter = (((row * spec.num_v_heads + h) * K + kk) * V + cc).astype(jnp.uint32)
+            u = counter_uniform(counter, seed_ref[0], seed_ref[1])
+            S = stochastic_round_value(S, state_out_ref.dtype, u)
+        state_out_ref[row, h, :, pl.ds(c, T)] = S.astype(state_out_ref.dtype)
 
     def head_operands():
         q = q_ref[b, pl.ds(spec.q_col + kh * K, K)].astype(F32)
@@ -310,7 +370,7 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
             if t + 1 < n_tiles:
                 pending = fetch(t + 1)
             o, S = token_update(x["S"].astype(F32), q, k, x["v"].astype(F32), g, beta)
-            state_out_ref[row, h, :, pl.ds(col0 + t * T, T)] = S.astype(state_out_ref.dtype)
+            store_state(S, t)
             outs.append((o, x.get("z")))
         store_outputs(outs)
 
@@ -342,13 +402,13 @@ def _check_vector(name, x, size):
 
 
 def gdn_decode(q_rows, k_rows, v_rows, g_rows, beta_rows, state, *, spec: DecodeSpec,
-               A_log=None, dt_bias=None, slots=None, z_rows=None, norm_weight=None,
+               A_log=None, dt_bias=None, slots=None, z_rows=None, norm_weight=None, seed=None,
                out_dtype=None, block: DecodeBlockSizes | None = None, interpret: bool = False):
     """Launch the decode kernel. Returns (o [B, HV * V] in out_dtype, new state).
 
     Row arrays are [B, width]; `spec`'s column offsets place each operand in its row (pass the
     same array several times for packed input). `state` is [B, HV, K, V] (or the pool
-    [slots, HV, K, V] with `slots` [B] int32). The state output aliases `state`: donate it at
+    [slots, HV, K, V] with `slots` [B] int32). `seed` [2] uint32 with `spec.stochastic_rounding`. The state output aliases `state`: donate it at
     the jit boundary to update it in place. Shapes are checked here, before any device work.
     """
     K, V, HK, HV = spec.head_k_dim, spec.head_v_dim, spec.num_k_heads, spec.num_v_heads
@@ -374,25 +434,30 @@ def gdn_decode(q_rows, k_rows, v_rows, g_rows, beta_rows, state, *, spec: Decode
     if spec.fused_norm:
         _check_rows("z", z_rows, batch, spec.z_col + HV * V)
         _check_vector("norm_weight", norm_weight, V)
+    if spec.stochastic_rounding and (getattr(seed, "shape", None) != (2,) or seed.dtype != jnp.uint32):
+        raise ValueError(f"seed must be a uint32 array of shape (2,), got {getattr(seed, 'shape', None)} "
+                         f"{getattr(seed, 'dtype', None)}")
     block = block or default_block_sizes(batch, V, state.dtype, spec.fused_norm)
     reason = unsupported_reason(spec, block, state.dtype) or index_overflow_reason(state.size)
     if reason is not None:
         raise ValueError(reason)
     out_dtype = jnp.dtype(out_dtype or (jnp.bfloat16 if spec.fused_norm else q_rows.dtype))
-    return _launch(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, z_rows,
+    return _launch(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, seed, z_rows,
                    norm_weight, state, spec=spec, block=block, out_dtype=out_dtype,
                    interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "block", "out_dtype", "interpret"))
-def _launch(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, z_rows, norm_weight,
-            state, *, spec, block, out_dtype, interpret):
+def _launch(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, seed, z_rows,
+            norm_weight, state, *, spec, block, out_dtype, interpret):
     batch = q_rows.shape[0]
     inputs = [q_rows, k_rows, v_rows, g_rows, beta_rows]
     if spec.raw_gates:
         inputs += [A_log, dt_bias]
     if spec.pooled:
         inputs += [slots.astype(jnp.int32)]
+    if spec.stochastic_rounding:
+        inputs += [seed]
     if spec.fused_norm:
         inputs += [z_rows, norm_weight]
     inputs.append(state)

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import KERNEL_MODES as MODES, interpret_flag
+from conftest import KERNEL_MODES, interpret_flag
+from conftest import KERNEL_MODES as MODES
 
 from gdn_jax import decode as dec
 from gdn_jax import reference as ref
@@ -431,17 +432,137 @@ def test_bad_inputs_raise_value_error():
                         spec=spec)
 
 
+# --------------------------------------------------------------------------- stochastic rounding
+
+def _neighbours(x, dtype):
+    """(RNE(x), x's other neighbour in dtype) of fp32 x, as fp32 numpy arrays."""
+    x = jnp.asarray(x, F32)
+    r = x.astype(dtype)
+    bits = jax.lax.bitcast_convert_type(r, jnp.uint16)
+    r32 = r.astype(F32)
+    step = jnp.where(jnp.abs(x) > jnp.abs(r32), 1, jnp.where(x == r32, 0, -1)).astype(jnp.int32)
+    other = jax.lax.bitcast_convert_type((bits.astype(jnp.int32) + step).astype(jnp.uint16), dtype)
+    return np.asarray(r32), np.asarray(other.astype(F32))
+
+
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+@pytest.mark.parametrize("sdt", [BF16, F16])
+def test_stochastic_rounding_store(mode, sdt):
+    """Every stored value is one of the two 16-bit neighbours of the fp32 result, the farther one
+    as often as unbiasedness asks; the same key gives the same bits whatever the block shape."""
+    B, HK, HV, K, V = 3, 1, 2, 32, 64
+    q, k, v, g, beta, h0 = _step_inputs(61, B=B, HK=HK, HV=HV, K=K, V=V)
+    h16 = h0.astype(sdt)
+    blk = kern.DecodeBlockSizes(block_v=32)
+    run = functools.partial(dec.gdn_decode, q, k, v, g, beta, use_qk_l2norm=True, impl="pallas",
+                            interpret=_interp(mode))
+    _, x = run(h16.astype(F32), block_sizes=blk)         # the fp32 values before the store
+    key = jax.random.key(5)
+    _poison(h16.shape, sdt)
+    _, y = run(h16.copy(), rounding_key=key, block_sizes=blk)
+    assert y.dtype == sdt
+    x, y = np.asarray(x), np.asarray(y.astype(F32))
+    rne, other = _neighbours(x, sdt)
+    assert np.all((y == rne) | (y == other))
+    gap = other - rne
+    moved = gap != 0
+    p = np.where(moved, (x - rne) / np.where(moved, gap, 1.0), 0.0)
+    assert moved.mean() > 0.9
+    # the farther neighbour is taken with probability p: mean over ~12k elements
+    assert abs(np.mean(y[moved] == other[moved]) - np.mean(p[moved])) < 0.02
+    assert abs(np.sum(y - x)) / np.sum(np.abs(gap)) < 0.02          # unbiased in aggregate
+    again = np.asarray(run(h16.copy(), rounding_key=key)[1].astype(F32))   # tuning-table block
+    np.testing.assert_array_equal(again, y)
+    other_key = np.asarray(run(h16.copy(), rounding_key=jax.random.key(6), block_sizes=blk)[1]
+                           .astype(F32))
+    assert np.mean(other_key != y) > 0.1
+
+
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+def test_stochastic_rounding_kernel_lets_a_16bit_state_decay(mode):
+    """bf16 state, no writes (beta = 0), g = -5e-4 (below half an ulp): the RNE store never moves
+    the state (the decay stall); stochastic-rounding stores decay it as exp(g t)."""
+    B, HK, HV, K, V, T, gval = 1, 1, 2, 16, 16, 1000, -5e-4
+    q, k, v, _, _, h0 = _step_inputs(62, B=B, HK=HK, HV=HV, K=K, V=V)
+    S0 = h0.astype(BF16)
+    g = jnp.full((B, HV), gval)
+    beta = jnp.zeros((B, HV))
+
+    @functools.partial(jax.jit, static_argnames="stochastic")
+    def run(S, stochastic):
+        def body(i, S):
+            key = jax.random.fold_in(jax.random.key(7), i) if stochastic else None
+            return dec.gdn_decode(q, k, v, g, beta, S, rounding_key=key, impl="pallas",
+                                  interpret=_interp(mode))[1]
+        return jax.lax.fori_loop(0, T, body, S)
+
+    f64 = lambda a: np.asarray(a.astype(F32), np.float64)
+    s0 = f64(S0)
+    np.testing.assert_array_equal(f64(run(S0.copy(), False)), s0)          # the stall
+    sr = f64(run(S0.copy(), True))
+    want = s0 * np.exp(gval * T)
+    assert abs(np.sum(sr * s0) / np.sum(s0 * s0) - np.exp(gval * T)) < 0.01
+    assert np.linalg.norm(sr - want) / np.linalg.norm(want) < 0.1
+    np.testing.assert_array_equal(f64(run(S0.copy(), True)), sr)           # deterministic
+
+
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+def test_stochastic_rounding_pool(mode):
+    """Pool + slot table with stochastic rounding: padding rows and unnamed slots untouched, and a
+    slot's draw depends on its slot, not its batch row (rows permuted: the same pool)."""
+    B, HK, HV, K = 4, 1, 2, 32
+    qkv, pool, slots, kw, (ro, want_pool), sentinel = _pool_case(
+        63, B=B, HK=HK, HV=HV, K=K, slots=[5, -1, 0, 2], n_slots=7, sdt=BF16, raw=True, norm=False,
+        per_channel=False)
+    key = jax.random.key(8)
+    run = lambda qkv, slots, kw: dec.gdn_decode_pool(qkv, pool=pool.copy(), slots=slots,
+                                                     rounding_key=key, impl="pallas",
+                                                     interpret=_interp(mode), **kw)
+    o, new = run(qkv, slots, kw)
+    untouched = np.asarray([1, 3, 4, 6])
+    np.testing.assert_array_equal(np.asarray(new[untouched]), np.asarray(pool[untouched]))
+    assert np.all(np.asarray(o[1], np.float32) == 0.0)
+    live = np.asarray([5, 0, 2])
+    assert rel_err(new[live], want_pool[live]) <= 8e-3
+    perm = np.asarray([3, 0, 2, 1])
+    kw_p = dict(kw, g=kw["g"][perm], beta=kw["beta"][perm])
+    _, new_p = run(qkv[perm], slots[perm], kw_p)
+    np.testing.assert_array_equal(np.asarray(new_p.astype(F32)), np.asarray(new.astype(F32)))
+
+
+def test_stochastic_rounding_reference_path_and_errors():
+    """impl="reference" rounds as reference.decode_step(rounding_key=...) does; a key with an fp32
+    state, or a key that is not one PRNG key, is a ValueError naming rounding_key."""
+    q, k, v, g, beta, h0 = _step_inputs(64, B=2, HK=1, HV=2, K=16, V=16)
+    h16 = h0.astype(BF16)
+    key = jax.random.PRNGKey(9)
+    _, s = dec.gdn_decode(q, k, v, g, beta, h16.copy(), use_qk_l2norm=True, rounding_key=key,
+                          impl="reference")
+    _, want = ref.decode_step(q, k, v, g, beta, h16, use_qk_l2norm=True, rounding_key=key)
+    np.testing.assert_array_equal(np.asarray(s.astype(F32)), np.asarray(want.astype(F32)))
+    with pytest.raises(ValueError, match="rounding_key.*float16 or bfloat16"):
+        dec.gdn_decode(q, k, v, g, beta, h0, rounding_key=key)
+    for bad in (jnp.zeros(3, jnp.uint32), jnp.zeros(2, jnp.int32), jax.random.split(key, 2), 7):
+        with pytest.raises(ValueError, match="rounding_key must be one PRNG key"):
+            dec.gdn_decode(q, k, v, g, beta, h16, rounding_key=bad)
+    qkv = jnp.concatenate([q.reshape(2, -1), k.reshape(2, -1), v.reshape(2, -1)], axis=1)
+    with pytest.raises(ValueError, match="rounding_key"):
+        dec.gdn_decode_pool(qkv, g, beta, h0, jnp.array([0, 1], jnp.int32), num_k_heads=1,
+                            num_v_heads=2, head_k_dim=16, head_v_dim=16, rounding_key=key)
+
+
 # --------------------------------------------------------------------------- Triton lowering on CPU
 
-LOWER_CASES = [  # raw gates, per-channel gate, l2, pooled, fused norm, state dtype
-    (False, False, True, False, False, F32), (True, False, True, True, True, F32),  # noqa: E501
-    (True, True, False, True, False, F16), (False, True, True, False, True, BF16),
-    (True, False, False, False, False, BF16), (False, False, True, True, False, F16),
+LOWER_CASES = [  # raw gates, per-channel gate, l2, pooled, fused norm, state dtype, stoch. round
+    (False, False, True, False, False, F32, False), (True, False, True, True, True, F32, False),
+    (True, True, False, True, False, F16, False), (False, True, True, False, True, BF16, False),
+    (True, False, False, False, False, BF16, False), (False, False, True, True, False, F16, False),
+    (False, False, True, True, False, BF16, True), (True, True, True, False, True, F16, True),
 ]
 
 
-@pytest.mark.parametrize("raw,pc,l2,pooled,norm,sdt", LOWER_CASES)
-def test_variants_lower_to_triton_ir(monkeypatch, raw, pc, l2, pooled, norm, sdt):
+@pytest.mark.parametrize("raw,pc,l2,pooled,norm,sdt,sr", LOWER_CASES)
+def test_variants_lower_to_triton_ir(monkeypatch, raw, pc, l2, pooled, norm, sdt, sr):
     """Every variant lowers to Triton IR for an H200 (sm_90), checked here without a GPU: the
     Pallas -> Triton lowering runs in Python; only the PTX compile needs the device."""
     try:
@@ -453,13 +574,15 @@ def test_variants_lower_to_triton_ir(monkeypatch, raw, pc, l2, pooled, norm, sdt
     B, HK, HV, K = 4, 2, 4, 128
     spec = kern.DecodeSpec(num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=K, scale=0.1,
                            k_col=HK * K, v_col=2 * HK * K, raw_gates=raw, per_channel_gate=pc,
-                           use_qk_l2norm=l2, pooled=pooled, fused_norm=norm)
+                           use_qk_l2norm=l2, pooled=pooled, fused_norm=norm,
+                           stochastic_rounding=sr)
     gk = K if pc else 1
     qkv = jnp.ones((B, 2 * HK * K + HV * K), BF16)
     state = jax.ShapeDtypeStruct((6 if pooled else B, HV, K, K), sdt)
     args = (qkv, qkv, qkv, jnp.ones((B, HV * gk)), jnp.ones((B, HV)),
             jnp.ones(HV) if raw else None, jnp.ones(HV * gk) if raw else None,
-            jnp.zeros(B, jnp.int32) if pooled else None, jnp.ones((B, HV * K)) if norm else None,
+            jnp.zeros(B, jnp.int32) if pooled else None,
+            jnp.ones(2, jnp.uint32) if sr else None, jnp.ones((B, HV * K)) if norm else None,
             jnp.ones(K) if norm else None, state)
     block = kern.default_block_sizes(B, K, sdt, norm)
     if sdt == F16:  # cover the walk over several register tiles too

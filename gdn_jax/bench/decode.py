@@ -325,10 +325,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             norm_weight=w, impl="pallas", interpret=INTERPRET)
         t_pool = _time_steps(pool_step, (qkv, ab, pool), args.unroll)
         nb = 2 * b * HV * K * V * 4
+        # 16-bit state, round to nearest even vs stochastic rounding (a fresh key per step).
+        rounding = {}
+        for sdt in ("bfloat16", "float16"):
+            s16 = s.astype(sdt)
+            key = jax.random.key(0)
+            rne_step = functools.partial(dec.gdn_decode, impl="pallas", interpret=INTERPRET)
+            steps = iter(range(1 << 30))
+            sr_step = lambda q, k, v, g, beta, s: dec.gdn_decode(
+                q, k, v, g, beta, s, rounding_key=jax.random.fold_in(key, next(steps)),
+                impl="pallas", interpret=INTERPRET)
+            rounding[sdt] = tuple(_time_steps(f, (q, k, v, g, beta, s16.copy()), args.unroll) * 1e6
+                                  for f in (rne_step, sr_step))
+            rep.progress(f"{sdt} state B={b}: RNE {rounding[sdt][0]:.1f} us, stochastic rounding "
+                         f"{rounding[sdt][1]:.1f} us (chained)")
         rep.progress("ceiling probes ...")
         probes = _probes(args)
         rep.meta["probes"] = probes
-        rep.meta["variants"] = {"fused_norm_B128_us": t_norm * 1e6,
+        rep.meta["variants"] = {"rounding_B128_us": rounding, "fused_norm_B128_us": t_norm * 1e6,
                                 "pool_packed_raw_l2_norm_B128_us": t_pool * 1e6,
                                 "fused_norm_sweep": norm_sweep}
 
@@ -370,6 +384,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"out) {t_norm * 1e6:.1f} us ({nb / t_norm / 1e9:.0f} GB/s); pool with slot table + packed "
             f"qkv row + raw gates + in-kernel L2 norm + fused norm {t_pool * 1e6:.1f} us "
             f"({nb / t_pool / 1e9:.0f} GB/s).",
+            "16-bit state, round-to-nearest-even vs stochastic-rounding stores (a fresh key per "
+            "step, `rounding_key=fold_in(key, step)`): " + "; ".join(
+                f"{sdt} {r:.1f} vs {sr:.1f} us ({100 * (sr / r - 1):+.1f}%)"
+                for sdt, (r, sr) in rounding.items()) + ".",
         ]
     if probes:
         lines.append("")
