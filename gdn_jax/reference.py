@@ -104,6 +104,8 @@ def gated_rmsnorm(x: jax.Array, z: jax.Array, weight: jax.Array, *, eps: float =
     """y = x * rsqrt(mean(x^2) + eps) * weight * act(z) over the last axis (one head of size V).
 
     fp32 math, one rounding to `out_dtype` (default: x's dtype). GDN uses act = SiLU, KDA sigmoid.
+    Safe for any finite x: a head whose max |x| exceeds L2NORM_RESCALE_ABOVE is scaled exactly
+    first (as in `l2norm`), so its squares cannot overflow.
     """
     if activation not in ("silu", "sigmoid"):
         raise ValueError(f"activation must be 'silu' or 'sigmoid', got {activation!r}")
@@ -111,7 +113,11 @@ def gated_rmsnorm(x: jax.Array, z: jax.Array, weight: jax.Array, *, eps: float =
     xf = x.astype(F32)
     zf = z.astype(F32)
     act = jax.nn.silu(zf) if activation == "silu" else jax.nn.sigmoid(zf)
-    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * weight.astype(F32) * act
+    m = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    e = jnp.where(m > L2NORM_RESCALE_ABOVE, jnp.frexp(m)[1], 0)
+    xs = jnp.ldexp(xf, -e)
+    eps = jnp.ldexp(jnp.full(e.shape, eps, F32), -2 * e)
+    y = xs * lax.rsqrt(jnp.mean(xs * xs, axis=-1, keepdims=True) + eps) * weight.astype(F32) * act
     return y.astype(out_dtype)
 
 

@@ -348,8 +348,13 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
 
     def store_outputs(outs):
         if spec.fused_norm:  # block_v == V: this program holds the whole head's output
+            # a head whose squares could overflow is scaled exactly first (see l2_normalize)
+            huge = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(o)) for o, _ in outs]) \
+                > L2NORM_RESCALE_ABOVE
+            shrink = jnp.where(huge, jnp.float32(HUGE_ROW_SCALE), jnp.float32(1.0))
+            outs = [(o * shrink, z) for o, z in outs]
             sumsq = sum(jnp.sum(o * o) for o, _ in outs)
-            inv = lax.rsqrt(sumsq / V + jnp.float32(spec.norm_eps))
+            inv = lax.rsqrt(sumsq / V + jnp.where(huge, jnp.float32(0.0), jnp.float32(spec.norm_eps)))
             for t, (o, z) in enumerate(outs):
                 z = z.astype(F32)
                 w = w_ref[pl.ds(t * T, T)].astype(F32)

@@ -215,6 +215,39 @@ def test_l2norm_unchanged_bit_for_bit_on_ordinary_inputs():
     np.testing.assert_array_equal(np.asarray(ref.l2norm(x)), np.asarray(plain))
 
 
+@pytest.mark.parametrize("path", ["reference", "decode kernel"])
+def test_gated_rmsnorm_of_huge_outputs(path):
+    """The gated RMSNorm of a head of any finite size (its mean of squares would overflow fp32
+    above ~1.8e19) equals the norm of the head at an ordinary scale: in the reference and in the
+    decode kernel's fused norm (a state and values scaled by 2**100: o = S^T q is huge)."""
+    from gdn_jax import decode as dec
+    B, HK, HV, K = 2, 1, 2, 16
+    ks = jax.random.split(_key("rmsnorm huge", path), 6)
+    z = jax.random.normal(ks[0], (B, HV, K))
+    w = 1.0 + 0.1 * jax.random.normal(ks[1], (K,))
+    if path == "reference":
+        x = jax.random.normal(ks[2], (B, HV, K))
+        want = ref.gated_rmsnorm(x, z, w, out_dtype=jnp.float32)
+        got = ref.gated_rmsnorm(x * 1e30, z, w, out_dtype=jnp.float32)
+        np.testing.assert_array_equal(np.asarray(ref.gated_rmsnorm(x, z, w)),
+                                      np.asarray(x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True)
+                                                 + 1e-6) * w * jax.nn.silu(z)))  # plain formula
+    else:
+        q, k = (jax.random.normal(x, (B, HK, K)) for x in ks[2:4])
+        v = jax.random.normal(ks[4], (B, HV, K))
+        g, beta = jnp.full((B, HV), -0.1), jnp.full((B, HV), 0.5)
+        h0 = jax.random.normal(ks[5], (B, HV, K, K))
+        run = lambda s, v, eps: dec.gdn_decode(q, k, v, g, beta, s, z=z, norm_weight=w,
+                                               use_qk_l2norm=True, out_dtype=jnp.float32,
+                                               norm_eps=eps, impl="pallas", interpret=True)[0]
+        # exact scaling by 2**100: the same norm, with eps (1e-6 against mean squares ~1e59)
+        # as good as zero
+        want = run(jnp.array(h0, copy=True), v, 0.0)
+        got = run(h0 * 2.0 ** 100, v * 2.0 ** 100, 1e-6)
+    assert np.all(np.isfinite(np.asarray(got)))
+    assert rel_err(got, want) <= 1e-5
+
+
 @pytest.mark.parametrize("impl", ["reference", "chunked"])
 def test_huge_queries_and_keys_through_the_sequence_path(impl):
     import gdn_jax
