@@ -58,7 +58,7 @@ __all__ = [
     "DecodeBlockSizes", "DecodeSpec", "TUNING_TABLE", "default_block_sizes", "unsupported_reason",
     "index_overflow_reason",
     "token_update", "l2_normalize", "softplus_value", "gdn_gate_value", "kda_gate_value",
-    "counter_uniform", "stochastic_round_value", "gdn_decode",
+    "counter_bits", "stochastic_round_value", "gdn_decode",
 ]
 
 
@@ -126,11 +126,16 @@ def token_update(S: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.
 
 # --------------------------------------------------------------------------- stochastic rounding
 # A counter-based draw: each state element hashes its own coordinates with the step's seed, so
-# the programs need no shared generator state and any tiling draws the same numbers.
+# the programs need no shared generator state and any tiling draws the same numbers. The store
+# is ALU work on every state element of a bandwidth-bound kernel, so both the hash (one
+# xor-shift-multiply round) and the rounding (integer add and mask on the fp32 bit pattern, no
+# division) are kept to a few operations per element.
 
-def _mix32(x: jax.Array) -> jax.Array:
-    """An invertible uint32 hash in which every input bit flips about half the output bits
-    (two xor-shift-multiply rounds: the "lowbias32" constants)."""
+def counter_bits(counter: jax.Array, seed0: jax.Array, seed1: jax.Array) -> jax.Array:
+    """32 random bits per uint32 counter for a two-word seed: the seeded counter through an
+    invertible hash in which every input bit flips about half the output bits (the "lowbias32"
+    xor-shift-multiply constants)."""
+    x = (counter ^ seed0) * jnp.uint32(0x9E3779B1) + seed1
     x = x ^ (x >> jnp.uint32(16))
     x = x * jnp.uint32(0x7FEB352D)
     x = x ^ (x >> jnp.uint32(15))
@@ -138,28 +143,30 @@ def _mix32(x: jax.Array) -> jax.Array:
     return x ^ (x >> jnp.uint32(16))
 
 
-def counter_uniform(counter: jax.Array, seed0: jax.Array, seed1: jax.Array) -> jax.Array:
-    """Uniform fp32 draws in [0, 1) on a grid of 2**-24 from uint32 counters and a two-word seed."""
-    x = _mix32(_mix32(counter ^ seed0) ^ seed1)
-    return (x >> jnp.uint32(8)).astype(jnp.int32).astype(F32) * jnp.float32(2.0 ** -24)
+def stochastic_round_value(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
+    """fp32 x -> fp16/bf16, rounded to one of x's two neighbours so that E[result] = x, from 32
+    random bits per element.
 
-
-def stochastic_round_value(x: jax.Array, dtype, u: jax.Array) -> jax.Array:
-    """fp32 x -> fp16/bf16 rounded to one of x's two neighbours, the farther one with probability
-    p = (x - RNE(x)) / (other - RNE(x)) (exact in fp32), taken when the uniform draw u < p: so
-    E[result] = x. Values exact in `dtype`, infinities, NaN, and values whose other neighbour is
-    infinite round as RNE does (the same rule as the reference's `stochastic_round`)."""
-    r = x.astype(dtype)
-    r32 = r.astype(F32)
-    bits = lax.bitcast_convert_type(r, jnp.int16)
-    away = jnp.abs(x) > jnp.abs(r32)       # the other neighbour lies farther from zero
-    exact = x == r32
-    step = jnp.where(away, jnp.int16(1), jnp.where(exact, jnp.int16(0), jnp.int16(-1)))
-    other = lax.bitcast_convert_type(bits + step, dtype)
-    gap = other.astype(F32) - r32
-    ok = jnp.logical_not(exact) & (jnp.abs(gap) < jnp.float32(jnp.inf))
-    p = jnp.where(ok, (x - r32) / jnp.where(ok, gap, jnp.float32(1.0)), jnp.float32(0.0))
-    return jnp.where(u < p, other, r)
+    The dtype keeps the top 16 (bf16) or 19 (fp16 normals) bits of the fp32 pattern. Adding a
+    random number below 2**drop to the pattern and clearing the dropped bits rounds the magnitude
+    up with probability (dropped bits) / 2**drop, i.e. in proportion to x's distance from the
+    lower neighbour; the result is exact in the dtype, so the final cast does not round again.
+    fp16 below 2**-14 has a fixed step of 2**-24: there |x| * 2**24 is rounded to an integer the
+    same way (floor of it plus a uniform draw). Values exact in the dtype come back unchanged;
+    NaN, and values whose rounding would leave the dtype's range, round as RNE does (the rule of
+    the reference's `stochastic_round`, which draws differently: p = (x - RNE) / gap)."""
+    bf16 = jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+    drop = 16 if bf16 else 13
+    pattern = lax.bitcast_convert_type(x, jnp.uint32)
+    kept = (pattern + (bits >> jnp.uint32(32 - drop))) & jnp.uint32(0xFFFFFFFF ^ ((1 << drop) - 1))
+    y = lax.bitcast_convert_type(kept, F32)
+    if not bf16:
+        u = (bits >> jnp.uint32(8)).astype(jnp.int32).astype(F32) * jnp.float32(2.0 ** -24)
+        sub = jnp.floor(jnp.abs(x) * jnp.float32(2.0 ** 24) + u) * jnp.float32(2.0 ** -24)
+        sub = jnp.where(pattern >= jnp.uint32(0x80000000), -sub, sub)      # sign, -0.0 included
+        y = jnp.where(jnp.abs(x) < jnp.float32(2.0 ** -14), sub, y)
+    rne = (x != x) | (jnp.abs(y) > jnp.float32(jnp.finfo(dtype).max))
+    return jnp.where(rne, x.astype(dtype), y.astype(dtype))
 
 
 # --------------------------------------------------------------------------- tuning
@@ -321,11 +328,12 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
         c = col0 + t * T
         if spec.stochastic_rounding:
             # the element's flat index in its state (or pool) is its counter
-            kk = lax.broadcasted_iota(jnp.int32, (K, T), 0)
-            cc = lax.broadcasted_iota(jnp.int32, (K, T), 1) + c
-            counter = (((row * spec.num_v_heads + h) * K + kk) * V + cc).astype(jnp.uint32)
-            u = counter_uniform(counter, seed_ref[0], seed_ref[1])
-            S = stochastic_round_value(S, state_out_ref.dtype, u)
+            base = ((row * spec.num_v_heads + h) * K) * V + c
+            offset = (lax.broadcasted_iota(jnp.int32, (K, T), 0) * V
+                      + lax.broadcasted_iota(jnp.int32, (K, T), 1))
+            counter = (base + offset).astype(jnp.uint32)
+            S = stochastic_round_value(S, state_out_ref.dtype,
+                                       counter_bits(counter, seed_ref[0], seed_ref[1]))
         state_out_ref[row, h, :, pl.ds(c, T)] = S.astype(state_out_ref.dtype)
 
     def head_operands():
