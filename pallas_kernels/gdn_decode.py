@@ -67,14 +67,22 @@ __all__ = [
 # plain JAX). Keep the operation order fixed: the verify kernel relies on bit-identical results.
 
 def l2_normalize(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
-    """x * rsqrt(sum(x^2) + eps) over the last axis, fp32 (the reference's `l2norm`), for any
-    finite x: a vector whose max |x| exceeds L2NORM_RESCALE_ABOVE (its squares would overflow)
-    is first scaled by an exact power of two (eps then no longer matters); below that the
-    plain formula runs, bit for bit."""
-    huge = jnp.max(jnp.abs(x), axis=-1, keepdims=True) > L2NORM_RESCALE_ABOVE
-    x = x * jnp.where(huge, jnp.float32(HUGE_ROW_SCALE), jnp.float32(1.0))
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True)
-                         + jnp.where(huge, jnp.float32(0.0), jnp.float32(eps)))
+    """x * rsqrt(sum(x^2) + eps) over the last axis of a [K] vector, fp32 (the reference's
+    `l2norm`), for any finite x. The plain formula runs, bit for bit, unless the sum of squares
+    overflowed (some |x| above ~1.8e19); only then is the vector scaled by an exact power of two
+    and summed again (eps no longer matters at that size). The test is on the sum the plain
+    formula needs anyway, and the rare branch is a `lax.cond` on a scalar, so ordinary rows pay
+    one reduction, not two (a max-|x| pre-check per row cost the T-token verify kernels ~8%)."""
+    ss = jnp.sum(x * x, axis=-1, keepdims=True)
+    huge = jnp.max(ss) == jnp.inf
+
+    def rescaled():
+        # The factor is data (not a literal 2**-100) on purpose: XLA's simplifier (interpret
+        # mode) pulls a constant factor out of the sum as its square, 2**-200 = 0 in fp32.
+        y = x * jnp.where(huge, jnp.float32(HUGE_ROW_SCALE), jnp.float32(1.0))
+        return y * lax.rsqrt(jnp.sum(y * y, axis=-1, keepdims=True))
+
+    return lax.cond(huge, rescaled, lambda: x * lax.rsqrt(ss + jnp.float32(eps)))
 
 
 def tame_huge_rows(x: jax.Array) -> jax.Array:
@@ -356,13 +364,14 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
 
     def store_outputs(outs):
         if spec.fused_norm:  # block_v == V: this program holds the whole head's output
-            # a head whose squares could overflow is scaled exactly first (see l2_normalize)
-            huge = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(o)) for o, _ in outs]) \
-                > L2NORM_RESCALE_ABOVE
+            # a head whose squares overflowed is scaled exactly and summed again (the rare
+            # branch of a scalar lax.cond, as in l2_normalize)
+            sumsq = sum(jnp.sum(o * o) for o, _ in outs)
+            huge = sumsq == jnp.inf
             shrink = jnp.where(huge, jnp.float32(HUGE_ROW_SCALE), jnp.float32(1.0))
             outs = [(o * shrink, z) for o, z in outs]
-            sumsq = sum(jnp.sum(o * o) for o, _ in outs)
-            inv = lax.rsqrt(sumsq / V + jnp.where(huge, jnp.float32(0.0), jnp.float32(spec.norm_eps)))
+            inv = lax.cond(huge, lambda: lax.rsqrt(sum(jnp.sum(o * o) for o, _ in outs) / V),
+                           lambda: lax.rsqrt(sumsq / V + jnp.float32(spec.norm_eps)))
             for t, (o, z) in enumerate(outs):
                 z = z.astype(F32)
                 w = w_ref[pl.ds(t * T, T)].astype(F32)
