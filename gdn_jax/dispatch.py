@@ -154,6 +154,7 @@ def _load_all():
     # The modules that define operations register on import.
     import gdn_jax.ops  # noqa: F401
     import gdn_jax.decode  # noqa: F401
+    import gdn_jax.conv_decode  # noqa: F401
     import gdn_jax.verify  # noqa: F401
     import gdn_jax.carry  # noqa: F401
 

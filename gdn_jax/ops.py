@@ -114,10 +114,18 @@ def _decode_supports(spec: DeltaSpec):
 
 def _decode_run(spec, q, k, v, g, beta, initial_state, cu_seqlens):
     from gdn_jax import decode
-    # The decode kernel updates its state argument in place (donated): give it a buffer of its
-    # own so the caller's initial_state stays valid, as for every other impl.
-    state = (jnp.zeros((spec.num_seqs, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim),
-                       jnp.float32) if initial_state is None else jnp.copy(initial_state))
+    if initial_state is None:
+        state = jnp.zeros((spec.num_seqs, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim),
+                          jnp.float32)
+    elif chk.is_concrete(initial_state):
+        # Called eagerly, the decode kernel's jit really donates its state argument: give it a
+        # buffer of its own so the caller's initial_state stays valid, as for every other impl.
+        state = jnp.copy(initial_state)
+    else:
+        # Traced (inside the caller's jit) the inner donation is void and the kernel's in-place
+        # alias is resolved by XLA: it copies the caller's buffer only when the caller still
+        # needs it (not donated), so a donated step reads and writes the state once.
+        state = initial_state
     return decode.sequence_step(spec, q, k, v, g, beta, state)
 
 

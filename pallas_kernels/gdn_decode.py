@@ -28,6 +28,14 @@ Static flags of the one kernel body (`DecodeSpec`):
                      counter hash of (seed, state row, head, k, column): deterministic for a seed
                      and independent of the launch shape. Removes the decay stall of RNE stores
                      (a |g| below half an ulp never moves the state).
+  * fused conv:      q, k and v are the *pre-conv* packed row [B, conv_dim] = q | k | v (channel
+                     c is column c); the kernel runs the short conv's decode step itself: it
+                     reads the window [W-1, channels] of its channels from the conv window array
+                     (a pool [slots, W-1, conv_dim] beside the state pool, or [B, W-1, conv_dim]),
+                     convolves [window, x] with the depthwise weight [conv_dim, W] (+ bias),
+                     applies SiLU, rounds to the row's dtype (as the unfused chain stores it) and
+                     writes the shifted window back in place (aliased, like the state). See
+                     `_conv_decode` for why a program then owns a whole key-head group.
 
 The per-token math lives in `token_update` (and its helpers `l2_normalize`, `gdn_gate_value`,
 `kda_gate_value`): plain jnp on in-register values, so any Pallas kernel
@@ -256,6 +264,13 @@ class DecodeSpec:
     norm_eps: float = 1e-6
     norm_activation: str = "silu"
     stochastic_rounding: bool = False  # 16-bit state stores; a seed [2] uint32 is an input
+    fused_conv: bool = False         # q/k/v rows are pre-conv; conv weight + windows are inputs
+    conv_width: int = 0              # W of the fused conv (its windows hold W-1 inputs)
+    conv_bias: bool = False          # the fused conv adds a bias [conv_dim]
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
 
 
 def unsupported_reason(spec: DecodeSpec, block: DecodeBlockSizes, state_dtype) -> str | None:
@@ -280,6 +295,16 @@ def unsupported_reason(spec: DecodeSpec, block: DecodeBlockSizes, state_dtype) -
         return f"HV={spec.num_v_heads} must be a multiple of HK={spec.num_k_heads}"
     if block.num_warps not in (1, 2, 4, 8, 16):
         return f"num_warps={block.num_warps} must be 1, 2, 4, 8 or 16"
+    if spec.fused_conv:
+        kd = spec.num_k_heads * spec.head_k_dim
+        if (spec.q_col, spec.k_col, spec.v_col) != (0, kd, 2 * kd):
+            return ("the fused conv reads the packed pre-conv row q | k | v (q_col=0, "
+                    f"k_col={kd}, v_col={2 * kd}), got ({spec.q_col}, {spec.k_col}, {spec.v_col})")
+        if spec.conv_width < 2:
+            return f"the fused conv needs a width W >= 2, got {spec.conv_width}"
+        if block.block_v != spec.head_v_dim:
+            return (f"the fused conv needs a whole head per program (block_v={block.block_v} != "
+                    f"V={spec.head_v_dim})")
     return None
 
 
@@ -292,11 +317,47 @@ def index_overflow_reason(num_state_elements: int) -> str | None:
 
 # --------------------------------------------------------------------------- kernel body
 
+@dataclasses.dataclass(frozen=True)
+class _ConvRefs:
+    """The fused conv's operands: weight [conv_dim, W], bias [conv_dim] or None, and the window
+    array [rows, W-1, conv_dim] as read (win_in) and written (win_out, aliased to win_in)."""
+    weight: object
+    bias: object
+    win_in: object
+    win_out: object = None
+
+
+def _conv_decode(conv: _ConvRefs, x_ref, b, row, col, n, width):
+    """Short-conv decode step for channels col..col+n of sequence b (window row `row`): returns
+    (y [n] fp32, rounded like the unfused chain's stored conv output, new window rows [W-1] of
+    [n] fp32) without writing anything. The math is the reference's `causal_conv1d`:
+    y = SiLU(sum_j w[c, j] * [window, x][j] (+ b[c])), accumulated in fp32 in the same order.
+
+    Who writes the window: every program that convolves a channel reads its W-1 old inputs, so
+    a column written by one program while another still has to read it would be a race (CUDA
+    orders no two programs of a grid). With the fused conv a program owns a whole key-head
+    group (key head kh and its HV // HK value heads, all V columns each), so the q, k columns of
+    kh and the v columns of those value heads are read and written by that one program only."""
+    taps = [conv.win_in[row, j, pl.ds(col, n)].astype(F32) for j in range(width - 1)]
+    x = x_ref[b, pl.ds(col, n)]
+    taps.append(x.astype(F32))
+    y = sum(taps[j] * conv.weight[pl.ds(col, n), j].astype(F32) for j in range(width))
+    if conv.bias is not None:
+        y = y + conv.bias[pl.ds(col, n)].astype(F32)
+    y = y * jax.nn.sigmoid(y)
+    return y.astype(x.dtype).astype(F32), taps[1:]
+
+
+def _store_window(conv: _ConvRefs, row, col, n, rows):
+    for j, r in enumerate(rows):
+        conv.win_out[row, j, pl.ds(col, n)] = r.astype(conv.win_out.dtype)
+
+
 def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
     refs = list(refs)
     q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:5]
     rest = refs[5:]
-    A_log_ref = dt_bias_ref = slots_ref = z_ref = w_ref = seed_ref = None
+    A_log_ref = dt_bias_ref = slots_ref = z_ref = w_ref = seed_ref = conv = None
     if spec.raw_gates:
         A_log_ref, dt_bias_ref, *rest = rest
     if spec.pooled:
@@ -305,13 +366,26 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
         seed_ref, *rest = rest
     if spec.fused_norm:
         z_ref, w_ref, *rest = rest
+    if spec.fused_conv:  # inputs: weight, [bias], windows; the windows' output comes last
+        conv_w_ref, *rest = rest
+        conv_b_ref = None
+        if spec.conv_bias:
+            conv_b_ref, *rest = rest
+        win_in_ref, *rest = rest
+        conv = _ConvRefs(conv_w_ref, conv_b_ref, win_in_ref, rest.pop())
     state_in_ref, o_ref, state_out_ref = rest
 
     K, V, T = spec.head_k_dim, spec.head_v_dim, block.tile
-    col0 = pl.program_id(0) * block.block_v
-    h = pl.program_id(1)
+    group = spec.num_v_heads // spec.num_k_heads
     b = pl.program_id(2)
-    kh = h // (spec.num_v_heads // spec.num_k_heads)
+    if spec.fused_conv:  # one program per key-head group (see `_conv_decode`); block_v == V
+        col0 = 0
+        kh = pl.program_id(1)
+        heads = [kh * group + j for j in range(group)]
+    else:
+        col0 = pl.program_id(0) * block.block_v
+        heads = [pl.program_id(1)]
+        kh = heads[0] // group
     n_tiles = block.block_v // T
 
     if spec.pooled:
@@ -322,16 +396,20 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
     else:
         valid, row = None, b
 
-    def fetch(t):
+    def fetch(h, t):
         """Issue every load of one column tile together (one memory latency for all of them)."""
         c = col0 + t * T
-        x = {"S": state_in_ref[row, h, :, pl.ds(c, T)],
-             "v": v_ref[b, pl.ds(spec.v_col + h * V + c, T)]}
+        x = {"S": state_in_ref[row, h, :, pl.ds(c, T)]}
+        if conv is None:
+            x["v"] = v_ref[b, pl.ds(spec.v_col + h * V + c, T)]
+        else:
+            x["v"], x["window"] = _conv_decode(conv, v_ref, b, row, spec.v_col + h * V + c, T,
+                                               spec.conv_width)
         if spec.fused_norm:
             x["z"] = z_ref[b, pl.ds(spec.z_col + h * V + t * T, T)]
         return x
 
-    def store_state(S, t):
+    def store_state(S, h, t):
         """Tile t of the updated state, rounded to the state dtype (RNE, or stochastically)."""
         c = col0 + t * T
         if spec.stochastic_rounding:
@@ -344,15 +422,25 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
                                        counter_bits(counter, seed_ref[0], seed_ref[1]))
         state_out_ref[row, h, :, pl.ds(c, T)] = S.astype(state_out_ref.dtype)
 
-    def head_operands():
-        q = q_ref[b, pl.ds(spec.q_col + kh * K, K)].astype(F32)
-        k = k_ref[b, pl.ds(spec.k_col + kh * K, K)].astype(F32)
+    def key_operands():
+        """q (normalised if asked, scaled) and k of key head kh, fp32; with the fused conv also
+        their new window rows."""
+        windows = []
+        if conv is None:
+            q = q_ref[b, pl.ds(spec.q_col + kh * K, K)].astype(F32)
+            k = k_ref[b, pl.ds(spec.k_col + kh * K, K)].astype(F32)
+        else:
+            q, wq = _conv_decode(conv, q_ref, b, row, spec.q_col + kh * K, K, spec.conv_width)
+            k, wk = _conv_decode(conv, k_ref, b, row, spec.k_col + kh * K, K, spec.conv_width)
+            windows = [(spec.q_col + kh * K, wq), (spec.k_col + kh * K, wk)]
+        if spec.use_qk_l2norm:
+            q, k = l2_normalize(q), l2_normalize(k)
+        return q * jnp.float32(spec.scale), k, windows
+
+    def gate_operands(h):
         g = (g_ref[b, pl.ds(spec.g_col + h * K, K)] if spec.per_channel_gate
              else g_ref[b, spec.g_col + h]).astype(F32)
         beta = beta_ref[b, spec.beta_col + h].astype(F32)
-        if spec.use_qk_l2norm:
-            q, k = l2_normalize(q), l2_normalize(k)
-        q = q * jnp.float32(spec.scale)
         if spec.raw_gates:
             A_log = A_log_ref[h].astype(F32)
             dt = (dt_bias_ref[pl.ds(h * K, K)] if spec.per_channel_gate
@@ -360,9 +448,9 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
             g = (kda_gate_value(g, A_log, dt, spec.gate_lower_bound) if spec.per_channel_gate
                  else gdn_gate_value(g, A_log, dt))
             beta = jax.nn.sigmoid(beta)
-        return q, k, g, beta
+        return g, beta
 
-    def store_outputs(outs):
+    def store_outputs(h, outs):
         if spec.fused_norm:  # block_v == V: this program holds the whole head's output
             # a head whose squares overflowed is scaled exactly and summed again (the rare
             # branch of a scalar lax.cond, as in l2_normalize)
@@ -384,17 +472,25 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
     def step():
         # The first tile's state load is issued before the per-head operand math, and each next
         # tile's before the current tile's update, so a program always has a tile in flight.
-        pending = fetch(0)
-        q, k, g, beta = head_operands()
-        outs = []
-        for t in range(n_tiles):
-            x = pending
-            if t + 1 < n_tiles:
-                pending = fetch(t + 1)
-            o, S = token_update(x["S"].astype(F32), q, k, x["v"].astype(F32), g, beta)
-            store_state(S, t)
-            outs.append((o, x.get("z")))
-        store_outputs(outs)
+        pending = fetch(heads[0], 0)
+        q, k, windows = key_operands()
+        for i, h in enumerate(heads):
+            g, beta = gate_operands(h)
+            outs = []
+            for t in range(n_tiles):
+                x = pending
+                if t + 1 < n_tiles:
+                    pending = fetch(h, t + 1)
+                elif i + 1 < len(heads):
+                    pending = fetch(heads[i + 1], 0)
+                o, S = token_update(x["S"].astype(F32), q, k, x["v"].astype(F32), g, beta)
+                store_state(S, h, t)
+                outs.append((o, x.get("z")))
+                if conv is not None:
+                    windows.append((spec.v_col + h * V + col0 + t * T, x["window"]))
+            store_outputs(h, outs)
+        for col, rows in windows:  # after every read of this program's window columns
+            _store_window(conv, row, col, rows[0].shape[0], rows)
 
     if valid is None:
         step()
@@ -403,7 +499,8 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
 
         @pl.when(jnp.logical_not(valid))
         def _():
-            o_ref[b, pl.ds(h * V + col0, block.block_v)] = jnp.zeros((block.block_v,), o_ref.dtype)
+            for h in heads:
+                o_ref[b, pl.ds(h * V + col0, block.block_v)] = jnp.zeros((block.block_v,), o_ref.dtype)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -425,13 +522,19 @@ def _check_vector(name, x, size):
 
 def gdn_decode(q_rows, k_rows, v_rows, g_rows, beta_rows, state, *, spec: DecodeSpec,
                A_log=None, dt_bias=None, slots=None, z_rows=None, norm_weight=None, seed=None,
+               conv_weight=None, conv_bias=None, conv_windows=None,
                out_dtype=None, block: DecodeBlockSizes | None = None, interpret: bool = False):
-    """Launch the decode kernel. Returns (o [B, HV * V] in out_dtype, new state).
+    """Launch the decode kernel. Returns (o [B, HV * V] in out_dtype, new state), and with
+    `spec.fused_conv` (o, new state, new conv windows).
 
     Row arrays are [B, width]; `spec`'s column offsets place each operand in its row (pass the
     same array several times for packed input). `state` is [B, HV, K, V] (or the pool
-    [slots, HV, K, V] with `slots` [B] int32). `seed` [2] uint32 with `spec.stochastic_rounding`. The state output aliases `state`: donate it at
-    the jit boundary to update it in place. Shapes are checked here, before any device work.
+    [slots, HV, K, V] with `slots` [B] int32). The state output aliases `state`: donate it at
+    the jit boundary to update it in place. With the fused conv, q/k/v rows are the pre-conv
+    packed row [B, conv_dim], conv_weight is [conv_dim, W], conv_bias [conv_dim] (with
+    spec.conv_bias) and conv_windows [rows, W-1, conv_dim] (rows as the state's), aliased to the
+    third output like the state. `seed` [2] uint32 with
+    `spec.stochastic_rounding`. Shapes are checked here, before any device work.
     """
     K, V, HK, HV = spec.head_k_dim, spec.head_v_dim, spec.num_k_heads, spec.num_v_heads
     batch = q_rows.shape[0] if getattr(q_rows, "ndim", 0) >= 1 else -1
@@ -459,19 +562,36 @@ def gdn_decode(q_rows, k_rows, v_rows, g_rows, beta_rows, state, *, spec: Decode
     if spec.stochastic_rounding and (getattr(seed, "shape", None) != (2,) or seed.dtype != jnp.uint32):
         raise ValueError(f"seed must be a uint32 array of shape (2,), got {getattr(seed, 'shape', None)} "
                          f"{getattr(seed, 'dtype', None)}")
-    block = block or default_block_sizes(batch, V, state.dtype, spec.fused_norm)
+    if spec.fused_conv:
+        _check_conv(spec, conv_weight, conv_bias, conv_windows, state.shape[0])
+    block = block or default_block_sizes(batch, V, state.dtype, spec.fused_norm or spec.fused_conv)
     reason = unsupported_reason(spec, block, state.dtype) or index_overflow_reason(state.size)
     if reason is not None:
         raise ValueError(reason)
     out_dtype = jnp.dtype(out_dtype or (jnp.bfloat16 if spec.fused_norm else q_rows.dtype))
+    conv = (conv_weight, conv_bias, conv_windows) if spec.fused_conv else None
     return _launch(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, seed, z_rows,
-                   norm_weight, state, spec=spec, block=block, out_dtype=out_dtype,
+                   norm_weight, conv, state, spec=spec, block=block, out_dtype=out_dtype,
                    interpret=interpret)
+
+
+def _check_conv(spec, weight, bias, windows, rows):
+    c, w = spec.conv_dim, spec.conv_width
+    if getattr(weight, "shape", None) != (c, w):
+        raise ValueError(f"conv_weight must have shape (conv_dim={c}, W={w}), got "
+                         f"{getattr(weight, 'shape', None)}")
+    if spec.conv_bias:
+        _check_vector("conv_bias", bias, c)
+    elif bias is not None:
+        raise ValueError("conv_bias was given but spec.conv_bias is False")
+    if getattr(windows, "shape", None) != (rows, w - 1, c):
+        raise ValueError(f"conv_windows must have shape ({rows}, W-1={w - 1}, conv_dim={c}) (one "
+                         f"window per state row), got {getattr(windows, 'shape', None)}")
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "block", "out_dtype", "interpret"))
 def _launch(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, seed, z_rows,
-            norm_weight, state, *, spec, block, out_dtype, interpret):
+            norm_weight, conv, state, *, spec, block, out_dtype, interpret):
     batch = q_rows.shape[0]
     inputs = [q_rows, k_rows, v_rows, g_rows, beta_rows]
     if spec.raw_gates:
@@ -482,19 +602,29 @@ def _launch(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, se
         inputs += [seed]
     if spec.fused_norm:
         inputs += [z_rows, norm_weight]
+    out_shape = [jax.ShapeDtypeStruct((batch, spec.num_v_heads * spec.head_v_dim), out_dtype),
+                 jax.ShapeDtypeStruct(state.shape, state.dtype)]
+    aliases = {}
+    if spec.fused_conv:
+        weight, bias, windows = conv
+        inputs += [weight] + ([bias] if spec.conv_bias else []) + [windows]
+        aliases[len(inputs) - 1] = 2
+        out_shape.append(jax.ShapeDtypeStruct(windows.shape, windows.dtype))
     inputs.append(state)
+    aliases[len(inputs) - 1] = 1
     kernel = functools.partial(_decode_kernel, spec=spec, block=block)
     return pl.pallas_call(
         kernel,
         # Column block fastest, then head, then sequence: the GPU starts programs in grid order,
         # so programs resident at the same time stream one contiguous stretch of the state. With
         # the sequence fastest, neighbours are a whole sequence's state apart and a narrow block
-        # reads rows of one head whose other columns come much later.
-        grid=(spec.head_v_dim // block.block_v, spec.num_v_heads, batch),
-        out_shape=(jax.ShapeDtypeStruct((batch, spec.num_v_heads * spec.head_v_dim), out_dtype),
-                   jax.ShapeDtypeStruct(state.shape, state.dtype)),
-        input_output_aliases={len(inputs) - 1: 1},
+        # reads rows of one head whose other columns come much later. The fused conv runs one
+        # program per key-head group (see `_conv_decode`).
+        grid=((1, spec.num_k_heads, batch) if spec.fused_conv else
+              (spec.head_v_dim // block.block_v, spec.num_v_heads, batch)),
+        out_shape=tuple(out_shape),
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps, num_stages=block.num_stages),
         interpret=interpret,
-        name="gdn_decode",
+        name="gdn_decode_conv" if spec.fused_conv else "gdn_decode",
     )(*inputs)

@@ -17,7 +17,7 @@ from gdn_jax.bench import common
 from gdn_jax.cli import _bench_names
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-NAMES = ["decode", "kda", "prefill", "verify"]
+NAMES = ["block", "decode", "kda", "prefill", "verify"]
 SHARED = ["--batches", "--seq-lens", "--dtype", "--peers", "--repeats", "--smoke", "--json",
           "--plot", "--write-md"]
 
@@ -85,6 +85,21 @@ def test_decode_smoke(tmp_path, capsys):
     # the sweep builds plain DecodeBlockSizes (block_v/tile_v/num_warps) and times them
     sweep = [ln for ln in out.splitlines() if ln.startswith("- float32 B=")]
     assert sweep and all(re.search(r"\d+/\d+/\d+ [\d.]+", ln) for ln in sweep)
+
+
+def test_block_smoke(tmp_path):
+    """bench block --smoke: decode through the one-launch kernel (interpret mode) beside its
+    parts, prefill beside the prefill kernel, outputs checked against the unfused chain."""
+    from gdn_jax.bench import block
+    path = tmp_path / "b.json"
+    assert block.main(["--smoke", "--blocks", "kimi", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    steps = [r for r in rows if r["who"].startswith("block __call__ T=1")]
+    assert [r["B"] for r in steps] == [1, 3]
+    assert all(r["path"] == "one launch" and r["rel_err_vs_unfused"] < 2e-2 for r in steps)
+    assert {r["who"] for r in rows if r["mode"] == "prefill"} == {
+        "block __call__", "prefill kernel alone", "projections alone"}
+    assert all(r["us"] > 0 for r in rows)
 
 
 def test_prefill_smoke_reports_unavailable_impl_in_one_line(capsys):

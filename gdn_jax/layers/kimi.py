@@ -210,26 +210,42 @@ class KimiDeltaAttention(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
         c = self.config
         return DeltaDims(c.num_heads, c.num_v_heads, c.head_dim, c.head_v_dim, True)
 
-    def _inputs(self, x, dtype):
-        """-> (mixed [B, T, C] before the conv, g [B, T, HV, K] fp32, beta [B, T, HV] fp32,
-        output gate z [B, T, HV, V])."""
+    def _raw_inputs(self, x, dtype):
+        """-> (mixed [B, T, C] before the conv, raw gate g_raw [B, T, HV, K], raw beta
+        b [B, T, HV], output gate z [B, T, HV, V]), all in `dtype`."""
         c = self.config
         bsz, t = x.shape[:2]
         mixed = jnp.concatenate([self.q_proj(x, dtype), self.k_proj(x, dtype), self.v_proj(x, dtype)],
                                 axis=-1)
         g_raw = self.f_b_proj(self.f_a_proj(x, dtype), dtype).reshape(bsz, t, c.num_v_heads, c.head_dim)
-        g = ref.kda_gate(g_raw, self.A_log[...], self.dt_bias[...], lower_bound=c.lower_bound)
-        beta = ref.gdn_beta(self.b_proj(x, dtype))
         z = self.g_b_proj(self.g_a_proj(x, dtype), dtype).reshape(bsz, t, c.num_v_heads, c.head_v_dim)
-        return mixed, g, beta, z
+        return mixed, g_raw, self.b_proj(x, dtype), z
+
+    def _inputs(self, x, dtype):
+        """-> (mixed [B, T, C] before the conv, g [B, T, HV, K] fp32, beta [B, T, HV] fp32,
+        output gate z [B, T, HV, V])."""
+        mixed, g_raw, b, z = self._raw_inputs(x, dtype)
+        g = ref.kda_gate(g_raw, self.A_log[...], self.dt_bias[...], lower_bound=self.config.lower_bound)
+        return mixed, g, ref.gdn_beta(b), z
+
+    def _core_params(self) -> dict:
+        """What the one-launch decode kernel reads besides the projections."""
+        c = self.config
+        return dict(A_log=self.A_log[...], dt_bias=self.dt_bias[...], lower_bound=c.lower_bound,
+                    norm_weight=self.o_norm.weight[...], norm_eps=c.rms_norm_eps,
+                    norm_activation="sigmoid")
 
     def _output(self, o, z, dtype):
         """Sigmoid-gated RMSNorm per value head, then o_proj."""
         c = self.config
-        bsz, t = o.shape[:2]
         o = ref.gated_rmsnorm(o, z, self.o_norm.weight[...], eps=c.rms_norm_eps,
                               activation="sigmoid", out_dtype=dtype)
-        return self.o_proj(o.reshape(bsz, t, c.value_dim), dtype)
+        return self._project_out(o, dtype)
+
+    def _project_out(self, o, dtype):
+        """The normed o [B, T, HV, V] -> o_proj -> [B, T, hidden]."""
+        bsz, t = o.shape[:2]
+        return self.o_proj(o.reshape(bsz, t, self.config.value_dim), dtype)
 
     # __call__ and the serving path (prefill, decode, verify, accept, flush) come from
     # DeltaBlockMixin.

@@ -187,18 +187,34 @@ class Qwen3NextGatedDeltaNet(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
         c = self.config
         return DeltaDims(c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim, False)
 
+    def _raw_inputs(self, x, dtype):
+        """-> (mixed [B, T, C] before the conv, raw gate a [B, T, HV], raw beta b [B, T, HV],
+        z [B, T, HV, V]), all in `dtype`."""
+        mixed, z, b, a = self._project(x, dtype)
+        return mixed, a, b, z
+
     def _inputs(self, x, dtype):
         """-> (mixed [B, T, C] before the conv, g, beta [B, T, HV] fp32, z [B, T, HV, V])."""
-        mixed, z, b, a = self._project(x, dtype)
+        mixed, a, b, z = self._raw_inputs(x, dtype)
         return mixed, ref.gdn_gate(a, self.A_log[...], self.dt_bias[...]), ref.gdn_beta(b), z
+
+    def _core_params(self) -> dict:
+        """What the one-launch decode kernel reads besides the projections."""
+        return dict(A_log=self.A_log[...], dt_bias=self.dt_bias[...], lower_bound=None,
+                    norm_weight=self.norm.weight[...], norm_eps=self.config.rms_norm_eps,
+                    norm_activation="silu")
 
     def _output(self, o, z, dtype):
         """SiLU-gated RMSNorm per value head, then out_proj."""
         c = self.config
-        bsz, t = o.shape[:2]
         o = ref.gated_rmsnorm(o, z, self.norm.weight[...], eps=c.rms_norm_eps, activation="silu",
                               out_dtype=dtype)
-        return self.out_proj(o.reshape(bsz, t, c.value_dim), dtype)
+        return self._project_out(o, dtype)
+
+    def _project_out(self, o, dtype):
+        """The normed o [B, T, HV, V] -> out_proj -> [B, T, hidden]."""
+        bsz, t = o.shape[:2]
+        return self.out_proj(o.reshape(bsz, t, self.config.value_dim), dtype)
 
     # __call__ and the serving path (prefill, decode, verify, accept, flush) come from
     # DeltaBlockMixin.

@@ -1,7 +1,9 @@
 """The forward and the serving path both blocks share.
 
-A block supplies four hooks -- `_inputs(x, dtype) -> (mixed [B, T, C] before the conv, g, beta,
-z)`, `_output(o, z, dtype) -> y`, `_dims()` and the sequence operation it runs (`DELTA_OP`:
+A block supplies its hooks -- `_raw_inputs(x, dtype) -> (mixed [B, T, C] before the conv, raw
+gate a, raw beta b, z)` and `_inputs` (the same with g, beta computed), `_core_params()` (gate
+parameters and norm settings), `_output(o, z, dtype) -> y` (norm + output projection) and
+`_project_out(normed o, dtype) -> y`, `_dims()` and the sequence operation it runs (`DELTA_OP`:
 "gated_delta_rule" or "kda") -- and gets:
 
     __call__(x, state=None, *, impl)                         per-sequence state (GDNState / KDAState)
@@ -21,6 +23,13 @@ written, output rows zero). Everything that reads a pool folds the slot's pendin
 verify flushes the slots and keeps every intermediate state (`candidates`), and `accept`
 commits the accepted one. The short conv always carries (its stash is tiny, the carry pure JAX).
 
+Single-token steps (`decode`, and `__call__` with T = 1) run the whole core -- conv window
+update, conv + SiLU, q/k L2 norm, gates from the raw projections, the recurrence, the gated
+RMSNorm -- as one kernel launch (`gdn_jax.conv_decode`) when the dispatch gives it the call
+(`impl` "auto" or "pallas" on a GPU or in interpret mode, head dims the kernel takes); else the
+unfused chain (conv step, gates, the decode operation, norm) runs. Either way only the
+projections run outside.
+
 Exactness: the delta-rule kernels are bit-identical to decode (exact flavour); the projections
 run as one [B*T] matmul in verify and a [B] matmul in decode, so the block outputs agree with a
 token-by-token run to matmul rounding, not bitwise.
@@ -35,6 +44,7 @@ import jax.numpy as jnp
 
 from gdn_jax import carry as carry_ops
 from gdn_jax import conv_carry
+from gdn_jax import conv_decode as conv_decode_ops
 from gdn_jax import decode as decode_ops
 from gdn_jax import dispatch, ops
 from gdn_jax import reference as ref
@@ -85,6 +95,39 @@ class DeltaBlockMixin:
     def _compute_dtype(self, x):
         return x.dtype if self.dtype is None else self.dtype
 
+    def _one_launch(self, x, state, windows, slots, impl):
+        """The one-launch decode of one token x [B, 1, hidden] when the dispatch gives the fused
+        kernel the call: (call, (mixed, a, b, z) in the compute dtype, dtype); None when `impl`
+        asks for a pure-JAX path or "auto" finds no kernel (the unfused chain runs then)."""
+        if impl not in ("auto", "pallas"):
+            return None
+        d, c, bsz, dtype = self._dims(), self.config, x.shape[0], self._compute_dtype(x)
+        rows = lambda *shape: jax.ShapeDtypeStruct((bsz,) + shape, dtype)
+        p = self._core_params()
+        weight, bias = self._conv_params()
+        # Validated on shapes: the projections run only once the kernel has the call.
+        call = conv_decode_ops.conv_decode_call(
+            rows(c.conv_dim), rows(d.num_v_heads * (d.head_k_dim if d.per_channel_gate else 1)),
+            rows(d.num_v_heads), rows(d.num_v_heads, d.head_v_dim), state, windows, slots,
+            conv_weight=weight, conv_bias=bias,
+            num_k_heads=d.num_k_heads, num_v_heads=d.num_v_heads, head_k_dim=d.head_k_dim,
+            head_v_dim=d.head_v_dim, per_channel_gate=d.per_channel_gate, use_qk_l2norm=True,
+            out_dtype=dtype, **p)
+        # impl="pallas" with a call the fused kernel cannot take still runs the unfused kernels.
+        if dispatch.select("conv_decode", call, "auto").impl != "pallas":
+            return None
+        mixed, a, b, z = (t[:, 0] for t in self._raw_inputs(x, dtype))
+        return call, (mixed, a.reshape(bsz, -1), b, z), dtype
+
+    def _run_one_launch(self, fused, state, windows, slots):
+        call, (mixed, a, b, z), dtype = fused
+        p = self._core_params()
+        weight, bias = self._conv_params()
+        y, state, windows = conv_decode_ops.conv_decode_run(
+            call, "pallas", mixed, a, b, z, state, windows, slots, weight, bias, p["A_log"],
+            p["dt_bias"], p["norm_weight"], interpret=dispatch.interpret_enabled())
+        return self._project_out(y[:, None], dtype), state, windows
+
     def __call__(self, x: jax.Array, state=None, *, impl: str = "auto"):
         """x [B, T, hidden] -> (y [B, T, hidden] in x's dtype, new state).
 
@@ -98,6 +141,17 @@ class DeltaBlockMixin:
             state = self.init_state(bsz)
         check_state(state, self.STATE_CLS, bsz, (bsz, d.num_v_heads, d.head_k_dim, d.head_v_dim),
                     (bsz, c.conv_kernel_size - 1, c.conv_dim))
+        fused = self._one_launch(x, state.recurrent, state.conv, None, impl) if t == 1 else None
+        if fused is not None:
+            recurrent, conv_state = state.recurrent, state.conv
+            if chk.is_concrete(recurrent):
+                # Called eagerly, the kernel's jit really donates: give it buffers of its own so
+                # the caller's state stays valid. Under an outer jit the inner donation is void
+                # and XLA copies an aliased input only where its caller still needs it (never in a
+                # donated step).
+                recurrent, conv_state = jnp.copy(recurrent), jnp.copy(conv_state)
+            y, recurrent, conv_state = self._run_one_launch(fused, recurrent, conv_state, None)
+            return y.astype(x.dtype), self.STATE_CLS(recurrent=recurrent, conv=conv_state)
         dtype = self._compute_dtype(x)
         mixed, g, beta, z = self._inputs(x, dtype)
         weight, bias = self._conv_params()
@@ -184,6 +238,18 @@ class DeltaBlockMixin:
         d = self._dims()
         dispatch.check_impl(self.DELTA_OP, impl)
         bsz = x.shape[0]
+        chk.slot_table("slots", slots, bsz, serving.num_slots)
+        fused = self._one_launch(x, serving.delta.states, serving.conv.windows, slots, impl)
+        if fused is not None:
+            # Fold what a verify left pending (delta rows and conv inputs) before reading H.
+            slots = verify_ops.normalise_slots(slots, serving.num_slots)
+            carry_ops.check_delta_pool(serving.delta)
+            delta = carry_ops.flush_validated(serving.delta, slots, impl=_pool_impl(impl))
+            conv = conv_carry.conv_flush(serving.conv, slots)
+            y, states, windows = self._run_one_launch(fused, delta.states, conv.windows, slots)
+            return y.astype(x.dtype), ServingState(
+                delta=dataclasses.replace(delta, states=states),
+                conv=dataclasses.replace(conv, windows=windows))
         dtype = self._compute_dtype(x)
         mixed, g, beta, z = self._inputs(x, dtype)
         weight, bias = self._conv_params()
