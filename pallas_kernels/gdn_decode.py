@@ -31,9 +31,7 @@ Static flags of the one kernel body (`DecodeSpec`):
                      writing every token's output and the state once at the end. The state is
                      read from initial states, a pool slot or zeros (`reads_state`); outputs
                      may be skipped (`token_outputs`) when only states at positions are wanted.
-                     It is a loop around the same per-token step, so a prefill of T tokens is
-                     bit-identical to T decode steps with one column tile (tile_v = block_v) and
-                     an fp32 state.
+                     It is a loop around the same per-token step (`token_update`) as the decode.
 
 The per-token math lives in `token_update` (and its helpers `l2_normalize`, `gdn_gate_value`,
 `kda_gate_value`): plain jnp on in-register values, so any Pallas kernel
