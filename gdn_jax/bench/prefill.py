@@ -121,13 +121,12 @@ def _short(args, argv) -> int:
     """--short: the token-serial and the chunked prefill kernels side by side on short prompts."""
     import jax
     import jax.numpy as jnp
-    import gdn_jax
     from gdn_jax import prefill as pf
 
-    given = set(argv or [])
-    batches = (args.batches if "--batches" in given else
+    given = lambda flag: any(a == flag or a.startswith(flag + "=") for a in argv or [])
+    batches = (args.batches if given("--batches") else
                SHORT_SMOKE["batches"] if args.smoke else SHORT_BATCHES)
-    seq_lens = (args.seq_lens if "--seq-lens" in given else
+    seq_lens = (args.seq_lens if given("--seq-lens") else
                 SHORT_SMOKE["seq_lens"] if args.smoke else SHORT_SEQ_LENS)
     hk, hv, kd, vd = (SMOKE["hk"], SMOKE["hv"], SMOKE["k"], SMOKE["v"]) if args.smoke else (HK, HV, K, V)
     rep = common.Report("prefill", args)
@@ -198,7 +197,6 @@ def _short(args, argv) -> int:
         lines.append(f"| {b} | {upto or 'never'} | {pf.serial_prefill_limit(b)} |")
         rep.progress(f"B={b}: token-serial faster up to T={upto or 'never'} "
                      f"(table limit now {pf.serial_prefill_limit(b)})")
-    del gdn_jax
     return rep.finish("GDN short-prompt prefill: token-serial vs chunked kernel", "\n".join(lines))
 
 
