@@ -87,10 +87,13 @@ class KernelFamily:
     run                            how the operation calls it (the signature is the operation's;
                                    see its module); None when the operation calls the kernel
                                    itself
+    rule(spec) -> str              optional: why it takes a call it supports (for `explain`,
+                                   e.g. the tuning-table row that picked it)
     """
     name: str
     supports: Callable[[Any], str | None]
     run: Callable | None = None
+    rule: Callable[[Any], str] | None = None
 
 
 @dataclasses.dataclass
@@ -157,6 +160,7 @@ def _load_all():
     import gdn_jax.conv_decode  # noqa: F401
     import gdn_jax.verify  # noqa: F401
     import gdn_jax.carry  # noqa: F401
+    import gdn_jax.prefill  # noqa: F401
 
 
 # --------------------------------------------------------------------------- the choice
@@ -164,11 +168,13 @@ def _load_all():
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """What runs a call: impl "pallas" (with the family's name), "reference" or "chunked";
-    `reason` says why no kernel runs (None when one does)."""
+    `reason` says why no kernel runs (None when one does). `detail` says, for a kernel, why this
+    family: its rule and why the families asked before it declined (not part of equality)."""
     op: str
     impl: str
     family: str | None = None
     reason: str | None = None
+    detail: str | None = dataclasses.field(default=None, compare=False)
 
 
 _logged: set[tuple[str, str]] = set()
@@ -201,7 +207,8 @@ def select(op: str, spec, impl: str, *, interpret: bool | None = None, backend: 
         for fam in operation.families:
             why = fam.supports(spec)
             if why is None:
-                return Choice(op, "pallas", family=fam.name)
+                notes = ([fam.rule(spec)] if fam.rule is not None else []) + reasons
+                return Choice(op, "pallas", family=fam.name, detail="; ".join(notes) or None)
             reasons.append(f"{fam.name}: {why}")
         reason = "; ".join(reasons) if reasons else f"no Pallas kernel is registered for {op}"
     if impl == "pallas":

@@ -5,6 +5,8 @@ Both validate once into a `DeltaSpec` and ask `gdn_jax.dispatch` which implement
   "reference"  token-serial `lax.scan` (gdn_jax.reference.recurrent_delta_rule)
   "chunked"    pure-JAX WY/UT chunk form, chunk 64 (gdn_jax.reference.chunked_delta_rule)
   "pallas"     a registered kernel family: the single-token decode kernel (T = 1, not packed),
+               else the token-serial prefill kernel for short prompts (by
+               gdn_jax.prefill.SERIAL_PREFILL_TABLE on the number of sequences and the longest),
                else the chunked prefill kernels (gdn_jax.prefill; any T, packed or not)
   "auto"       a kernel when one takes the call (a GPU, or interpret mode, and head dims the
                kernels take), else the scan for T < 16 and the chunk form above
@@ -52,6 +54,7 @@ class DeltaSpec:
     use_qk_l2norm: bool
     input_dtype: str
     state_dtype: str           # the initial state's dtype (float32 without one)
+    max_seq_len: int = 0       # the longest sequence: T, or with concrete cu_seqlens the longest
 
 
 def delta_spec(kind, q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=False,
@@ -72,7 +75,7 @@ def delta_spec(kind, q, k, v, g, beta, *, scale=None, initial_state=None, use_qk
     chk.array("g", g, floating=True)
     chk.shape("g", g, want_g)
     chk.shape("beta", beta, (b, t, hv))
-    n = b
+    n, longest = b, t
     if cu_seqlens is not None:
         if b != 1:
             raise ValueError(f"cu_seqlens needs packed input with B = 1, got B = {b}")
@@ -87,6 +90,7 @@ def delta_spec(kind, q, k, v, g, beta, *, scale=None, initial_state=None, use_qk
                 raise ValueError(f"cu_seqlens must start at 0 and end at T={t}, got {c.tolist()}")
             if np.any(np.diff(c) < 0):
                 raise ValueError(f"cu_seqlens must be non-decreasing, got {c.tolist()}")
+            longest = int(np.max(np.diff(c)))
     state_dtype = jnp.dtype(jnp.float32)
     if initial_state is not None:
         chk.array("initial_state", initial_state, floating=True)
@@ -95,7 +99,8 @@ def delta_spec(kind, q, k, v, g, beta, *, scale=None, initial_state=None, use_qk
     return DeltaSpec(kind=kind, batch=b, seq_len=t, num_k_heads=hk, num_v_heads=hv, head_k_dim=kd,
                      head_v_dim=vd, num_seqs=n, varlen=cu_seqlens is not None,
                      scale=chk.scale(scale, kd), use_qk_l2norm=bool(use_qk_l2norm),
-                     input_dtype=str(jnp.dtype(q.dtype)), state_dtype=str(state_dtype))
+                     input_dtype=str(jnp.dtype(q.dtype)), state_dtype=str(state_dtype),
+                     max_seq_len=longest)
 
 
 def _fallback(spec: DeltaSpec) -> str:
@@ -107,7 +112,7 @@ def _fallback(spec: DeltaSpec) -> str:
 def _decode_supports(spec: DeltaSpec):
     if spec.seq_len != 1 or spec.varlen:
         return (f"the decode kernel takes one token per sequence (T={spec.seq_len}"
-                f"{', packed' if spec.varlen else ''}); no sequence (prefill) kernel took it")
+                f"{', packed' if spec.varlen else ''})")
     from gdn_jax import decode  # imports Pallas: only when a kernel is considered
     return decode.sequence_step_reason(spec)
 
@@ -129,21 +134,41 @@ def _decode_run(spec, q, k, v, g, beta, initial_state, cu_seqlens):
     return decode.sequence_step(spec, q, k, v, g, beta, state)
 
 
-# --------------------------------------------------------------------------- the prefill family
+# --------------------------------------------------------------------------- the prefill families
+
+def _prefill_call(spec: DeltaSpec):
+    from gdn_jax import prefill  # imports Pallas: only when a kernel is considered
+    return prefill.PrefillCall(num_seqs=spec.num_seqs, max_seq_len=spec.max_seq_len,
+                               head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim,
+                               state_dtype=spec.state_dtype)
+
+
+def _serial_supports(spec: DeltaSpec):
+    from gdn_jax import prefill
+    return prefill.SERIAL_FAMILY.supports(_prefill_call(spec))
+
+
+def _serial_rule(spec: DeltaSpec):
+    from gdn_jax import prefill
+    return prefill.SERIAL_FAMILY.rule(_prefill_call(spec))
+
 
 def _prefill_supports(spec: DeltaSpec):
-    from gdn_jax import prefill  # imports Pallas: only when a kernel is considered
+    from gdn_jax import prefill
     return prefill.prefill_kernel_reason(head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim,
                                          backend="gpu", interpret=True)
 
 
-def _prefill_run(spec, q, k, v, g, beta, initial_state, cu_seqlens):
-    from gdn_jax import prefill
-    o, final, _ = prefill.gdn_prefill(q, k, v, g, beta, scale=spec.scale,
-                                      initial_state=initial_state, output_final_state=True,
-                                      use_qk_l2norm=spec.use_qk_l2norm, cu_seqlens=cu_seqlens,
-                                      impl="pallas", interpret=dispatch.interpret_enabled())
-    return o, final
+def _prefill_runner(kernel):
+    def run(spec, q, k, v, g, beta, initial_state, cu_seqlens):
+        from gdn_jax import prefill
+        o, final, _ = prefill.gdn_prefill(q, k, v, g, beta, scale=spec.scale,
+                                          initial_state=initial_state, output_final_state=True,
+                                          use_qk_l2norm=spec.use_qk_l2norm, cu_seqlens=cu_seqlens,
+                                          kernel=kernel, impl="pallas",
+                                          interpret=dispatch.interpret_enabled())
+        return o, final
+    return run
 
 
 for _op in ("gated_delta_rule", "kda"):
@@ -152,8 +177,10 @@ for _op in ("gated_delta_rule", "kda"):
                         lambda kind, q, k, v, g, beta, **kw: delta_spec(kind, q, k, v, g, beta, **kw),
                         "gdn" if _op == "gated_delta_rule" else "kda"))
     dispatch.register(_op, dispatch.KernelFamily("decode", _decode_supports, _decode_run))
+    dispatch.register(_op, dispatch.KernelFamily("serial prefill", _serial_supports,
+                                                 _prefill_runner("serial"), rule=_serial_rule))
     dispatch.register(_op, dispatch.KernelFamily("chunked prefill", _prefill_supports,
-                                                 _prefill_run))
+                                                 _prefill_runner("chunked")))
 
 
 # --------------------------------------------------------------------------- pure-JAX paths

@@ -1,17 +1,29 @@
-"""GDN and KDA prefill through the chunked Pallas kernels (pallas_kernels/gdn_prefill.py).
+"""GDN and KDA prefill through the Pallas kernels: the chunked kernels
+(pallas_kernels/gdn_prefill.py) and the token-serial kernel (pallas_kernels/gdn_decode.py,
+`serial_prefill`: the decode kernel's body walking a sequence with its state in registers).
 
     gdn_prefill(q, k, v, g, beta, ...)                 dense [B, T] or packed (cu_seqlens) batch;
-                                                       optional raw gates, chunk-boundary states
+                                                       optional raw gates, chunk-boundary states,
+                                                       the states after requested token counts
     gdn_prefill_pool(q, k, v, g, beta, pool, slots)    initial and final states in pool slots,
                                                        updated in place (pool donated)
-    prefill_kernel_reason(...)                         why the kernel cannot take a call (or None)
+    prefill_kernel_reason(...)                         why the kernels cannot take a call (or None)
+    SERIAL_PREFILL_TABLE                               when "auto" picks the token-serial kernel
 
-`gated_delta_rule(..., impl="pallas" | "auto")` runs the same kernels for T > 1. Every sequence
-of a batch is processed without padding: a dense batch is the packing of B sequences of T tokens.
+Which kernel. Both entry points are dispatch operations ("gdn_prefill", "gdn_prefill_pool") with
+two kernel families, asked in this order: "serial prefill" (the token-serial kernel) takes a call
+when N sequences' longest has at most SERIAL_PREFILL_TABLE's length for N, and "chunked
+prefill" takes the rest. `kernel="serial"` or `"chunked"` forces one. `gated_delta_rule` / `kda`
+carry the same two families (after the single-token decode). `gdn_jax.explain` shows the choice,
+and `Choice.detail` the table row that made it.
+
+Every sequence of a batch is processed without padding: a dense batch is the packing of B
+sequences of T tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -21,12 +33,29 @@ import numpy as np
 
 from gdn_jax import dispatch
 from gdn_jax import reference as ref
+from gdn_jax import validate as chk
+from pallas_kernels import gdn_decode as serial_kern
 from pallas_kernels import gdn_prefill as kern
 
 CHUNK = kern.CHUNK
+KERNELS = ("serial", "chunked")
 
-__all__ = ["ChunkStates", "gdn_prefill", "gdn_prefill_pool", "reference_prefill_pool",
-           "prefill_kernel_reason", "CHUNK"]
+# When "auto" runs the token-serial kernel: (most sequences N, longest sequence it takes). First
+# row whose N bound holds wins; a longer sequence goes to the chunked kernel. The token-serial
+# kernel pays per token in sequence (no tensor cores) but has no chunk setup (one launch, no
+# prep pass, no intermediates through memory): it wins on short prompts. Initial estimates;
+# `gdn-jax bench prefill --short` measures the crossover per N and the rows follow it.
+SERIAL_PREFILL_TABLE: tuple[tuple[int, int], ...] = (
+    (1, 32),
+    (8, 32),
+    (32, 32),
+    (128, 32),
+    (1 << 30, 32),
+)
+
+__all__ = ["ChunkStates", "PrefillCall", "gdn_prefill", "gdn_prefill_pool",
+           "reference_prefill_pool", "reference_states_after", "prefill_kernel_reason",
+           "serial_prefill_limit", "SERIAL_PREFILL_TABLE", "CHUNK", "KERNELS"]
 
 
 class ChunkStates(NamedTuple):
@@ -50,20 +79,114 @@ def prefill_kernel_reason(*, head_k_dim: int, head_v_dim: int, backend: str,
     return kern.unsupported_reason(spec)
 
 
-def _kernel_runs(impl, interpret, head_k_dim, head_v_dim) -> bool:
-    """The dispatch rule for these entry points: "reference" runs the pure-JAX path, "pallas" the
-    kernels (ValueError with the reason when they cannot run here), "auto" the kernels when they
-    can, else the pure-JAX path."""
-    if impl not in ("auto", "pallas", "reference"):
-        raise ValueError(f"impl must be one of ('auto', 'pallas', 'reference'), got {impl!r}")
-    if impl == "reference":
-        return False
-    reason = prefill_kernel_reason(head_k_dim=head_k_dim, head_v_dim=head_v_dim,
-                                   backend=jax.default_backend(),
-                                   interpret=dispatch.interpret_enabled(interpret))
-    if reason is not None and impl == "pallas":
-        raise ValueError(f"impl='pallas': {reason}")
-    return reason is None
+# --------------------------------------------------------------------------- the choice
+
+def serial_prefill_limit(num_seqs: int) -> int:
+    """The longest sequence "auto" gives the token-serial kernel in a call of N sequences."""
+    for max_seqs, max_len in SERIAL_PREFILL_TABLE:
+        if num_seqs <= max_seqs:
+            return max_len
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillCall:
+    """What the kernel choice of a prefill reads (static; hashable). max_seq_len is T for a
+    dense batch, the longest packed sequence when cu_seqlens is concrete, else T."""
+    num_seqs: int
+    max_seq_len: int
+    head_k_dim: int
+    head_v_dim: int
+    state_dtype: str
+    kernel: str | None = None       # "serial" / "chunked": forced; None: SERIAL_PREFILL_TABLE
+    chunk_states: bool = False
+    pooled: bool = False
+
+
+def _serial_supports(call: PrefillCall) -> str | None:
+    if call.kernel == "chunked":
+        return "kernel='chunked' was asked for"
+    if call.chunk_states:
+        return "chunk_states=True needs the chunked kernel"
+    spec = serial_kern.DecodeSpec(num_k_heads=1, num_v_heads=1, head_k_dim=call.head_k_dim,
+                                  head_v_dim=call.head_v_dim, scale=1.0, tokens=True)
+    block = serial_kern.default_serial_block_sizes(call.num_seqs, 1, call.head_v_dim)
+    why = serial_kern.unsupported_reason(spec, block, call.state_dtype)
+    if why is not None or call.kernel == "serial":
+        return why
+    limit = serial_prefill_limit(call.num_seqs)
+    if call.max_seq_len > limit:
+        return (f"longest sequence {call.max_seq_len} > {limit} tokens for N={call.num_seqs} "
+                "sequences (SERIAL_PREFILL_TABLE)")
+    return None
+
+
+def _serial_rule(call: PrefillCall) -> str:
+    if call.kernel == "serial":
+        return "kernel='serial' was asked for"
+    return (f"longest sequence {call.max_seq_len} <= {serial_prefill_limit(call.num_seqs)} tokens "
+            f"for N={call.num_seqs} sequences (SERIAL_PREFILL_TABLE)")
+
+
+def _chunked_supports(call: PrefillCall) -> str | None:
+    if call.kernel == "serial":
+        return "kernel='serial' was asked for"
+    spec = kern.PrefillSpec(num_k_heads=1, num_v_heads=1, head_k_dim=call.head_k_dim,
+                            head_v_dim=call.head_v_dim, scale=1.0)
+    return kern.unsupported_reason(spec)
+
+
+SERIAL_FAMILY = dispatch.KernelFamily("serial prefill", _serial_supports, rule=_serial_rule)
+CHUNKED_FAMILY = dispatch.KernelFamily("chunked prefill", _chunked_supports)
+
+
+def _max_seq_len(T, cu_seqlens) -> int:
+    if cu_seqlens is not None and chk.is_concrete(cu_seqlens):
+        c = np.asarray(cu_seqlens)
+        return int(np.max(np.diff(c))) if c.shape[0] > 1 else 0
+    return int(T)
+
+
+def prefill_call(q, v, g, *, cu_seqlens=None, state_dtype=jnp.float32, kernel=None,
+                 chunk_states=False, pooled=False) -> PrefillCall:
+    """The choice's view of a prefill (q [B, T, HK, K], v [B, T, HV, V]); checks `kernel`."""
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"kernel must be None (the table decides), 'serial' or 'chunked', "
+                         f"got {kernel!r}")
+    if kernel == "serial" and chunk_states:
+        raise ValueError("kernel='serial' cannot give chunk_states (they come from the chunked "
+                         "kernel); use states_after for states at positions")
+    B, T = q.shape[0], q.shape[1]
+    N = B if cu_seqlens is None else int(np.shape(cu_seqlens)[0]) - 1
+    return PrefillCall(num_seqs=N, max_seq_len=_max_seq_len(T, cu_seqlens),
+                       head_k_dim=int(q.shape[3]), head_v_dim=int(v.shape[3]),
+                       state_dtype=str(jnp.dtype(state_dtype)), kernel=kernel,
+                       chunk_states=bool(chunk_states), pooled=pooled)
+
+
+def _prefill_spec_of(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, kernel=None,
+                     chunk_states=False, **_):
+    return prefill_call(q, v, g, cu_seqlens=cu_seqlens, kernel=kernel, chunk_states=chunk_states,
+                        state_dtype=jnp.float32 if initial_state is None else initial_state.dtype)
+
+
+def _pool_spec_of(q, k, v, g, beta, pool, slots, *, cu_seqlens=None, kernel=None, **_):
+    return prefill_call(q, v, g, cu_seqlens=cu_seqlens, kernel=kernel, pooled=True,
+                        state_dtype=pool.dtype)
+
+
+for _op, _spec_of in (("gdn_prefill", _prefill_spec_of), ("gdn_prefill_pool", _pool_spec_of)):
+    dispatch.define(_op, fallback=lambda call: "reference", spec_of=_spec_of)
+    dispatch.register(_op, SERIAL_FAMILY)
+    dispatch.register(_op, CHUNKED_FAMILY)
+
+
+def _choose(op: str, call: PrefillCall, impl, interpret) -> str | None:
+    """"serial" / "chunked" (a kernel runs) or None (the pure-JAX path), by the dispatch rule."""
+    choice = dispatch.select(op, call, impl, interpret=interpret)
+    if choice.impl != "pallas":
+        return None
+    return "serial" if choice.family == SERIAL_FAMILY.name else "chunked"
 
 
 def _raw_to_gates(g, beta, A_log, dt_bias, lower_bound):
@@ -81,12 +204,37 @@ def _pack(x):
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
+def _rows(x):
+    """[B, T, ...] -> the token-serial kernel's row array [B * T, width] (a free view)."""
+    return x.reshape(x.shape[0] * x.shape[1], -1)
+
+
 def _spec(q, v, g, *, scale, use_qk_l2norm, raw_gates, lower_bound, **flags):
-    """The kernels' static spec for FLA-layout q [B, T, HK, K], v [B, T, HV, V] and g."""
+    """The chunked kernels' static spec for FLA-layout q [B, T, HK, K], v [B, T, HV, V] and g."""
     return kern.PrefillSpec(num_k_heads=q.shape[2], num_v_heads=v.shape[2], head_k_dim=q.shape[3],
                             head_v_dim=v.shape[3], scale=scale, use_qk_l2norm=use_qk_l2norm,
                             raw_gates=raw_gates, per_channel_gate=g.ndim == 4,
                             gate_lower_bound=lower_bound, precise=v.dtype == jnp.float32, **flags)
+
+
+def _serial_spec(q, v, g, *, scale, use_qk_l2norm, raw_gates, lower_bound, **flags):
+    """The token-serial kernel's static spec (the decode body with tokens=True)."""
+    return serial_kern.DecodeSpec(num_k_heads=q.shape[2], num_v_heads=v.shape[2],
+                                  head_k_dim=q.shape[3], head_v_dim=v.shape[3], scale=scale,
+                                  raw_gates=raw_gates, per_channel_gate=g.ndim == 4,
+                                  gate_lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
+                                  tokens=True, **flags)
+
+
+def _serial(q, k, v, g, beta, seq_start, seq_end, state, A_log, dt_bias, *, static, state_dtype,
+            interpret, slots=None, **flags):
+    """The token-serial kernel over rows seq_start[n]..seq_end[n] of the packed tokens."""
+    spec = _serial_spec(q, v, g, **static, reads_state=state is not None,
+                        pooled=slots is not None, **flags)
+    return serial_kern.serial_prefill(
+        _rows(q), _rows(k), _rows(v), _rows(g), _rows(beta), seq_start, seq_end, state, spec=spec,
+        A_log=A_log, dt_bias=None if dt_bias is None else dt_bias.reshape(-1), slots=slots,
+        state_dtype=state_dtype, interpret=interpret)
 
 
 def _static_args(q, scale, cu_seqlens, A_log, dt_bias, lower_bound, use_qk_l2norm):
@@ -102,30 +250,132 @@ def _static_args(q, scale, cu_seqlens, A_log, dt_bias, lower_bound, use_qk_l2nor
     return cu, as_f32(A_log), as_f32(dt_bias), static
 
 
+# --------------------------------------------------------------------------- states at positions
+
+def _check_positions(states_after, num_seqs: int, lens) -> jax.Array:
+    """`states_after` as int32 [N, P]: token counts [P] shared by every sequence or [N, P] per
+    sequence, each in [0, len_n] (checked on the host when concrete; `lens` is None when the
+    lengths are not, then only the shape is checked here)."""
+    x = states_after if hasattr(states_after, "dtype") else np.asarray(states_after)
+    shape = tuple(x.shape)
+    if (not jnp.issubdtype(x.dtype, jnp.integer) or len(shape) not in (1, 2)
+            or shape[-1] == 0 or (len(shape) == 2 and shape[0] != num_seqs)):
+        raise ValueError(f"states_after must be integer token counts [P] (shared by every "
+                         f"sequence) or [N={num_seqs}, P] (per sequence), P >= 1; got shape "
+                         f"{shape} dtype {x.dtype}")
+    if chk.is_concrete(x) and lens is not None:
+        c = np.broadcast_to(np.asarray(x), (num_seqs, shape[-1]))
+        bad = np.argwhere((c < 0) | (c > np.asarray(lens)[:, None]))
+        if bad.size:
+            n, i = bad[0]
+            raise ValueError(f"states_after must lie in [0, len] of its sequence: sequence {n} "
+                             f"has {int(lens[n])} tokens, asked for the state after "
+                             f"{int(c[n, i])}")
+    return jnp.broadcast_to(jnp.asarray(x, jnp.int32), (num_seqs, shape[-1]))
+
+
+def _advance_to_positions(q, k, v, g, beta, cu, positions, initial_state, bounds, first,
+                          A_log, dt_bias, *, static, state_dtype, interpret):
+    """The state after positions[n, i] tokens of sequence n: from the last chunk boundary at or
+    before the position (`bounds`, fp32, from the chunked kernel; without them from the
+    initial state), advanced over the < 64 remaining tokens (or the whole short prompt) by the
+    token-serial kernel, one launch for every (sequence, position). [N, P, HV, K, V]."""
+    N, P = positions.shape
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    lens = cu[1:] - cu[:-1]
+    pos = jnp.clip(positions, 0, lens[:, None])   # traced counts are checked in `checked`
+    base = pos // CHUNK if bounds is not None else jnp.zeros_like(pos)
+    start = (cu[:-1, None] + base * CHUNK).reshape(-1)
+    end = (cu[:-1, None] + pos).reshape(-1)
+    seq = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32)[:, None], (N, P))
+    if bounds is None and initial_state is None:
+        state = None                                  # every walk starts from zeros
+    else:
+        h0 = (jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None
+              else initial_state.astype(jnp.float32))
+        if bounds is None:
+            state = h0[seq.reshape(-1)]
+        else:
+            src = jnp.concatenate([h0, bounds.astype(jnp.float32)])
+            idx = jnp.where(base == 0, seq, N + first[:, None] + base - 1)
+            state = src[idx.reshape(-1)]
+    _, states = _serial(q, k, v, g, beta, start, end, state, A_log, dt_bias, static=static,
+                        state_dtype=state_dtype, interpret=interpret, token_outputs=False)
+    return states.reshape(N, P, HV, K, V)
+
+
+def reference_states_after(q, k, v, g, beta, states_after, *, scale=None, initial_state=None,
+                           use_qk_l2norm=False, cu_seqlens=None, A_log=None, dt_bias=None,
+                           lower_bound=None):
+    """The pure-JAX meaning of `gdn_prefill(..., states_after=...)`: for each position, the
+    final state of the prompt with every later token made neutral (g = 0, beta = 0 leave the
+    state untouched). [N, P, HV, K, V] in initial_state's dtype (fp32 without one)."""
+    g, beta = _raw_to_gates(g, beta, A_log, dt_bias, lower_bound)
+    B, T = q.shape[:2]
+    N = B if cu_seqlens is None else int(np.shape(cu_seqlens)[0]) - 1
+    positions = jnp.broadcast_to(jnp.asarray(states_after, jnp.int32),
+                                 (N, np.shape(states_after)[-1]))
+    if cu_seqlens is None:
+        offset = jnp.broadcast_to(jnp.arange(T)[None, :], (B, T))
+        owner = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    else:
+        cu = jnp.asarray(cu_seqlens, jnp.int32)
+        owner = jnp.searchsorted(cu, jnp.arange(T), side="right") - 1
+        offset = (jnp.arange(T) - cu[owner])[None]
+        owner = owner[None]
+    from gdn_jax.ops import gated_delta_rule, kda
+    fn = kda if g.ndim == 4 else gated_delta_rule
+    states = []
+    for i in range(positions.shape[1]):
+        keep = offset < positions[jnp.clip(owner, 0, N - 1), i]            # [B, T]
+        gi = jnp.where(keep.reshape(keep.shape + (1,) * (g.ndim - 2)), g, 0.0)
+        bi = jnp.where(keep[..., None], beta, 0.0)
+        _, s = fn(q, k, v, gi, bi, scale=scale, initial_state=initial_state,
+                  output_final_state=True, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
+                  impl="chunked")
+        states.append(s)
+    return jnp.stack(states, axis=1)
+
+
+# --------------------------------------------------------------------------- entry points
+
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",
-                                             "output_final_state", "chunk_states", "interpret"))
-def _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, *, scale, use_qk_l2norm,
-         raw_gates, lower_bound, output_final_state, chunk_states, interpret):
+                                             "output_final_state", "chunk_states", "kernel",
+                                             "interpret"))
+def _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, positions, *, scale, use_qk_l2norm,
+         raw_gates, lower_bound, output_final_state, chunk_states, kernel, interpret):
     B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
     N = cu.shape[0] - 1
-    spec = _spec(q, v, g, scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
-                 lower_bound=lower_bound, has_initial_state=initial_state is not None,
-                 output_final_state=output_final_state, boundary_states=chunk_states)
-    state_dtype = jnp.float32 if initial_state is None else initial_state.dtype
-    o, final, bounds, (_, _, first) = kern.chunk_prefill(
-        _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
-        block=kern.PrefillBlockSizes.get_default(spec, N), A_log=A_log, dt_bias=dt_bias,
-        initial_state=initial_state, state_dtype=jnp.dtype(state_dtype), interpret=interpret)
+    static = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
+                  lower_bound=lower_bound)
+    state_dtype = jnp.dtype(jnp.float32 if initial_state is None else initial_state.dtype)
+    bounds = first = None
+    if kernel == "serial":
+        o, final = _serial(q, k, v, g, beta, cu[:-1], cu[1:], initial_state, A_log, dt_bias,
+                           static=static, state_dtype=state_dtype, interpret=interpret)
+    else:
+        spec = _spec(q, v, g, **static, has_initial_state=initial_state is not None,
+                     output_final_state=output_final_state,
+                     boundary_states=chunk_states or positions is not None)
+        o, final, bounds, (_, _, first) = kern.chunk_prefill(
+            _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
+            block=kern.PrefillBlockSizes.get_default(spec, N), A_log=A_log, dt_bias=dt_bias,
+            initial_state=initial_state, state_dtype=state_dtype, interpret=interpret)
+    at = None
+    if positions is not None:
+        at = _advance_to_positions(q, k, v, g, beta, cu, positions, initial_state, bounds, first,
+                                   A_log, dt_bias, static=static, state_dtype=state_dtype,
+                                   interpret=interpret)
     lens = cu[1:] - cu[:-1]
     chunks = ChunkStates(bounds, first, (lens + CHUNK - 1) // CHUNK) if chunk_states else None
-    return o.reshape(B, T, HV, V), final, chunks
+    return o.reshape(B, T, HV, V), final, chunks, at
 
 
 def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=True,
                 use_qk_l2norm=False, cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None,
-                chunk_states=False, impl="auto", interpret=None):
-    """GDN over whole prompts with the chunked Pallas kernels (validated by the caller's front
+                chunk_states=False, states_after=None, kernel=None, impl="auto", interpret=None):
+    """GDN over whole prompts with the Pallas prefill kernels (validated by the caller's front
     door, or call it directly with FLA-layout arrays).
 
     q, k [B, T, HK, K]; v [B, T, HV, V]; g, beta [B, T, HV] — or, with `A_log` and `dt_bias`
@@ -133,40 +383,72 @@ def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
     in the kernel). KDA: g [B, T, HV, K] per key channel (raw: dt_bias [HV * K], and
     `lower_bound` < 0 for the GLM form g = lb * sigmoid(exp(A_log) * (a + dt_bias))).
     cu_seqlens [N + 1]: B = 1 packed sequences (empty and one-token ones legal).
-    initial_state [N, HV, K, V]. Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V]
-    in initial_state's dtype (fp32 without one) or None, ChunkStates or None).
-    impl: "auto" (the kernels where they run: a GPU or `gdn_jax.interpret()`), "pallas",
+    initial_state [N, HV, K, V].
+    chunk_states: also the state after every chunk of 64 tokens (`ChunkStates`; chunked kernel).
+    states_after: token counts, [P] shared by every sequence or [N, P] per sequence (each in
+    [0, len_n]; 0 is the initial state): also the state after each, [N, P, HV, K, V] in the
+    final state's dtype, equal to the final state of a call cut there.
+    kernel: None (SERIAL_PREFILL_TABLE picks), "serial" (token-serial) or "chunked".
+    Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] in initial_state's dtype
+    (fp32 without one) or None, ChunkStates or None), and with `states_after` a fourth element,
+    the states at those positions.
+    impl: "auto" (a kernel where one runs: a GPU or `gdn_jax.interpret()`), "pallas",
     "reference" (the public sequence function with impl="chunked"; no chunk states)."""
-    K, V = q.shape[3], v.shape[3]
-    if not _kernel_runs(impl, interpret, K, V):
+    B, T = q.shape[:2]
+    state_dtype = jnp.float32 if initial_state is None else initial_state.dtype
+    call = prefill_call(q, v, g, cu_seqlens=cu_seqlens, state_dtype=state_dtype, kernel=kernel,
+                        chunk_states=chunk_states)
+    positions = None
+    if states_after is not None:
+        lens = (np.full((B,), T) if cu_seqlens is None else
+                np.diff(np.asarray(cu_seqlens)) if chk.is_concrete(cu_seqlens) else None)
+        positions = _check_positions(states_after, call.num_seqs, lens)
+    which = _choose("gdn_prefill", call, impl, interpret)
+    if which is None:
         if chunk_states:
             raise ValueError("chunk_states=True needs the prefill kernels (a GPU, or "
                              "gdn_jax.interpret()); split the call at the positions instead")
         from gdn_jax.ops import gated_delta_rule, kda
-        g, beta = _raw_to_gates(g, beta, A_log, dt_bias, lower_bound)
-        o, final = (kda if g.ndim == 4 else gated_delta_rule)(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        g2, beta2 = _raw_to_gates(g, beta, A_log, dt_bias, lower_bound)
+        o, final = (kda if g2.ndim == 4 else gated_delta_rule)(
+            q, k, v, g2, beta2, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
             cu_seqlens=cu_seqlens, impl="chunked")
-        return o, final, None
+        if positions is None:
+            return o, final, None
+        at = reference_states_after(q, k, v, g, beta, positions, scale=scale,
+                                    initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
+                                    cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
+                                    lower_bound=lower_bound)
+        return o, final, None, at
     cu, A_log, dt_bias, static = _static_args(q, scale, cu_seqlens, A_log, dt_bias, lower_bound,
                                               use_qk_l2norm)
-    o, final, chunks = _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, **static,
-                            output_final_state=bool(output_final_state),
-                            chunk_states=bool(chunk_states),
-                            interpret=dispatch.interpret_enabled(interpret))
-    return o, final if output_final_state else None, chunks
+    if positions is not None and not (chk.is_concrete(states_after) and lens is not None):
+        lens = cu[1:] - cu[:-1]
+        chk.device_check(jnp.all((positions >= 0) & (positions <= lens[:, None])),
+                         "states_after must lie in [0, len] of its sequence")
+    o, final, chunks, at = _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, positions,
+                                **static, output_final_state=bool(output_final_state),
+                                chunk_states=bool(chunk_states), kernel=which,
+                                interpret=dispatch.interpret_enabled(interpret))
+    final = final if output_final_state else None
+    return (o, final, chunks) if positions is None else (o, final, chunks, at)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",
-                                             "interpret"),
+                                             "kernel", "interpret"),
                    donate_argnames=("pool",))
 def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, *, scale, use_qk_l2norm,
-              raw_gates, lower_bound, interpret):
+              raw_gates, lower_bound, kernel, interpret):
     B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
-    spec = _spec(q, v, g, scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
-                 lower_bound=lower_bound, pooled=True)
+    static = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
+                  lower_bound=lower_bound)
+    if kernel == "serial":
+        o, pool = _serial(q, k, v, g, beta, cu[:-1], cu[1:], pool, A_log, dt_bias, static=static,
+                          state_dtype=pool.dtype, interpret=interpret, slots=slots)
+        return o.reshape(B, T, HV, V), pool
+    spec = _spec(q, v, g, **static, pooled=True)
     o, pool, _, _ = kern.chunk_prefill(
         _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
         block=kern.PrefillBlockSizes.get_default(spec, cu.shape[0] - 1), A_log=A_log,
@@ -175,14 +457,14 @@ def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, *, scale, use_q
 
 
 def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=False,
-                     cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None, impl="auto",
-                     interpret=None):
+                     cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None, kernel=None,
+                     impl="auto", interpret=None):
     """Prefill that lands in a state pool: sequence n starts from pool[slots[n]] and its final
     state is written there, in place (the pool is donated: use the returned one). A slot outside
     [0, P) (-1 by convention) is padding: nothing is read or written and its outputs are zero;
     slots not named keep their bits. Shapes as `gdn_prefill`; pool [P, HV, K, V] (fp32, fp16 or
     bf16: math in fp32, one rounding at the store); slots [N] int32 (N = B, or len(cu_seqlens)-1).
-    impl as `gdn_prefill` ("reference": `reference_prefill_pool`). Returns (o, pool)."""
+    kernel and impl as `gdn_prefill` ("reference": `reference_prefill_pool`). Returns (o, pool)."""
     B, _, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else int(np.shape(cu_seqlens)[0]) - 1
@@ -197,14 +479,17 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
                          f"{slots.shape} dtype {slots.dtype}")
     if (A_log is None) != (dt_bias is None):
         raise ValueError("A_log and dt_bias must be given together (raw gates) or not at all")
-    if not _kernel_runs(impl, interpret, K, V):
+    call = prefill_call(q, v, g, cu_seqlens=cu_seqlens, state_dtype=pool.dtype, kernel=kernel,
+                        pooled=True)
+    which = _choose("gdn_prefill_pool", call, impl, interpret)
+    if which is None:
         return reference_prefill_pool(q, k, v, g, beta, pool, slots, scale=scale,
                                       use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
                                       A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     cu, A_log, dt_bias, static = _static_args(q, scale, cu_seqlens, A_log, dt_bias, lower_bound,
                                               use_qk_l2norm)
     return _run_pool(q, k, v, g, beta, cu, pool, slots.astype(jnp.int32), A_log, dt_bias,
-                     **static, interpret=dispatch.interpret_enabled(interpret))
+                     **static, kernel=which, interpret=dispatch.interpret_enabled(interpret))
 
 
 def reference_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=False,

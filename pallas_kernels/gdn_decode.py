@@ -36,6 +36,15 @@ Static flags of the one kernel body (`DecodeSpec`):
                      applies SiLU, rounds to the row's dtype (as the unfused chain stores it) and
                      writes the shifted window back in place (aliased, like the state). See
                      `_conv_decode` for why a program then owns a whole key-head group.
+  * tokens:          the token-serial (register-resident) prefill, launched by `serial_prefill`:
+                     row arrays hold one token per row, the grid's last axis walks sequences
+                     (rows seq_start[n] .. seq_end[n] - 1: a dense [B, T] batch or packed
+                     sequences), and each program carries its [K, block_v] slab through its
+                     sequence's tokens with `token_update` (a `fori_loop` of dynamic length),
+                     writing every token's output and the state once at the end. The state is
+                     read from initial states, a pool slot or zeros (`reads_state`); outputs
+                     may be skipped (`token_outputs`) when only states at positions are wanted.
+                     It is a loop around the same per-token step (`token_update`) as the decode.
 
 The per-token math lives in `token_update` (and its helpers `l2_normalize`, `gdn_gate_value`,
 `kda_gate_value`): plain jnp on in-register values, so any Pallas kernel
@@ -64,9 +73,10 @@ STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bf
 
 __all__ = [
     "DecodeBlockSizes", "DecodeSpec", "TUNING_TABLE", "default_block_sizes", "unsupported_reason",
-    "index_overflow_reason",
+    "index_overflow_reason", "SERIAL_TUNING_TABLE", "default_serial_block_sizes",
     "token_update", "l2_normalize", "softplus_value", "gdn_gate_value", "kda_gate_value",
     "counter_bits", "stochastic_round_value", "gdn_decode",
+    "gdn_decode", "serial_prefill",
 ]
 
 
@@ -220,6 +230,24 @@ TUNING_TABLE: tuple[tuple[int, int, bool, DecodeBlockSizes], ...] = (
 )
 
 
+# Token-serial prefill: (largest number of (sequence, value head) pairs) -> block sizes. First
+# match wins. A program walks all of its sequence's tokens, so few pairs want narrow column
+# blocks (more programs in flight); the state slab of a [K, block_v] block lives in registers for
+# the whole walk. Initial estimates, to be replaced by `gdn-jax bench prefill --short` sweeps.
+SERIAL_TUNING_TABLE: tuple[tuple[int, DecodeBlockSizes], ...] = (
+    (256, DecodeBlockSizes(block_v=16, num_warps=4)),
+    (1 << 30, DecodeBlockSizes(block_v=32, num_warps=4)),
+)
+
+
+def default_serial_block_sizes(num_seqs: int, num_v_heads: int, head_v_dim: int) -> DecodeBlockSizes:
+    """The token-serial prefill's tuning-table entry for this call, clipped to the head size."""
+    for max_pairs, bs in SERIAL_TUNING_TABLE:
+        if num_seqs * num_v_heads <= max_pairs:
+            break
+    return dataclasses.replace(bs, block_v=min(bs.block_v, head_v_dim), tile_v=None)
+
+
 def default_block_sizes(batch: int, head_v_dim: int, state_dtype, fused_norm: bool) -> DecodeBlockSizes:
     """The tuning-table entry for this call, clipped to the head size."""
     itemsize = 4 if jnp.dtype(state_dtype).itemsize == 4 else 2
@@ -271,6 +299,11 @@ class DecodeSpec:
     @property
     def conv_dim(self) -> int:
         return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+    # Token-serial prefill (`serial_prefill`): row arrays hold tokens, the grid's last axis walks
+    # sequences, and each program carries its state slab through its sequence's tokens.
+    tokens: bool = False
+    reads_state: bool = True         # tokens: start from a state (else from zeros)
+    token_outputs: bool = True       # tokens: write each token's output (else only the state)
 
 
 def unsupported_reason(spec: DecodeSpec, block: DecodeBlockSizes, state_dtype) -> str | None:
@@ -289,6 +322,10 @@ def unsupported_reason(spec: DecodeSpec, block: DecodeBlockSizes, state_dtype) -
         return f"the fused norm needs a whole head per program (block_v={block.block_v} != V={spec.head_v_dim})"
     if spec.stochastic_rounding and jnp.dtype(state_dtype).itemsize != 2:
         return f"stochastic rounding applies to a float16/bfloat16 state, not {jnp.dtype(state_dtype)}"
+    if spec.tokens and spec.fused_norm:
+        return "the token-serial prefill has no fused norm (normalise its outputs afterwards)"
+    if spec.tokens and (spec.fused_conv or spec.stochastic_rounding):
+        return "the token-serial prefill has no fused conv and rounds its state store to nearest"
     if spec.norm_activation not in ("silu", "sigmoid"):
         return f"norm_activation must be 'silu' or 'sigmoid', got {spec.norm_activation!r}"
     if spec.num_k_heads <= 0 or spec.num_v_heads % spec.num_k_heads:
@@ -373,6 +410,10 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
             conv_b_ref, *rest = rest
         win_in_ref, *rest = rest
         conv = _ConvRefs(conv_w_ref, conv_b_ref, win_in_ref, rest.pop())
+    if spec.tokens:
+        seq_start_ref, seq_end_ref, *rest = rest
+        if not spec.reads_state:
+            rest = [None, *rest]
     state_in_ref, o_ref, state_out_ref = rest
 
     K, V, T = spec.head_k_dim, spec.head_v_dim, block.tile
@@ -422,13 +463,14 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
                                        counter_bits(counter, seed_ref[0], seed_ref[1]))
         state_out_ref[row, h, :, pl.ds(c, T)] = S.astype(state_out_ref.dtype)
 
-    def key_operands():
-        """q (normalised if asked, scaled) and k of key head kh, fp32; with the fused conv also
-        their new window rows."""
+    def key_operands(r):
+        """q (normalised if asked, scaled) and k of key head kh from operand row r (sequence b
+        in a decode, a token in a prefill), fp32; with the fused conv also their new window
+        rows."""
         windows = []
         if conv is None:
-            q = q_ref[b, pl.ds(spec.q_col + kh * K, K)].astype(F32)
-            k = k_ref[b, pl.ds(spec.k_col + kh * K, K)].astype(F32)
+            q = q_ref[r, pl.ds(spec.q_col + kh * K, K)].astype(F32)
+            k = k_ref[r, pl.ds(spec.k_col + kh * K, K)].astype(F32)
         else:
             q, wq = _conv_decode(conv, q_ref, b, row, spec.q_col + kh * K, K, spec.conv_width)
             k, wk = _conv_decode(conv, k_ref, b, row, spec.k_col + kh * K, K, spec.conv_width)
@@ -437,10 +479,10 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
             q, k = l2_normalize(q), l2_normalize(k)
         return q * jnp.float32(spec.scale), k, windows
 
-    def gate_operands(h):
-        g = (g_ref[b, pl.ds(spec.g_col + h * K, K)] if spec.per_channel_gate
-             else g_ref[b, spec.g_col + h]).astype(F32)
-        beta = beta_ref[b, spec.beta_col + h].astype(F32)
+    def gate_operands(h, r):
+        g = (g_ref[r, pl.ds(spec.g_col + h * K, K)] if spec.per_channel_gate
+             else g_ref[r, spec.g_col + h]).astype(F32)
+        beta = beta_ref[r, spec.beta_col + h].astype(F32)
         if spec.raw_gates:
             A_log = A_log_ref[h].astype(F32)
             dt = (dt_bias_ref[pl.ds(h * K, K)] if spec.per_channel_gate
@@ -473,9 +515,9 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
         # The first tile's state load is issued before the per-head operand math, and each next
         # tile's before the current tile's update, so a program always has a tile in flight.
         pending = fetch(heads[0], 0)
-        q, k, windows = key_operands()
+        q, k, windows = key_operands(b)
         for i, h in enumerate(heads):
-            g, beta = gate_operands(h)
+            g, beta = gate_operands(h, b)
             outs = []
             for t in range(n_tiles):
                 x = pending
@@ -492,7 +534,49 @@ def _decode_kernel(*refs, spec: DecodeSpec, block: DecodeBlockSizes):
         for col, rows in windows:  # after every read of this program's window columns
             _store_window(conv, row, col, rows[0].shape[0], rows)
 
-    if valid is None:
+    def walk_tokens():
+        """Token-serial prefill: the slab stays in registers (one fp32 tile per column tile)
+        while the program walks tokens seq_start[b]..seq_end[b] of the row arrays, each through
+        `token_update`; its outputs are written per token and the state once, at the end."""
+        first, end = seq_start_ref[b], seq_end_ref[b]
+        h = heads[0]
+        cols = [pl.ds(col0 + t * T, T) for t in range(n_tiles)]
+        if spec.reads_state:
+            tiles = tuple(state_in_ref[row, h, :, c].astype(F32) for c in cols)
+        else:
+            tiles = tuple(jnp.zeros((K, T), F32) for _ in cols)
+
+        def token(r, tiles):
+            q, k, _ = key_operands(r)
+            g, beta = gate_operands(h, r)
+            new = []
+            for t in range(n_tiles):
+                v = v_ref[r, pl.ds(spec.v_col + h * V + col0 + t * T, T)].astype(F32)
+                o, S = token_update(tiles[t], q, k, v, g, beta)
+                if spec.token_outputs:
+                    o_ref[r, pl.ds(h * V + col0 + t * T, T)] = o.astype(o_ref.dtype)
+                new.append(S)
+            return tuple(new)
+
+        tiles = lax.fori_loop(first, end, token, tiles)
+        for S, c in zip(tiles, cols):
+            state_out_ref[row, h, :, c] = S.astype(state_out_ref.dtype)
+
+    if spec.tokens:
+        if valid is None:
+            walk_tokens()
+        else:
+            pl.when(valid)(walk_tokens)
+            if spec.token_outputs:  # padding: its tokens' outputs are zero
+                def zero(r, carry):
+                    o_ref[r, pl.ds(heads[0] * V + col0, block.block_v)] = jnp.zeros(
+                        (block.block_v,), o_ref.dtype)
+                    return carry
+
+                @pl.when(jnp.logical_not(valid))
+                def _():
+                    lax.fori_loop(seq_start_ref[b], seq_end_ref[b], zero, 0)
+    elif valid is None:
         step()
     else:
         pl.when(valid)(step)
@@ -628,3 +712,96 @@ def _launch(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, se
         interpret=interpret,
         name="gdn_decode_conv" if spec.fused_conv else "gdn_decode",
     )(*inputs)
+
+
+# --------------------------------------------------------------------------- token-serial prefill
+
+def serial_prefill(q_rows, k_rows, v_rows, g_rows, beta_rows, seq_start, seq_end, state=None, *,
+                   spec: DecodeSpec, A_log=None, dt_bias=None, slots=None, out_dtype=None,
+                   state_dtype=None, block: DecodeBlockSizes | None = None,
+                   interpret: bool = False):
+    """Launch the decode kernel body in token-serial mode (`spec.tokens`): a prefill whose
+    programs each keep one [K, block_v] state slab in registers for a whole sequence.
+
+    Row arrays are [T_total, width], one token per row, operands placed by `spec`'s column
+    offsets as for `gdn_decode`. Sequence n is rows seq_start[n] .. seq_end[n] - 1 (int32 [N];
+    empty ranges are legal; ranges may overlap when `spec.token_outputs` is False).
+    `state`: None (start from zeros; `spec.reads_state` False); the initial states [N, HV, K, V]
+    (read only: the final states come back as a new array in `state_dtype`, default the
+    state's dtype, fp32 without one); or, with `spec.pooled`, the pool [P, HV, K, V] and `slots`
+    [N] int32, read and written in place (aliased: donate it at the jit boundary; a slot outside
+    [0, P) is padding: nothing read or written, outputs zero).
+    Returns (o [T_total, HV * V] in out_dtype, or None without token outputs; states)."""
+    K, V, HK, HV = spec.head_k_dim, spec.head_v_dim, spec.num_k_heads, spec.num_v_heads
+    if not spec.tokens:
+        raise ValueError("serial_prefill needs a spec with tokens=True")
+    rows = q_rows.shape[0] if getattr(q_rows, "ndim", 0) >= 1 else -1
+    gk = K if spec.per_channel_gate else 1
+    _check_rows("q", q_rows, rows, spec.q_col + HK * K)
+    _check_rows("k", k_rows, rows, spec.k_col + HK * K)
+    _check_rows("v", v_rows, rows, spec.v_col + HV * V)
+    _check_rows("a" if spec.raw_gates else "g", g_rows, rows, spec.g_col + HV * gk)
+    _check_rows("b" if spec.raw_gates else "beta", beta_rows, rows, spec.beta_col + HV)
+    if spec.raw_gates:
+        _check_vector("A_log", A_log, HV)
+        _check_vector("dt_bias", dt_bias, HV * gk)
+    n = seq_start.shape[0] if getattr(seq_start, "ndim", None) == 1 else -1
+    _check_vector("seq_start", seq_start, n)
+    _check_vector("seq_end", seq_end, n)
+    if spec.reads_state != (state is not None):
+        raise ValueError(f"state must be {'given' if spec.reads_state else 'None'} "
+                         f"(spec.reads_state={spec.reads_state})")
+    if state is not None:
+        if getattr(state, "ndim", None) != 4 or tuple(state.shape[1:]) != (HV, K, V):
+            raise ValueError(f"state must have shape [{'P' if spec.pooled else 'N'}, HV={HV}, "
+                             f"K={K}, V={V}], got {getattr(state, 'shape', None)}")
+        if not spec.pooled and state.shape[0] != n:
+            raise ValueError(f"state must hold N={n} initial states, got shape {state.shape}")
+    if spec.pooled:
+        if state is None or getattr(slots, "shape", None) != (n,):
+            raise ValueError(f"a pooled prefill needs the pool and slots of shape ({n},)")
+    state_dtype = jnp.dtype(state_dtype or (state.dtype if state is not None else jnp.float32))
+    if spec.pooled:
+        state_dtype = jnp.dtype(state.dtype)
+    block = block or default_serial_block_sizes(n, HV, V)
+    reason = (unsupported_reason(spec, block, state_dtype)
+              or index_overflow_reason(max(n * HV * K * V, 0 if state is None else state.size,
+                                           rows * max(HV * V, v_rows.shape[1], q_rows.shape[1]))))
+    if reason is not None:
+        raise ValueError(reason)
+    out_dtype = jnp.dtype(out_dtype or q_rows.dtype)
+    return _launch_serial(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots,
+                          seq_start.astype(jnp.int32), seq_end.astype(jnp.int32), state,
+                          spec=spec, block=block, out_dtype=out_dtype, state_dtype=state_dtype,
+                          interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "block", "out_dtype", "state_dtype",
+                                             "interpret"))
+def _launch_serial(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, seq_start,
+                   seq_end, state, *, spec, block, out_dtype, state_dtype, interpret):
+    rows, n = q_rows.shape[0], seq_start.shape[0]
+    inputs = [q_rows, k_rows, v_rows, g_rows, beta_rows]
+    if spec.raw_gates:
+        inputs += [A_log, dt_bias]
+    if spec.pooled:
+        inputs += [slots.astype(jnp.int32)]
+    inputs += [seq_start, seq_end]
+    if spec.reads_state:
+        inputs.append(state)
+    out_rows = rows if spec.token_outputs else 1
+    state_shape = state.shape if spec.pooled else (n, spec.num_v_heads, spec.head_k_dim,
+                                                   spec.head_v_dim)
+    o, states = pl.pallas_call(
+        functools.partial(_decode_kernel, spec=spec, block=block),
+        # As the decode: column block fastest, then head, then sequence.
+        grid=(spec.head_v_dim // block.block_v, spec.num_v_heads, n),
+        out_shape=(jax.ShapeDtypeStruct((out_rows, spec.num_v_heads * spec.head_v_dim), out_dtype),
+                   jax.ShapeDtypeStruct(state_shape, state_dtype)),
+        # The pool is updated in place; initial states are only read (the caller keeps them).
+        input_output_aliases={len(inputs) - 1: 1} if spec.pooled else {},
+        compiler_params=plgpu.CompilerParams(num_warps=block.num_warps, num_stages=block.num_stages),
+        interpret=interpret,
+        name="gdn_serial_prefill",
+    )(*inputs)
+    return (o if spec.token_outputs else None), states

@@ -407,7 +407,7 @@ def _scan(cu, first, slots, q, k, w, u, aqk, fq, fk, decay, h0, *, spec, block, 
         functools.partial(_scan_kernel, spec=spec, block_v=block.block_v, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((T_total, HV, V), v_dtype),
                    jax.ShapeDtypeStruct(final_shape, final_dtype),
-                   jax.ShapeDtypeStruct(bshape, state_dtype)),
+                   jax.ShapeDtypeStruct(bshape, F32)),  # fp32: a prefix continues from it
         grid=(N, HV, V // block.block_v),
         input_output_aliases={11: 1} if spec.pooled else {},
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_scan,
@@ -428,7 +428,7 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
     A_log [HV] and dt_bias [HV] (KDA: [HV * K]) when spec.raw_gates); cu_seqlens [N + 1] int32. Pooled: pool [P, HV, K, V] (donated, updated in
     place) and slots [N] int32 (outside [0, P): padding, nothing read or written, zero outputs).
     Returns (o [T, HV, V] in v's dtype, final [N, HV, K, V] or the pool or None,
-    boundary [S, HV, K, V] or None — slot first_chunk[n] + c holds sequence n's state after its
+    boundary [S, HV, K, V] fp32 or None — slot first_chunk[n] + c holds sequence n's state after its
     chunk c — and the chunk table (start, length, first_chunk))."""
     HV = v.shape[1]
     N = cu_seqlens.shape[0] - 1

@@ -190,3 +190,18 @@ def test_run_peer_plumbing():
     lines = []
     assert common.run_peer("tests.test_bench:fake_peer_crash", [], progress=lines.append) == {}
     assert len(lines) == 1 and "CUDA not available" in lines[0]
+
+
+def test_prefill_short_smoke_compares_the_two_kernels(tmp_path):
+    """bench prefill --short --smoke: the token-serial and the chunked kernel on the same short
+    prompts, checked against each other, a crossover per batch."""
+    from gdn_jax.bench import prefill
+    path = tmp_path / "short.json"
+    assert prefill.main(["--short", "--smoke", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    assert [(r["B"], r["T"]) for r in rows] == [(1, 3), (2, 3)]
+    for r in rows:
+        assert r["serial_us"] > 0 and r["chunked_us"] > 0
+        assert r["rel_err_serial_vs_chunked"] <= common.PEER_TOL
+    assert set(data["meta"]["crossover"]) == {"1", "2"}

@@ -81,12 +81,16 @@ def test_explain_reads_arguments_without_running_and_validates_them():
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 def test_sequences_go_to_the_prefill_kernels(kind):
-    """T > 1 (and packed input) goes to the chunked prefill family, T = 1 to the decode family;
-    head dims the kernels cannot take make "pallas" raise with the reason and "auto" fall back."""
+    """Short prompts (T > 1, or packed input) go to the serial prefill family, longer ones to the
+    chunked prefill family (SERIAL_PREFILL_TABLE), T = 1 to the decode family; head dims the
+    kernels cannot take make "pallas" raise with the reason and "auto" fall back."""
     fn = gdn_jax.gated_delta_rule if kind == "gdn" else gdn_jax.kda
     op = "gated_delta_rule" if kind == "gdn" else "kda"
     q, k, v, g, beta, h0 = delta_inputs(jax.random.key(3), B=2, T=5, kind=kind)
-    assert gdn_jax.explain(op, q, k, v, g, beta, interpret=True).family == "chunked prefill"
+    assert gdn_jax.explain(op, q, k, v, g, beta, interpret=True).family == "serial prefill"
+    long = lambda x: jax.ShapeDtypeStruct((x.shape[0], 1000) + x.shape[2:], x.dtype)
+    assert gdn_jax.explain(op, *map(long, (q, k, v, g, beta)),
+                           interpret=True).family == "chunked prefill"
     assert gdn_jax.explain(op, q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1],
                            interpret=True).family == "decode"
     o, s = fn(q, k, v, g, beta, initial_state=h0, impl="pallas", interpret=True,

@@ -316,13 +316,14 @@ def test_sequence_choice_is_a_table():
                                sds(1, T, 2), impl=impl, interpret=interpret, **kw)
 
     prefill = gdn_jax.Choice("gated_delta_rule", "pallas", "chunked prefill")
-    assert why("gdn", 4096) == prefill and why("gdn", 2) == prefill
+    assert why("gdn", 4096) == prefill and why("gdn", 65) == prefill
+    assert why("gdn", 2) == gdn_jax.Choice("gated_delta_rule", "pallas", "serial prefill")
     assert why("kda", 4096).family == "chunked prefill"
     assert why("gdn", 4096, "reference").impl == "reference"
     assert why("gdn", 1, "chunked").impl == "chunked"
     assert why("gdn", 1) == gdn_jax.Choice("gated_delta_rule", "pallas", "decode")
     assert why("kda", 1, "pallas").family == "decode"
-    assert why("gdn", 1, cu_seqlens=np.array([0, 1], np.int32)).family == "chunked prefill"
+    assert why("gdn", 1, cu_seqlens=np.array([0, 1], np.int32)).family == "serial prefill"
     off = why("gdn", 4096, interpret=False)
     if jax.default_backend() != "gpu":
         assert off.impl == "chunked" and "GPU" in off.reason

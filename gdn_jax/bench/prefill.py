@@ -16,6 +16,14 @@ peer's outputs (first and last 256 tokens, final states) are checked against our
 
 FLOPs: the chunk form's matmuls (gdn_jax.bench.common.chunk_flops, chunk 64); % roofline is
 against a dense bf16 peak of 790 TFLOP/s (H200).
+
+--short: short prompts, the token-serial kernel against the chunked kernel (no peers). For B in
+{1, 8, 32, 128} and T in {2, 4, 8, 16, 32, 64, 128} (--batches / --seq-lens replace either grid
+when given), both run `gdn_prefill_pool(..., kernel=...)` from an fp32 pool of B slots (the
+serving prefill), jitted with the pool donated and chained from call to call; their outputs and
+pools from one shared start are checked against each other. Printed: the table of times and, per
+B, the crossover (the longest T up to which the token-serial kernel is faster) next to today's
+`gdn_jax.prefill.SERIAL_PREFILL_TABLE` limit.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ HK, HV, K, V = 16, 32, 128, 128
 VARLEN_PIECES, VARLEN_TOTAL = 16, 32768
 SAMPLE = 256          # tokens at each end of o that a peer returns for the check
 SMOKE = dict(hk=2, hv=4, k=32, v=32, cases=((1, 64), (2, 40)), pieces=4, total=96)
+SHORT_BATCHES = (1, 8, 32, 128)
+SHORT_SEQ_LENS = (2, 4, 8, 16, 32, 64, 128)
+SHORT_SMOKE = dict(batches=(1, 2), seq_lens=(3,))
 
 
 def _cases(args, pieces: int, total: int, seed: int = 0):
@@ -100,7 +111,93 @@ def build_parser() -> argparse.ArgumentParser:
                    help="our impls to time, comma-separated from reference, chunked, pallas, auto "
                         "(default %(default)s)")
     p.add_argument("--no-varlen", action="store_true", help="skip the packed vs dense pair")
+    p.add_argument("--short", action="store_true",
+                   help="short prompts: the token-serial vs the chunked kernel and their "
+                        "crossover per batch (see the description)")
     return p
+
+
+def _short(args, argv) -> int:
+    """--short: the token-serial and the chunked prefill kernels side by side on short prompts."""
+    import jax
+    import jax.numpy as jnp
+    from gdn_jax import prefill as pf
+
+    given = lambda flag: any(a == flag or a.startswith(flag + "=") for a in argv or [])
+    batches = (args.batches if given("--batches") else
+               SHORT_SMOKE["batches"] if args.smoke else SHORT_BATCHES)
+    seq_lens = (args.seq_lens if given("--seq-lens") else
+                SHORT_SMOKE["seq_lens"] if args.smoke else SHORT_SEQ_LENS)
+    hk, hv, kd, vd = (SMOKE["hk"], SMOKE["hv"], SMOKE["k"], SMOKE["v"]) if args.smoke else (HK, HV, K, V)
+    rep = common.Report("prefill", args)
+    calls, repeats = (1, 1) if args.smoke else (20, args.repeats)
+    rep.meta.update(heads=dict(HK=hk, HV=hv, K=kd, V=vd), dtype=args.dtype, mode="short",
+                    timing=f"{calls} chained calls (pool donated), one sync, median of {repeats}")
+    interpret = jax.default_backend() != "gpu"
+
+    def runner(kernel):
+        def call(q, k, v, g, beta, pool, slots):
+            return pf.gdn_prefill_pool(q, k, v, g, beta, pool, slots, use_qk_l2norm=True,
+                                       kernel=kernel, impl="pallas", interpret=interpret)
+        return jax.jit(call, donate_argnums=(5,))
+
+    fns = {kern: runner(kern) for kern in ("serial", "chunked")}
+    chain = lambda out, a: tuple(a[:5]) + (out[1],) + tuple(a[6:])
+    times: dict[tuple[int, int], dict[str, float]] = {}
+    for b in batches:
+        key = jax.random.PRNGKey(b)
+        pool0 = 0.1 * jax.random.normal(key, (b, hv, kd, vd), jnp.float32)
+        slots = jnp.arange(b, dtype=jnp.int32)
+        for t in seq_lens:
+            x = common.np_inputs(b * 1000 + t, b, t, hk, hv, kd, vd, state=False)
+            q, k, v = (jnp.asarray(x[n]).astype(args.dtype) for n in ("q", "k", "v"))
+            g, beta = jnp.asarray(x["g"]), jnp.asarray(x["beta"])
+            outs, row = {}, {}
+            for kern, fn in fns.items():
+                try:
+                    o, pool = jax.block_until_ready(fn(q, k, v, g, beta, jnp.copy(pool0), slots))
+                    outs[kern] = (np.asarray(o, np.float32), np.asarray(pool))
+                    row[kern] = 1e6 * common.time_jax(fn, q, k, v, g, beta, jnp.copy(pool0), slots,
+                                                      calls=calls, repeats=repeats, chain=chain)
+                except Exception as e:  # noqa: BLE001 - one line per failed kernel, keep going
+                    rep.note(f"B={b} T={t} kernel={kern} failed: {type(e).__name__}: {str(e)[:200]}")
+            err = (max(common.rel_err(outs["serial"][i], outs["chunked"][i]) for i in range(2))
+                   if len(outs) == 2 else None)
+            times[(b, t)] = row
+            rep.add(case=f"B={b} T={t}", B=b, T=t, serial_us=row.get("serial"),
+                    chunked_us=row.get("chunked"), rel_err_serial_vs_chunked=err, chained=True)
+            rep.progress(f"B={b} T={t}: serial {row.get('serial', float('nan')):.1f} us, chunked "
+                         f"{row.get('chunked', float('nan')):.1f} us, outputs and pools agree to "
+                         f"{common.peer_verdict(err)}")
+    fmt = lambda x: "-" if x is None else f"{x:.1f}"
+    lines = [f"{rep.meta['device']}, {rep.meta['date']}, jax {rep.meta['jax']}; HK={hk}, HV={hv}, "
+             f"K=V={kd}, {args.dtype} q/k/v, fp32 g/beta and pool, in-call q/k L2 norm; "
+             f"gdn_prefill_pool into B slots, {rep.meta['timing']}."
+             + (" SMOKE RUN (interpret mode / tiny shapes): times mean nothing." if args.smoke
+                else ""), "",
+             "| B | " + " | ".join(f"T={t} serial / chunked us" for t in seq_lens) + " |",
+             "|---|" + "---|" * len(seq_lens)]
+    for b in batches:
+        cells = [f"{fmt(times[(b, t)].get('serial'))} / {fmt(times[(b, t)].get('chunked'))}"
+                 for t in seq_lens]
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    lines += ["", "| B | token-serial faster up to T | SERIAL_PREFILL_TABLE limit now |",
+              "|---|---|---|"]
+    for b in batches:
+        faster = [t for t in seq_lens if times[(b, t)].get("serial") is not None
+                  and times[(b, t)].get("chunked") is not None
+                  and times[(b, t)]["serial"] < times[(b, t)]["chunked"]]
+        # The crossover: the longest T of the unbroken run of wins from the shortest T.
+        upto = 0
+        for t in seq_lens:
+            if t not in faster:
+                break
+            upto = t
+        rep.meta.setdefault("crossover", {})[b] = upto
+        lines.append(f"| {b} | {upto or 'never'} | {pf.serial_prefill_limit(b)} |")
+        rep.progress(f"B={b}: token-serial faster up to T={upto or 'never'} "
+                     f"(table limit now {pf.serial_prefill_limit(b)})")
+    return rep.finish("GDN short-prompt prefill: token-serial vs chunked kernel", "\n".join(lines))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -109,6 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why:
         print(f"gdn-jax bench prefill: {why}")
         return 2
+    if args.short:
+        import sys
+        return _short(args, sys.argv[1:] if argv is None else argv)
     import contextlib
 
     import jax
