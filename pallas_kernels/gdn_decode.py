@@ -655,7 +655,7 @@ def gdn_decode(q_rows, k_rows, v_rows, g_rows, beta_rows, state, *, spec: Decode
     out_dtype = jnp.dtype(out_dtype or (jnp.bfloat16 if spec.fused_norm else q_rows.dtype))
     conv = (conv_weight, conv_bias, conv_windows) if spec.fused_conv else None
     return _launch(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, seed, z_rows,
-                   norm_weight, conv, state, spec=spec, block=block, out_dtype=out_dtype,
+                   norm_weight, state, conv, spec=spec, block=block, out_dtype=out_dtype,
                    interpret=interpret)
 
 
@@ -675,7 +675,7 @@ def _check_conv(spec, weight, bias, windows, rows):
 
 @functools.partial(jax.jit, static_argnames=("spec", "block", "out_dtype", "interpret"))
 def _launch(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, seed, z_rows,
-            norm_weight, conv, state, *, spec, block, out_dtype, interpret):
+            norm_weight, state, conv=None, *, spec, block, out_dtype, interpret):
     batch = q_rows.shape[0]
     inputs = [q_rows, k_rows, v_rows, g_rows, beta_rows]
     if spec.raw_gates:

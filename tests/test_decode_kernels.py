@@ -583,7 +583,7 @@ def test_variants_lower_to_triton_ir(monkeypatch, raw, pc, l2, pooled, norm, sdt
             jnp.ones(HV) if raw else None, jnp.ones(HV * gk) if raw else None,
             jnp.zeros(B, jnp.int32) if pooled else None,
             jnp.ones(2, jnp.uint32) if sr else None, jnp.ones((B, HV * K)) if norm else None,
-            jnp.ones(K) if norm else None, None, state)
+            jnp.ones(K) if norm else None, state)
     block = kern.default_block_sizes(B, K, sdt, norm)
     if sdt == F16:  # cover the walk over several register tiles too
         block = dataclasses_replace(block, block_v=K, tile_v=K // 4)
