@@ -45,6 +45,7 @@ from gdn_jax.layers._common import (DEFAULT_PRECISION, DeltaStateMixin, F32, Lin
                                     ParamInit, ShortConv, check_conv_activation, check_eps,
                                     check_positive_int, configured_layer_type, fill_params)
 from gdn_jax.layers.serving import DeltaBlockMixin, DeltaDims
+from gdn_jax.layers import tensor_parallel as tp
 from gdn_jax.loading import (SafetensorsCheckpoint, config_list, config_object, find_layer_prefix,
                              read_config, text_config)
 from gdn_jax.state import KDAState
@@ -162,24 +163,27 @@ def _check_kda_layer(c: dict, layer_idx: int):
                              f"(1-indexed) is {lac['kda_layers']}")
 
 
-class KimiDeltaAttention(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
+class KimiDeltaAttention(tp.TensorParallelMixin, DeltaBlockMixin, DeltaStateMixin, nnx.Module):
     """Kimi Delta Attention block (see the module docstring for layout, state and names).
 
     `KimiDeltaAttention(config, rngs=nnx.Rngs(0))` makes random weights;
     `KimiDeltaAttention.from_pretrained(path, layer_idx)` loads an HF checkpoint's layer.
     `dtype` is the projections' compute dtype (None: the input's); gate, beta, norm and state
-    math are fp32 regardless.
+    math are fp32 regardless. `mesh` (a jax.sharding.Mesh with a "tp" axis) splits the heads over
+    its devices (`gdn_jax.layers.tensor_parallel`).
     """
 
     STATE_CLS = KDAState
     DELTA_OP = "kda"
 
     def __init__(self, config: KDAConfig, *, rngs: nnx.Rngs, dtype=None, param_dtype=F32,
-                 precision=DEFAULT_PRECISION):
+                 precision=DEFAULT_PRECISION, mesh=None):
         if not isinstance(config, KDAConfig):
             raise ValueError(f"config must be a KDAConfig, got {type(config).__name__}")
+        tp.check_mesh(mesh, num_k_heads=config.num_heads, num_v_heads=config.num_v_heads)
         self.config = config
         self.dtype = dtype
+        self.mesh = None
         c, h = config, config.hidden_size
         init = ParamInit(rngs)
         lin = lambda i, o, bias=False: Linear(i, o, use_bias=bias, param_dtype=param_dtype,
@@ -201,6 +205,8 @@ class KimiDeltaAttention(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
         self.dt_bias = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(param_dtype))
         self.o_norm = NormWeight(c.head_v_dim, param_dtype=param_dtype)
         self.o_proj = lin(c.value_dim, h)
+        if mesh is not None:
+            tp.place_params(self, mesh)
 
     # init_state / state_from_hf / state_to_hf come from DeltaStateMixin.
 
@@ -209,6 +215,16 @@ class KimiDeltaAttention(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
     def _dims(self) -> DeltaDims:
         c = self.config
         return DeltaDims(c.num_heads, c.num_v_heads, c.head_dim, c.head_v_dim, True)
+
+    def _shard_layout(self) -> dict[str, str]:
+        """How each parameter splits over a mesh's "tp" axis: rows per head; the low-rank
+        gate inputs (f_a_proj, g_a_proj) and the norm weight are shared by all heads."""
+        return {"q_proj.weight": tp.ROWS, "k_proj.weight": tp.ROWS, "v_proj.weight": tp.ROWS,
+                "conv1d.weight": tp.CONV_ROWS, "conv1d.bias": tp.CONV_ROWS,
+                "f_a_proj.weight": tp.REPLICATED, "f_b_proj.weight": tp.ROWS,
+                "b_proj.weight": tp.ROWS, "g_a_proj.weight": tp.REPLICATED,
+                "g_b_proj.weight": tp.ROWS, "g_b_proj.bias": tp.ROWS, "A_log": tp.ROWS,
+                "dt_bias": tp.ROWS, "o_norm.weight": tp.REPLICATED, "o_proj.weight": tp.COLUMNS}
 
     def _inputs(self, x, dtype):
         """-> (mixed [B, T, C] before the conv, g [B, T, HV, K] fp32, beta [B, T, HV] fp32,

@@ -39,6 +39,7 @@ from gdn_jax.layers._common import (DEFAULT_PRECISION, DeltaStateMixin, F32, Lin
                                     ParamInit, ShortConv, check_conv_activation, check_eps,
                                     check_positive_int, configured_layer_type, fill_params)
 from gdn_jax.layers.serving import DeltaBlockMixin, DeltaDims
+from gdn_jax.layers import tensor_parallel as tp
 from gdn_jax.loading import (SafetensorsCheckpoint, config_int, find_layer_prefix, read_config,
                              text_config)
 from gdn_jax.state import GDNState
@@ -121,24 +122,27 @@ def _check_linear_layer(c: dict, layer_idx: int):
                          "linear_attention (Gated DeltaNet) layer")
 
 
-class Qwen3NextGatedDeltaNet(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
+class Qwen3NextGatedDeltaNet(tp.TensorParallelMixin, DeltaBlockMixin, DeltaStateMixin, nnx.Module):
     """Qwen3-Next / Qwen3.5 Gated DeltaNet block (see the module docstring for layout and state).
 
     `Qwen3NextGatedDeltaNet(config, rngs=nnx.Rngs(0))` makes random weights;
     `Qwen3NextGatedDeltaNet.from_pretrained(path, layer_idx)` loads an HF checkpoint's layer.
     `dtype` is the compute dtype of the projections (None: the input's); gate, beta, norm and
-    state math are fp32 regardless.
+    state math are fp32 regardless. `mesh` (a jax.sharding.Mesh with a "tp" axis) splits the
+    heads over its devices (`gdn_jax.layers.tensor_parallel`).
     """
 
     STATE_CLS = GDNState
     DELTA_OP = "gated_delta_rule"
 
     def __init__(self, config: GDNConfig, *, rngs: nnx.Rngs, dtype=None, param_dtype=F32,
-                 precision=DEFAULT_PRECISION):
+                 precision=DEFAULT_PRECISION, mesh=None):
         if not isinstance(config, GDNConfig):
             raise ValueError(f"config must be a GDNConfig, got {type(config).__name__}")
+        tp.check_mesh(mesh, num_k_heads=config.num_k_heads, num_v_heads=config.num_v_heads)
         self.config = config
         self.dtype = dtype
+        self.mesh = None
         c, h = config, config.hidden_size
         init = ParamInit(rngs)
         lin = lambda i, o: Linear(i, o, param_dtype=param_dtype, precision=precision, init=init)
@@ -157,6 +161,8 @@ class Qwen3NextGatedDeltaNet(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
         self.A_log = nnx.Param(jnp.log(init.uniform((c.num_v_heads,), 1.0, 16.0, F32)).astype(param_dtype))
         self.norm = NormWeight(c.head_v_dim, param_dtype=param_dtype)
         self.out_proj = lin(c.value_dim, h)
+        if mesh is not None:
+            tp.place_params(self, mesh)
 
     # init_state / state_from_hf / state_to_hf come from DeltaStateMixin.
 
@@ -186,6 +192,15 @@ class Qwen3NextGatedDeltaNet(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
     def _dims(self) -> DeltaDims:
         c = self.config
         return DeltaDims(c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim, False)
+
+    def _shard_layout(self) -> dict[str, str]:
+        """How each parameter splits over a mesh's "tp" axis: by whole key-head groups."""
+        layout = {"conv1d.weight": tp.CONV_ROWS, "conv1d.bias": tp.CONV_ROWS, "dt_bias": tp.ROWS,
+                  "A_log": tp.ROWS, "norm.weight": tp.REPLICATED, "out_proj.weight": tp.COLUMNS}
+        if self.config.layout == "fused":   # rows are key-head groups: a contiguous split
+            return layout | {"in_proj_qkvz.weight": tp.ROWS, "in_proj_ba.weight": tp.ROWS}
+        return layout | {"in_proj_qkv.weight": tp.CONV_ROWS, "in_proj_z.weight": tp.ROWS,
+                         "in_proj_b.weight": tp.ROWS, "in_proj_a.weight": tp.ROWS}
 
     def _inputs(self, x, dtype):
         """-> (mixed [B, T, C] before the conv, g, beta [B, T, HV] fp32, z [B, T, HV, V])."""
