@@ -46,8 +46,8 @@ from gdn_jax.layers._common import (DEFAULT_PRECISION, DeltaStateMixin, F32, Lin
                                     check_positive_int, configured_layer_type, fill_params)
 from gdn_jax.layers.serving import DeltaBlockMixin, DeltaDims
 from gdn_jax.layers import tensor_parallel as tp
-from gdn_jax.loading import (SafetensorsCheckpoint, config_list, config_object, find_layer_prefix,
-                             read_config, text_config)
+from gdn_jax.loading import (RowConcat, SafetensorsCheckpoint, TensorReader, config_list,
+                             config_object, find_layer_prefix, read_config, text_config)
 from gdn_jax.state import KDAState
 
 __all__ = ["KDAConfig", "KimiDeltaAttention"]
@@ -254,12 +254,15 @@ class KimiDeltaAttention(tp.TensorParallelMixin, DeltaBlockMixin, DeltaStateMixi
 
     @classmethod
     def from_pretrained(cls, path, layer_idx: int, *, dtype=None, param_dtype=None,
-                        precision=DEFAULT_PRECISION, prefix: str | None = None):
+                        precision=DEFAULT_PRECISION, prefix: str | None = None, mesh=None):
         """Load KDA layer `layer_idx` of a Kimi Linear or GLM-5.3-Flash-style checkpoint folder
         (`config.json` + `*.safetensors`, single or sharded). Tensors are looked for under
         `model.layers.{i}.self_attn.` / `model.language_model.layers.{i}.self_attn.`, or `prefix`.
-        Weights keep their stored dtype unless `param_dtype` is given. Raises ValueError naming a
-        missing, duplicated, unexpected or misshapen tensor or an inconsistent config."""
+        Weights keep their stored dtype unless `param_dtype` is given. With `mesh` (a
+        jax.sharding.Mesh with a "tp" axis) the heads are split over its devices and each device
+        reads only its slice of every tensor. Raises ValueError naming a missing, duplicated,
+        unexpected or misshapen tensor, an inconsistent config or a mesh whose "tp" axis does not
+        divide the head counts."""
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, (int, np.integer)) or layer_idx < 0:
             raise ValueError(f"layer_idx must be a non-negative integer, got {layer_idx!r}")
         layer_idx = int(layer_idx)
@@ -272,6 +275,7 @@ class KimiDeltaAttention(tp.TensorParallelMixin, DeltaBlockMixin, DeltaStateMixi
             config = KDAConfig.from_hf(raw, output_gate_bias="g_b_proj.bias" in present,
                                        conv_bias=bool({"conv1d.bias", "q_conv1d.bias"} & present))
             c = config
+            tp.check_mesh(mesh, num_k_heads=c.num_heads, num_v_heads=c.num_v_heads)
             used: set[str] = set()
 
             def pick(*alternatives):
@@ -285,9 +289,9 @@ class KimiDeltaAttention(tp.TensorParallelMixin, DeltaBlockMixin, DeltaStateMixi
                 used.add(found[0])
                 return found[0]
 
-            def get(name, shape):
+            def get(name, shape, squeeze=()):
                 used.add(name)
-                return ckpt.get(prefix + name, shape=shape)
+                return TensorReader(ckpt, prefix + name, shape, squeeze=squeeze)
 
             h = c.hidden_size
             tensors = {
@@ -312,25 +316,29 @@ class KimiDeltaAttention(tp.TensorParallelMixin, DeltaBlockMixin, DeltaStateMixi
             if a_shape not in ((c.num_v_heads,), (1, 1, c.num_v_heads, 1)):
                 raise ValueError(f"tensor {prefix + a_name!r} has shape {a_shape}, expected "
                                  f"({c.num_v_heads},) or (1, 1, {c.num_v_heads}, 1)")
-            tensors["A_log"] = get(a_name, a_shape).reshape(c.num_v_heads)
+            tensors["A_log"] = get(a_name, a_shape, squeeze=(0, 1, 3) if len(a_shape) == 4 else ())
             w = c.conv_kernel_size
             if "conv1d.weight" in present or "q_conv1d.weight" not in present:
                 pick("conv1d.weight", "q_conv1d.weight")  # refuses both spellings / neither
-                tensors["conv1d.weight"] = get("conv1d.weight", (c.conv_dim, 1, w))[:, 0, :]
+                tensors["conv1d.weight"] = get("conv1d.weight", (c.conv_dim, 1, w), squeeze=(1,))
                 if c.conv_bias:
                     tensors["conv1d.bias"] = get(pick("conv1d.bias"), (c.conv_dim,))
             else:   # Kimi Linear: one conv per projection, concatenated q | k | v
-                parts = [get(pick(f"{p}_conv1d.weight"), (d, 1, w))[:, 0, :]
+                parts = [get(pick(f"{p}_conv1d.weight"), (d, 1, w), squeeze=(1,))
                          for p, d in (("q", c.key_dim), ("k", c.key_dim), ("v", c.value_dim))]
-                tensors["conv1d.weight"] = np.concatenate(parts, axis=0)
+                tensors["conv1d.weight"] = RowConcat(parts)
                 if c.conv_bias:
-                    tensors["conv1d.bias"] = np.concatenate(
+                    tensors["conv1d.bias"] = RowConcat(
                         [get(pick(f"{p}_conv1d.bias"), (d,))
                          for p, d in (("q", c.key_dim), ("k", c.key_dim), ("v", c.value_dim))])
             unexpected = sorted(present - used)
             if unexpected:
                 raise ValueError(f"unexpected tensors under {prefix!r}: {unexpected} (the block "
                                  "would ignore them)")
-        module = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype, precision=precision))
+            module = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype,
+                                                precision=precision))
+            if mesh is not None:
+                return tp.fill_sharded(module, tensors, mesh, param_dtype=param_dtype, source=prefix)
+            tensors = {n: r.read() for n, r in tensors.items()}
         fill_params(module, tensors, param_dtype=param_dtype, source=prefix)
         return module

@@ -40,8 +40,8 @@ from gdn_jax.layers._common import (DEFAULT_PRECISION, DeltaStateMixin, F32, Lin
                                     check_positive_int, configured_layer_type, fill_params)
 from gdn_jax.layers.serving import DeltaBlockMixin, DeltaDims
 from gdn_jax.layers import tensor_parallel as tp
-from gdn_jax.loading import (SafetensorsCheckpoint, config_int, find_layer_prefix, read_config,
-                             text_config)
+from gdn_jax.loading import (SafetensorsCheckpoint, TensorReader, config_int, find_layer_prefix,
+                             read_config, text_config)
 from gdn_jax.state import GDNState
 
 __all__ = ["GDNConfig", "Qwen3NextGatedDeltaNet"]
@@ -222,7 +222,7 @@ class Qwen3NextGatedDeltaNet(tp.TensorParallelMixin, DeltaBlockMixin, DeltaState
 
     @classmethod
     def from_pretrained(cls, path, layer_idx: int, *, dtype=None, param_dtype=None,
-                        precision=DEFAULT_PRECISION, prefix: str | None = None):
+                        precision=DEFAULT_PRECISION, prefix: str | None = None, mesh=None):
         """Load layer `layer_idx` of an HF Qwen3-Next / Qwen3.5 checkpoint folder.
 
         Reads `config.json` and the layer's `linear_attn.*` tensors from `*.safetensors` (single
@@ -231,8 +231,10 @@ class Qwen3NextGatedDeltaNet(tp.TensorParallelMixin, DeltaBlockMixin, DeltaState
         (Qwen3.5), or under `prefix` if given (e.g. "model.layers.3.linear_attn."). The projection
         layout follows the tensors present: `in_proj_qkvz` + `in_proj_ba` (fused) or `in_proj_qkv`,
         `in_proj_z`, `in_proj_b`, `in_proj_a` (split). Weights keep their stored dtype unless
-        `param_dtype` is given. Raises ValueError naming a missing, unexpected or misshapen tensor
-        or an inconsistent config."""
+        `param_dtype` is given. With `mesh` (a jax.sharding.Mesh with a "tp" axis) the heads are
+        split over its devices and each device reads only its slice of every tensor. Raises
+        ValueError naming a missing, unexpected or misshapen tensor, an inconsistent config or a
+        mesh whose "tp" axis does not divide the head counts."""
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, (int, np.integer)) or layer_idx < 0:
             raise ValueError(f"layer_idx must be a non-negative integer, got {layer_idx!r}")
         layer_idx = int(layer_idx)
@@ -250,6 +252,7 @@ class Qwen3NextGatedDeltaNet(tp.TensorParallelMixin, DeltaBlockMixin, DeltaState
                 raise ValueError(f"checkpoint has neither {prefix}in_proj_qkvz.weight (Qwen3-Next) "
                                  f"nor {prefix}in_proj_qkv.weight (Qwen3.5); found {names}")
             config = GDNConfig.from_hf(raw, layout=layout, conv_bias="conv1d.bias" in names)
+            tp.check_mesh(mesh, num_k_heads=config.num_k_heads, num_v_heads=config.num_v_heads)
             module = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype,
                                                 precision=precision))
             expected = {".".join(str(p) for p in path): v.get_value().shape
@@ -262,7 +265,12 @@ class Qwen3NextGatedDeltaNet(tp.TensorParallelMixin, DeltaBlockMixin, DeltaState
             missing = sorted(set(expected) - set(names))
             if missing:
                 raise ValueError(f"checkpoint is missing tensors {[prefix + m for m in missing]}")
-            tensors = {n: ckpt.get(prefix + n, shape=expected[n]) for n in sorted(expected)}
-        tensors["conv1d.weight"] = tensors["conv1d.weight"][:, 0, :]   # [C, 1, W] -> [C, W]
+            # conv1d.weight is stored [C, 1, W]; the parameter is [C, W].
+            readers = {n: TensorReader(ckpt, prefix + n, expected[n],
+                                       squeeze=(1,) if n == "conv1d.weight" else ())
+                       for n in sorted(expected)}
+            if mesh is not None:
+                return tp.fill_sharded(module, readers, mesh, param_dtype=param_dtype, source=prefix)
+            tensors = {n: r.read() for n, r in readers.items()}
         fill_params(module, tensors, param_dtype=param_dtype, source=prefix)
         return module

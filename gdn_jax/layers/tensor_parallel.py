@@ -167,10 +167,10 @@ def _set_param(block, name: str, value) -> None:
     obj.set_value(value)
 
 
-def fill_sharded(module, readers: dict[str, Callable], mesh, *, param_dtype=None, source: str = ""):
-    """Fill an abstract block's parameters from checkpoint readers, each device reading only its
-    slice: `readers[path](index)` returns the unsharded parameter's sub-block `index` (a tuple of
-    slices) as a NumPy array. Sets `module.mesh`."""
+def fill_sharded(module, readers: dict, mesh, *, param_dtype=None, source: str = ""):
+    """Fill an abstract block's parameters from checkpoint readers (`gdn_jax.loading.TensorReader`
+    / `RowConcat`), each device reading only its slice: `readers[path].read(index)` returns the
+    unsharded parameter's sub-block `index` (a tuple of slices). Sets `module.mesh`."""
     p = tp_size(mesh)
     d = module._dims()
     key_dim, value_dim = d.key_dim, d.num_v_heads * d.head_v_dim
@@ -182,7 +182,7 @@ def fill_sharded(module, readers: dict[str, Callable], mesh, *, param_dtype=None
     for name, var in flat.items():
         shape = tuple(var.get_value().shape)
         kind = _layout_of(module, name)
-        read = readers[name]
+        read = readers[name].read
         rows_per_device = shape[0] // p if kind in (ROWS, CONV_ROWS) else None
 
         def callback(index, read=read, kind=kind, shape=shape, rpd=rows_per_device):
