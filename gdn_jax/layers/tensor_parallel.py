@@ -242,6 +242,8 @@ def shard_state(block, state):
         raise ValueError("block has no mesh: shard_state needs a block built with mesh=")
     order = _block_conv_order(block, tp_size(block.mesh))
     state = _map_conv_channels(state, lambda a: jnp.take(a, order, axis=-1))
+    # Fresh buffers: device_put may reuse the given ones, and the serving path donates its state.
+    state = jax.tree.map(lambda a: jnp.array(a, copy=True), state)
     return jax.device_put(state, _named(block.mesh, _specs_of(block, state)))
 
 
