@@ -253,9 +253,11 @@ def gather_state(block, state):
     if block.mesh is None:
         raise ValueError("block has no mesh: gather_state needs a block built with mesh=")
     inverse = np.argsort(_block_conv_order(block, tp_size(block.mesh)))
-    device = jax.devices()[0]
-    state = jax.device_put(state, device)
-    return _map_conv_channels(state, lambda a: jnp.take(a, inverse, axis=-1))
+    # Through the host: the arrays may carry explicit-axis sharding types, which a gather on
+    # the sharded axis would refuse.
+    state = jax.tree.map(lambda a: np.asarray(a), state)
+    state = _map_conv_channels(state, lambda a: np.take(a, inverse, axis=-1))
+    return jax.tree.map(jnp.asarray, state)
 
 
 # --------------------------------------------------------------------------- sharded execution
