@@ -24,14 +24,18 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import gdn_jax
-from conftest import MODES, ON_GPU
 from gdn_jax.layers import GDNConfig, KDAConfig, KimiDeltaAttention, Qwen3NextGatedDeltaNet
 from gdn_jax.layers import tensor_parallel as tp
 from gdn_jax.loading import SafetensorsCheckpoint
 
 HOST_DEVICES = 4
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
-TOL = 1e-6
+# Mesh vs unsharded, fp32, relative L2. The two differ by summation order only: XLA's dot over a
+# device's slice of a projection's rows does not round like the full projection (about 1e-7 per
+# projection), and the partial outputs are summed by the all-reduce. Over 4 rows the outputs
+# typically differ by 2e-7..4e-7; single-token outputs of the Qwen3.5 block reach 1.5e-6 where
+# the random weights cancel, hence 2e-6 rather than the 1e-6 an ideal split would give.
+TOL = 2e-6
 
 several = pytest.mark.skipif(len(jax.devices()) < 2, reason=(
     "needs several devices: test_on_host_devices runs this file with 4 host devices"))
@@ -51,7 +55,7 @@ def test_on_host_devices():
     out = r.stdout[-8000:] + r.stderr[-3000:]
     assert r.returncode == 0, out
     passed = re.search(r"(\d+) passed", r.stdout)
-    assert passed and int(passed.group(1)) >= 20, out
+    assert passed and int(passed.group(1)) >= 16, out
     assert "needs several devices" not in r.stdout and "needs 4 devices" not in r.stdout, out
 
 
@@ -132,14 +136,23 @@ def copy_tree(tree):
 
 # --------------------------------------------------------------------------- equality
 
+# (devices, block, mode): each block through the references and the kernels, on 2 and 4
+# devices, kept few because each case compiles a dozen sharded programs on the CPU. On GPUs every
+# block runs compiled on 2.
+FORWARD_CASES = [(2, "qwen3_next", "reference"), (2, "kda", "reference"),
+                 (2, "qwen3_5_split", "interpret"), (4, "qwen3_next", "interpret"),
+                 (4, "kda", "interpret")]
+FORWARD_CASES += [pytest.param(2, b, "gpu", marks=pytest.mark.gpu) for b in BLOCKS]
+SERVING_CASES = [(2, "kda", "reference"), (2, "qwen3_next", "interpret"),
+                 (2, "qwen3_5_split", "interpret"), (4, "kda", "interpret"),
+                 (4, "qwen3_5_split", "reference")]
+SERVING_CASES += [pytest.param(2, b, "gpu", marks=pytest.mark.gpu) for b in BLOCKS]
+
+
 @several
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", list(BLOCKS))
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n,name,mode", FORWARD_CASES)
 def test_forward_matches_unsharded(name, mode, n):
     """__call__: a prefill from a given state, then a single-token continuation."""
-    if n == 4 and mode == "reference":
-        pytest.skip("4 devices run the kernels; the references run on 2")
     mesh = make_mesh(n)
     one, split = BLOCKS[name](), BLOCKS[name](mesh=mesh)
     b, t, hidden = 4, 5, one.config.hidden_size
@@ -165,14 +178,10 @@ def test_forward_matches_unsharded(name, mode, n):
 
 
 @several
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", list(BLOCKS))
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n,name,mode", SERVING_CASES)
 def test_serving_matches_unsharded(name, mode, n):
     """prefill, decode, carried verify + accept, verify with intermediate states + accept,
     decode, flush: every output, flag and the whole serving state after each step."""
-    if n == 4 and mode == "reference":
-        pytest.skip("4 devices run the kernels; the references run on 2")
     mesh = make_mesh(n)
     one, split = BLOCKS[name](), BLOCKS[name](mesh=mesh)
     hidden, num_slots = one.config.hidden_size, 5
@@ -355,3 +364,16 @@ def test_shard_gather_round_trip():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     sharded = tp.shard_state(split, s)
     assert sharded.conv.windows.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp")
+
+
+@several
+def test_bench_tp_smoke(tmp_path):
+    """`gdn-jax bench tp --smoke --mesh 2` runs both operations and reports finite ratios."""
+    import json
+
+    from gdn_jax.bench import tp as bench_tp
+    out = tmp_path / "tp.json"
+    assert bench_tp.main(["--smoke", "--mesh", "2", "--blocks", "kimi_linear", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["block"], r["op"]) for r in rows] == [("kimi_linear", "decode"), ("kimi_linear", "prefill")]
+    assert all(np.isfinite(r["ratio"]) and r["ratio"] > 0 for r in rows)
