@@ -26,11 +26,12 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
 __all__ = ["read_config", "text_config", "config_int", "config_object", "config_list",
-           "SafetensorsCheckpoint", "find_layer_prefix"]
+           "SafetensorsCheckpoint", "TensorReader", "RowConcat", "find_layer_prefix"]
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -38,6 +39,7 @@ INDEX_FILE = "model.safetensors.index.json"
 # Storage dtypes a block accepts; quantised checkpoints (fp8 with scales, int4 ...) need their
 # own dequantisation and are refused by name rather than misread.
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+_NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 
 
 def _check_dir(path) -> str:
@@ -207,9 +209,9 @@ class SafetensorsCheckpoint:
         except KeyError:
             raise ValueError(f"tensor {name!r} not found in checkpoint {self.path!r}") from None
 
-    def get(self, name: str, shape: Iterable[int] | None = None) -> np.ndarray:
-        """The tensor `name` as a NumPy array; with `shape`, a wrong shape raises ValueError naming
-        the tensor before its data is read."""
+    def _checked_slice(self, name: str, shape: Iterable[int] | None):
+        """(file, safetensors slice) of tensor `name` after the header checks: a float dtype and,
+        with `shape`, that shape (ValueError naming the tensor, before any data is read)."""
         file = self._file(name)
         h = self._handle(file)
         try:
@@ -224,8 +226,29 @@ class SafetensorsCheckpoint:
             want, got = tuple(int(s) for s in shape), tuple(sl.get_shape())
             if got != want:
                 raise ValueError(f"tensor {name!r} has shape {got}, expected {want}")
+        return file, sl
+
+    def dtype(self, name: str) -> np.dtype:
+        """The stored dtype (NumPy; bf16 through ml_dtypes), from the file header."""
+        _, sl = self._checked_slice(name, None)
+        return np.dtype(_NUMPY_DTYPES[sl.get_dtype()])
+
+    def get(self, name: str, shape: Iterable[int] | None = None) -> np.ndarray:
+        """The tensor `name` as a NumPy array; with `shape`, a wrong shape raises ValueError naming
+        the tensor before its data is read."""
+        file, _ = self._checked_slice(name, shape)
         try:
-            return h.get_tensor(name)
+            return self._handle(file).get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"tensor {name!r} in {file!r} cannot be read: {e}") from None
+
+    def get_slice(self, name: str, index: tuple, shape: Iterable[int] | None = None) -> np.ndarray:
+        """The sub-block `index` (a tuple of slices, one per axis) of tensor `name`, reading only
+        those bytes from disk (a device's shard of a layer split over a mesh). Same checks as
+        `get`."""
+        file, sl = self._checked_slice(name, shape)
+        try:
+            return np.asarray(sl[tuple(index)])
         except (SafetensorError, OSError) as e:
             raise ValueError(f"tensor {name!r} in {file!r} cannot be read: {e}") from None
 
@@ -255,3 +278,49 @@ def find_layer_prefix(ckpt: SafetensorsCheckpoint, layer_idx: int, module: str,
             return prefix
     raise ValueError(f"layer_idx={layer_idx}: checkpoint {ckpt.path!r} has no tensors under any of "
                      f"{tried} (is layer {layer_idx} a {module} layer?)")
+
+
+class TensorReader:
+    """Lazy access to one checkpoint tensor as a block parameter: `read(index)` reads only the
+    sub-block `index` (a tuple of slices, one per parameter axis; None: all of it) from disk.
+    `squeeze` names stored axes of size 1 that the parameter drops (HF's conv weight [C, 1, W]
+    -> [C, W]; Kimi Linear's A_log [1, 1, H, 1] -> [H]). The name, dtype and stored shape are
+    checked on construction, from the header."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, name: str, stored_shape: Iterable[int],
+                 squeeze: tuple[int, ...] = ()):
+        self.stored_shape = tuple(int(s) for s in stored_shape)
+        ckpt._checked_slice(name, self.stored_shape)
+        self.ckpt, self.name, self.squeeze = ckpt, name, tuple(squeeze)
+        self.dtype = ckpt.dtype(name)
+        self.shape = tuple(s for i, s in enumerate(self.stored_shape) if i not in self.squeeze)
+
+    def read(self, index: tuple | None = None) -> np.ndarray:
+        index = tuple(index or ()) + (slice(None),) * (len(self.shape) - len(index or ()))
+        parts = iter(index)
+        stored = tuple(slice(0, 1) if i in self.squeeze else next(parts)
+                       for i in range(len(self.stored_shape)))
+        arr = self.ckpt.get_slice(self.name, stored)
+        return arr.reshape(tuple(n for i, n in enumerate(arr.shape) if i not in self.squeeze))
+
+
+class RowConcat:
+    """Readers of tensors concatenated along axis 0, read as one (Kimi Linear's q_conv1d,
+    k_conv1d, v_conv1d as one q | k | v conv weight); a row range reads only the parts it
+    covers."""
+
+    def __init__(self, parts: list):
+        self.parts = list(parts)
+        self.dtype = np.result_type(*(p.dtype for p in self.parts))
+        self.shape = (sum(p.shape[0] for p in self.parts),) + tuple(self.parts[0].shape[1:])
+
+    def read(self, index: tuple | None = None) -> np.ndarray:
+        index = tuple(index or ())
+        start, stop, _ = (index[0] if index else slice(None)).indices(self.shape[0])
+        rest, pieces, offset = index[1:], [], 0
+        for p in self.parts:
+            lo, hi = max(start, offset), min(stop, offset + p.shape[0])
+            if lo < hi:
+                pieces.append(p.read((slice(lo - offset, hi - offset),) + rest).astype(self.dtype))
+            offset += p.shape[0]
+        return np.concatenate(pieces, axis=0)

@@ -17,7 +17,7 @@ from gdn_jax.bench import common
 from gdn_jax.cli import _bench_names
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-NAMES = ["block", "decode", "kda", "prefill", "verify"]
+NAMES = ["block", "decode", "kda", "prefill", "tp", "verify"]
 SHARED = ["--batches", "--seq-lens", "--dtype", "--peers", "--repeats", "--smoke", "--json",
           "--plot", "--write-md"]
 

@@ -45,8 +45,9 @@ from gdn_jax.layers._common import (DEFAULT_PRECISION, DeltaStateMixin, F32, Lin
                                     ParamInit, ShortConv, check_conv_activation, check_eps,
                                     check_positive_int, configured_layer_type, fill_params)
 from gdn_jax.layers.serving import DeltaBlockMixin, DeltaDims
-from gdn_jax.loading import (SafetensorsCheckpoint, config_list, config_object, find_layer_prefix,
-                             read_config, text_config)
+from gdn_jax.layers import tensor_parallel as tp
+from gdn_jax.loading import (RowConcat, SafetensorsCheckpoint, TensorReader, config_list,
+                             config_object, find_layer_prefix, read_config, text_config)
 from gdn_jax.state import KDAState
 
 __all__ = ["KDAConfig", "KimiDeltaAttention"]
@@ -162,24 +163,27 @@ def _check_kda_layer(c: dict, layer_idx: int):
                              f"(1-indexed) is {lac['kda_layers']}")
 
 
-class KimiDeltaAttention(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
+class KimiDeltaAttention(tp.TensorParallelMixin, DeltaBlockMixin, DeltaStateMixin, nnx.Module):
     """Kimi Delta Attention block (see the module docstring for layout, state and names).
 
     `KimiDeltaAttention(config, rngs=nnx.Rngs(0))` makes random weights;
     `KimiDeltaAttention.from_pretrained(path, layer_idx)` loads an HF checkpoint's layer.
     `dtype` is the projections' compute dtype (None: the input's); gate, beta, norm and state
-    math are fp32 regardless.
+    math are fp32 regardless. `mesh` (a jax.sharding.Mesh with a "tp" axis) splits the heads over
+    its devices (`gdn_jax.layers.tensor_parallel`).
     """
 
     STATE_CLS = KDAState
     DELTA_OP = "kda"
 
     def __init__(self, config: KDAConfig, *, rngs: nnx.Rngs, dtype=None, param_dtype=F32,
-                 precision=DEFAULT_PRECISION):
+                 precision=DEFAULT_PRECISION, mesh=None):
         if not isinstance(config, KDAConfig):
             raise ValueError(f"config must be a KDAConfig, got {type(config).__name__}")
+        tp.check_mesh(mesh, num_k_heads=config.num_heads, num_v_heads=config.num_v_heads)
         self.config = config
         self.dtype = dtype
+        self.mesh = None
         c, h = config, config.hidden_size
         init = ParamInit(rngs)
         lin = lambda i, o, bias=False: Linear(i, o, use_bias=bias, param_dtype=param_dtype,
@@ -201,6 +205,8 @@ class KimiDeltaAttention(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
         self.dt_bias = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(param_dtype))
         self.o_norm = NormWeight(c.head_v_dim, param_dtype=param_dtype)
         self.o_proj = lin(c.value_dim, h)
+        if mesh is not None:
+            tp.place_params(self, mesh)
 
     # init_state / state_from_hf / state_to_hf come from DeltaStateMixin.
 
@@ -209,6 +215,16 @@ class KimiDeltaAttention(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
     def _dims(self) -> DeltaDims:
         c = self.config
         return DeltaDims(c.num_heads, c.num_v_heads, c.head_dim, c.head_v_dim, True)
+
+    def _shard_layout(self) -> dict[str, str]:
+        """How each parameter splits over a mesh's "tp" axis: rows per head; the low-rank
+        gate inputs (f_a_proj, g_a_proj) and the norm weight are shared by all heads."""
+        return {"q_proj.weight": tp.ROWS, "k_proj.weight": tp.ROWS, "v_proj.weight": tp.ROWS,
+                "conv1d.weight": tp.CONV_ROWS, "conv1d.bias": tp.CONV_ROWS,
+                "f_a_proj.weight": tp.REPLICATED, "f_b_proj.weight": tp.ROWS,
+                "b_proj.weight": tp.ROWS, "g_a_proj.weight": tp.REPLICATED,
+                "g_b_proj.weight": tp.ROWS, "g_b_proj.bias": tp.ROWS, "A_log": tp.ROWS,
+                "dt_bias": tp.ROWS, "o_norm.weight": tp.REPLICATED, "o_proj.weight": tp.COLUMNS}
 
     def _raw_inputs(self, x, dtype):
         """-> (mixed [B, T, C] before the conv, raw gate g_raw [B, T, HV, K], raw beta
@@ -254,12 +270,15 @@ class KimiDeltaAttention(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path, layer_idx: int, *, dtype=None, param_dtype=None,
-                        precision=DEFAULT_PRECISION, prefix: str | None = None):
+                        precision=DEFAULT_PRECISION, prefix: str | None = None, mesh=None):
         """Load KDA layer `layer_idx` of a Kimi Linear or GLM-5.3-Flash-style checkpoint folder
         (`config.json` + `*.safetensors`, single or sharded). Tensors are looked for under
         `model.layers.{i}.self_attn.` / `model.language_model.layers.{i}.self_attn.`, or `prefix`.
-        Weights keep their stored dtype unless `param_dtype` is given. Raises ValueError naming a
-        missing, duplicated, unexpected or misshapen tensor or an inconsistent config."""
+        Weights keep their stored dtype unless `param_dtype` is given. With `mesh` (a
+        jax.sharding.Mesh with a "tp" axis) the heads are split over its devices and each device
+        reads only its slice of every tensor. Raises ValueError naming a missing, duplicated,
+        unexpected or misshapen tensor, an inconsistent config or a mesh whose "tp" axis does not
+        divide the head counts."""
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, (int, np.integer)) or layer_idx < 0:
             raise ValueError(f"layer_idx must be a non-negative integer, got {layer_idx!r}")
         layer_idx = int(layer_idx)
@@ -272,6 +291,7 @@ class KimiDeltaAttention(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
             config = KDAConfig.from_hf(raw, output_gate_bias="g_b_proj.bias" in present,
                                        conv_bias=bool({"conv1d.bias", "q_conv1d.bias"} & present))
             c = config
+            tp.check_mesh(mesh, num_k_heads=c.num_heads, num_v_heads=c.num_v_heads)
             used: set[str] = set()
 
             def pick(*alternatives):
@@ -285,9 +305,9 @@ class KimiDeltaAttention(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
                 used.add(found[0])
                 return found[0]
 
-            def get(name, shape):
+            def get(name, shape, squeeze=()):
                 used.add(name)
-                return ckpt.get(prefix + name, shape=shape)
+                return TensorReader(ckpt, prefix + name, shape, squeeze=squeeze)
 
             h = c.hidden_size
             tensors = {
@@ -312,25 +332,29 @@ class KimiDeltaAttention(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
             if a_shape not in ((c.num_v_heads,), (1, 1, c.num_v_heads, 1)):
                 raise ValueError(f"tensor {prefix + a_name!r} has shape {a_shape}, expected "
                                  f"({c.num_v_heads},) or (1, 1, {c.num_v_heads}, 1)")
-            tensors["A_log"] = get(a_name, a_shape).reshape(c.num_v_heads)
+            tensors["A_log"] = get(a_name, a_shape, squeeze=(0, 1, 3) if len(a_shape) == 4 else ())
             w = c.conv_kernel_size
             if "conv1d.weight" in present or "q_conv1d.weight" not in present:
                 pick("conv1d.weight", "q_conv1d.weight")  # refuses both spellings / neither
-                tensors["conv1d.weight"] = get("conv1d.weight", (c.conv_dim, 1, w))[:, 0, :]
+                tensors["conv1d.weight"] = get("conv1d.weight", (c.conv_dim, 1, w), squeeze=(1,))
                 if c.conv_bias:
                     tensors["conv1d.bias"] = get(pick("conv1d.bias"), (c.conv_dim,))
             else:   # Kimi Linear: one conv per projection, concatenated q | k | v
-                parts = [get(pick(f"{p}_conv1d.weight"), (d, 1, w))[:, 0, :]
+                parts = [get(pick(f"{p}_conv1d.weight"), (d, 1, w), squeeze=(1,))
                          for p, d in (("q", c.key_dim), ("k", c.key_dim), ("v", c.value_dim))]
-                tensors["conv1d.weight"] = np.concatenate(parts, axis=0)
+                tensors["conv1d.weight"] = RowConcat(parts)
                 if c.conv_bias:
-                    tensors["conv1d.bias"] = np.concatenate(
+                    tensors["conv1d.bias"] = RowConcat(
                         [get(pick(f"{p}_conv1d.bias"), (d,))
                          for p, d in (("q", c.key_dim), ("k", c.key_dim), ("v", c.value_dim))])
             unexpected = sorted(present - used)
             if unexpected:
                 raise ValueError(f"unexpected tensors under {prefix!r}: {unexpected} (the block "
                                  "would ignore them)")
-        module = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype, precision=precision))
+            module = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype,
+                                                precision=precision))
+            if mesh is not None:
+                return tp.fill_sharded(module, tensors, mesh, param_dtype=param_dtype, source=prefix)
+            tensors = {n: r.read() for n, r in tensors.items()}
         fill_params(module, tensors, param_dtype=param_dtype, source=prefix)
         return module

@@ -39,8 +39,9 @@ from gdn_jax.layers._common import (DEFAULT_PRECISION, DeltaStateMixin, F32, Lin
                                     ParamInit, ShortConv, check_conv_activation, check_eps,
                                     check_positive_int, configured_layer_type, fill_params)
 from gdn_jax.layers.serving import DeltaBlockMixin, DeltaDims
-from gdn_jax.loading import (SafetensorsCheckpoint, config_int, find_layer_prefix, read_config,
-                             text_config)
+from gdn_jax.layers import tensor_parallel as tp
+from gdn_jax.loading import (SafetensorsCheckpoint, TensorReader, config_int, find_layer_prefix,
+                             read_config, text_config)
 from gdn_jax.state import GDNState
 
 __all__ = ["GDNConfig", "Qwen3NextGatedDeltaNet"]
@@ -121,24 +122,27 @@ def _check_linear_layer(c: dict, layer_idx: int):
                          "linear_attention (Gated DeltaNet) layer")
 
 
-class Qwen3NextGatedDeltaNet(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
+class Qwen3NextGatedDeltaNet(tp.TensorParallelMixin, DeltaBlockMixin, DeltaStateMixin, nnx.Module):
     """Qwen3-Next / Qwen3.5 Gated DeltaNet block (see the module docstring for layout and state).
 
     `Qwen3NextGatedDeltaNet(config, rngs=nnx.Rngs(0))` makes random weights;
     `Qwen3NextGatedDeltaNet.from_pretrained(path, layer_idx)` loads an HF checkpoint's layer.
     `dtype` is the compute dtype of the projections (None: the input's); gate, beta, norm and
-    state math are fp32 regardless.
+    state math are fp32 regardless. `mesh` (a jax.sharding.Mesh with a "tp" axis) splits the
+    heads over its devices (`gdn_jax.layers.tensor_parallel`).
     """
 
     STATE_CLS = GDNState
     DELTA_OP = "gated_delta_rule"
 
     def __init__(self, config: GDNConfig, *, rngs: nnx.Rngs, dtype=None, param_dtype=F32,
-                 precision=DEFAULT_PRECISION):
+                 precision=DEFAULT_PRECISION, mesh=None):
         if not isinstance(config, GDNConfig):
             raise ValueError(f"config must be a GDNConfig, got {type(config).__name__}")
+        tp.check_mesh(mesh, num_k_heads=config.num_k_heads, num_v_heads=config.num_v_heads)
         self.config = config
         self.dtype = dtype
+        self.mesh = None
         c, h = config, config.hidden_size
         init = ParamInit(rngs)
         lin = lambda i, o: Linear(i, o, param_dtype=param_dtype, precision=precision, init=init)
@@ -157,6 +161,8 @@ class Qwen3NextGatedDeltaNet(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
         self.A_log = nnx.Param(jnp.log(init.uniform((c.num_v_heads,), 1.0, 16.0, F32)).astype(param_dtype))
         self.norm = NormWeight(c.head_v_dim, param_dtype=param_dtype)
         self.out_proj = lin(c.value_dim, h)
+        if mesh is not None:
+            tp.place_params(self, mesh)
 
     # init_state / state_from_hf / state_to_hf come from DeltaStateMixin.
 
@@ -186,6 +192,15 @@ class Qwen3NextGatedDeltaNet(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
     def _dims(self) -> DeltaDims:
         c = self.config
         return DeltaDims(c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim, False)
+
+    def _shard_layout(self) -> dict[str, str]:
+        """How each parameter splits over a mesh's "tp" axis: by whole key-head groups."""
+        layout = {"conv1d.weight": tp.CONV_ROWS, "conv1d.bias": tp.CONV_ROWS, "dt_bias": tp.ROWS,
+                  "A_log": tp.ROWS, "norm.weight": tp.REPLICATED, "out_proj.weight": tp.COLUMNS}
+        if self.config.layout == "fused":   # rows are key-head groups: a contiguous split
+            return layout | {"in_proj_qkvz.weight": tp.ROWS, "in_proj_ba.weight": tp.ROWS}
+        return layout | {"in_proj_qkv.weight": tp.CONV_ROWS, "in_proj_z.weight": tp.ROWS,
+                         "in_proj_b.weight": tp.ROWS, "in_proj_a.weight": tp.ROWS}
 
     def _raw_inputs(self, x, dtype):
         """-> (mixed [B, T, C] before the conv, raw gate a [B, T, HV], raw beta b [B, T, HV],
@@ -223,7 +238,7 @@ class Qwen3NextGatedDeltaNet(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path, layer_idx: int, *, dtype=None, param_dtype=None,
-                        precision=DEFAULT_PRECISION, prefix: str | None = None):
+                        precision=DEFAULT_PRECISION, prefix: str | None = None, mesh=None):
         """Load layer `layer_idx` of an HF Qwen3-Next / Qwen3.5 checkpoint folder.
 
         Reads `config.json` and the layer's `linear_attn.*` tensors from `*.safetensors` (single
@@ -232,8 +247,10 @@ class Qwen3NextGatedDeltaNet(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
         (Qwen3.5), or under `prefix` if given (e.g. "model.layers.3.linear_attn."). The projection
         layout follows the tensors present: `in_proj_qkvz` + `in_proj_ba` (fused) or `in_proj_qkv`,
         `in_proj_z`, `in_proj_b`, `in_proj_a` (split). Weights keep their stored dtype unless
-        `param_dtype` is given. Raises ValueError naming a missing, unexpected or misshapen tensor
-        or an inconsistent config."""
+        `param_dtype` is given. With `mesh` (a jax.sharding.Mesh with a "tp" axis) the heads are
+        split over its devices and each device reads only its slice of every tensor. Raises
+        ValueError naming a missing, unexpected or misshapen tensor, an inconsistent config or a
+        mesh whose "tp" axis does not divide the head counts."""
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, (int, np.integer)) or layer_idx < 0:
             raise ValueError(f"layer_idx must be a non-negative integer, got {layer_idx!r}")
         layer_idx = int(layer_idx)
@@ -251,6 +268,7 @@ class Qwen3NextGatedDeltaNet(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
                 raise ValueError(f"checkpoint has neither {prefix}in_proj_qkvz.weight (Qwen3-Next) "
                                  f"nor {prefix}in_proj_qkv.weight (Qwen3.5); found {names}")
             config = GDNConfig.from_hf(raw, layout=layout, conv_bias="conv1d.bias" in names)
+            tp.check_mesh(mesh, num_k_heads=config.num_k_heads, num_v_heads=config.num_v_heads)
             module = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), dtype=dtype,
                                                 precision=precision))
             expected = {".".join(str(p) for p in path): v.get_value().shape
@@ -263,7 +281,12 @@ class Qwen3NextGatedDeltaNet(DeltaBlockMixin, DeltaStateMixin, nnx.Module):
             missing = sorted(set(expected) - set(names))
             if missing:
                 raise ValueError(f"checkpoint is missing tensors {[prefix + m for m in missing]}")
-            tensors = {n: ckpt.get(prefix + n, shape=expected[n]) for n in sorted(expected)}
-        tensors["conv1d.weight"] = tensors["conv1d.weight"][:, 0, :]   # [C, 1, W] -> [C, W]
+            # conv1d.weight is stored [C, 1, W]; the parameter is [C, W].
+            readers = {n: TensorReader(ckpt, prefix + n, expected[n],
+                                       squeeze=(1,) if n == "conv1d.weight" else ())
+                       for n in sorted(expected)}
+            if mesh is not None:
+                return tp.fill_sharded(module, readers, mesh, param_dtype=param_dtype, source=prefix)
+            tensors = {n: r.read() for n, r in readers.items()}
         fill_params(module, tensors, param_dtype=param_dtype, source=prefix)
         return module
