@@ -140,7 +140,8 @@ def _prefill_call(spec: DeltaSpec):
     from gdn_jax import prefill  # imports Pallas: only when a kernel is considered
     return prefill.PrefillCall(num_seqs=spec.num_seqs, max_seq_len=spec.max_seq_len,
                                head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim,
-                               state_dtype=spec.state_dtype)
+                               state_dtype=spec.state_dtype,
+                               fp32_inputs=spec.input_dtype == "float32")
 
 
 def _serial_supports(spec: DeltaSpec):
@@ -155,8 +156,7 @@ def _serial_rule(spec: DeltaSpec):
 
 def _prefill_supports(spec: DeltaSpec):
     from gdn_jax import prefill
-    return prefill.prefill_kernel_reason(head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim,
-                                         backend="gpu", interpret=True)
+    return prefill.CHUNKED_FAMILY.supports(_prefill_call(spec))
 
 
 def _prefill_runner(kernel):

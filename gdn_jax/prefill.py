@@ -43,14 +43,14 @@ KERNELS = ("serial", "chunked")
 # When "auto" runs the token-serial kernel: (most sequences N, longest sequence it takes). First
 # row whose N bound holds wins; a longer sequence goes to the chunked kernel. The token-serial
 # kernel pays per token in sequence (no tensor cores) but has no chunk setup (one launch, no
-# prep pass, no intermediates through memory): it wins on short prompts. Initial estimates;
-# `gdn-jax bench prefill --short` measures the crossover per N and the rows follow it.
+# prep pass, no intermediates through memory): it wins on short prompts. The rows follow the
+# crossover `gdn-jax bench prefill --short` measured on the H200 (BENCHMARKS.md).
 SERIAL_PREFILL_TABLE: tuple[tuple[int, int], ...] = (
-    (1, 32),
+    (1, 16),
     (8, 32),
     (32, 32),
-    (128, 32),
-    (1 << 30, 32),
+    (128, 16),
+    (1 << 30, 16),
 )
 
 __all__ = ["ChunkStates", "PrefillCall", "gdn_prefill", "gdn_prefill_pool",
@@ -99,6 +99,7 @@ class PrefillCall:
     head_v_dim: int
     state_dtype: str
     kernel: str | None = None       # "serial" / "chunked": forced; None: SERIAL_PREFILL_TABLE
+    fp32_inputs: bool = False       # the chunked kernel then runs three-pass TF32 dots
     chunk_states: bool = False
     pooled: bool = False
 
@@ -132,7 +133,7 @@ def _chunked_supports(call: PrefillCall) -> str | None:
     if call.kernel == "serial":
         return "kernel='serial' was asked for"
     spec = kern.PrefillSpec(num_k_heads=1, num_v_heads=1, head_k_dim=call.head_k_dim,
-                            head_v_dim=call.head_v_dim, scale=1.0)
+                            head_v_dim=call.head_v_dim, scale=1.0, precise=call.fp32_inputs)
     return kern.unsupported_reason(spec)
 
 
@@ -161,7 +162,8 @@ def prefill_call(q, v, g, *, cu_seqlens=None, state_dtype=jnp.float32, kernel=No
     return PrefillCall(num_seqs=N, max_seq_len=_max_seq_len(T, cu_seqlens),
                        head_k_dim=int(q.shape[3]), head_v_dim=int(v.shape[3]),
                        state_dtype=str(jnp.dtype(state_dtype)), kernel=kernel,
-                       chunk_states=bool(chunk_states), pooled=pooled)
+                       chunk_states=bool(chunk_states), pooled=pooled,
+                       fp32_inputs=jnp.dtype(v.dtype) == jnp.float32)
 
 
 def _prefill_spec_of(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, kernel=None,

@@ -234,9 +234,10 @@ def test_auto_rule_is_a_table(monkeypatch):
     assert why(1, 1).family == "decode"
     assert why(3, 2, op="kda").family == "serial prefill"
     # Packed: the longest sequence decides when the offsets are concrete; traced offsets count T.
-    cu = np.array([0, 3, limit + 3], np.int32)
-    assert why(1, limit + 3, cu_seqlens=cu).family == "serial prefill"
-    assert why(1, limit + 3, cu_seqlens=np.array([0, 1, limit + 3], np.int32)).family == \
+    limit2 = pf.serial_prefill_limit(2)                   # two packed sequences
+    cu = np.array([0, 3, limit2 + 3], np.int32)
+    assert why(1, limit2 + 3, cu_seqlens=cu).family == "serial prefill"
+    assert why(1, limit2 + 3, cu_seqlens=np.array([0, 1, limit2 + 3], np.int32)).family == \
         "chunked prefill"
     # gdn_prefill: chunk states and kernel= steer it too.
     assert why(2, 8, op="gdn_prefill").family == "serial prefill"
