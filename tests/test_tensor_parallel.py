@@ -139,12 +139,11 @@ def copy_tree(tree):
 # (devices, block, mode): each block through the references and the kernels, on 2 and 4
 # devices, kept few because each case compiles a dozen sharded programs on the CPU. On GPUs every
 # block runs compiled on 2.
-FORWARD_CASES = [(2, "qwen3_next", "reference"), (2, "kda", "reference"),
-                 (2, "qwen3_5_split", "interpret"), (4, "qwen3_next", "interpret"),
+# Kept few (the suite's time budget): each block variant, each mode and both mesh sizes appear.
+FORWARD_CASES = [(2, "qwen3_next", "reference"), (2, "qwen3_5_split", "interpret"),
                  (4, "kda", "interpret")]
 FORWARD_CASES += [pytest.param(2, b, "gpu", marks=pytest.mark.gpu) for b in BLOCKS]
 SERVING_CASES = [(2, "kda", "reference"), (2, "qwen3_next", "interpret"),
-                 (2, "qwen3_5_split", "interpret"), (4, "kda", "interpret"),
                  (4, "qwen3_5_split", "reference")]
 SERVING_CASES += [pytest.param(2, b, "gpu", marks=pytest.mark.gpu) for b in BLOCKS]
 
