@@ -22,7 +22,6 @@ reference is the unfused composition of the references (conv step, gates, decode
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -31,26 +30,16 @@ import jax.numpy as jnp
 from gdn_jax import dispatch
 from gdn_jax import reference as ref
 from gdn_jax import validate as chk
+from gdn_jax.decode import DecodeCall, _decode_supports
 from gdn_jax.verify import _gather, _live, _mask_rows, _scatter, normalise_slots
 from pallas_kernels import gdn_decode as decode_kernel
 
 __all__ = ["ConvDecodeCall", "conv_decode", "conv_decode_call"]
 
 
-@dataclasses.dataclass(frozen=True)
-class ConvDecodeCall:
-    """A validated one-launch decode call (what the dispatch reads)."""
-    spec: decode_kernel.DecodeSpec
-    block: decode_kernel.DecodeBlockSizes
-    state_dtype: str
-    num_state_elements: int
-    batch: int
-    out_dtype: str
-
-
-def _supports(call: ConvDecodeCall):
-    return (decode_kernel.unsupported_reason(call.spec, call.block, call.state_dtype)
-            or decode_kernel.index_overflow_reason(call.num_state_elements))
+# A one-launch call is a decode call with the fused-conv flags set: the same validated record and
+# the same kernel check as `gdn_jax.decode`.
+ConvDecodeCall = DecodeCall
 
 
 def conv_decode_call(mixed, a, b, z, state, windows, slots=None, *, conv_weight, conv_bias=None,
@@ -114,7 +103,7 @@ def conv_decode_call(mixed, a, b, z, state, windows, slots=None, *, conv_weight,
 
 
 dispatch.define("conv_decode", spec_of=conv_decode_call)
-dispatch.register("conv_decode", dispatch.KernelFamily("triton decode, fused conv", _supports))
+dispatch.register("conv_decode", dispatch.KernelFamily("triton decode, fused conv", _decode_supports))
 
 
 def conv_decode(mixed, a, b, z, state, windows, slots=None, *, conv_weight, conv_bias=None,

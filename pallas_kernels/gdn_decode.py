@@ -599,6 +599,21 @@ def _check_rows(name, x, batch, min_width):
                          f"columns, got shape {x.shape}")
 
 
+def _check_token_operands(spec, q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, rows):
+    """The per-token row arrays (`rows` rows each, wide enough for their column offsets) and the
+    raw-gate vectors of a decode or token-serial launch."""
+    K, V, HK, HV = spec.head_k_dim, spec.head_v_dim, spec.num_k_heads, spec.num_v_heads
+    gk = K if spec.per_channel_gate else 1
+    _check_rows("q", q_rows, rows, spec.q_col + HK * K)
+    _check_rows("k", k_rows, rows, spec.k_col + HK * K)
+    _check_rows("v", v_rows, rows, spec.v_col + HV * V)
+    _check_rows("a" if spec.raw_gates else "g", g_rows, rows, spec.g_col + HV * gk)
+    _check_rows("b" if spec.raw_gates else "beta", beta_rows, rows, spec.beta_col + HV)
+    if spec.raw_gates:
+        _check_vector("A_log", A_log, HV)
+        _check_vector("dt_bias", dt_bias, HV * gk)
+
+
 def _check_vector(name, x, size):
     if getattr(x, "ndim", None) != 1 or x.shape[0] != size:
         raise ValueError(f"{name} must have shape ({size},), got {getattr(x, 'shape', None)}")
@@ -622,15 +637,7 @@ def gdn_decode(q_rows, k_rows, v_rows, g_rows, beta_rows, state, *, spec: Decode
     """
     K, V, HK, HV = spec.head_k_dim, spec.head_v_dim, spec.num_k_heads, spec.num_v_heads
     batch = q_rows.shape[0] if getattr(q_rows, "ndim", 0) >= 1 else -1
-    gk = K if spec.per_channel_gate else 1
-    _check_rows("q", q_rows, batch, spec.q_col + HK * K)
-    _check_rows("k", k_rows, batch, spec.k_col + HK * K)
-    _check_rows("v", v_rows, batch, spec.v_col + HV * V)
-    _check_rows("a" if spec.raw_gates else "g", g_rows, batch, spec.g_col + HV * gk)
-    _check_rows("b" if spec.raw_gates else "beta", beta_rows, batch, spec.beta_col + HV)
-    if spec.raw_gates:
-        _check_vector("A_log", A_log, HV)
-        _check_vector("dt_bias", dt_bias, HV * gk)
+    _check_token_operands(spec, q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, batch)
     if getattr(state, "ndim", None) != 4 or tuple(state.shape[1:]) != (HV, K, V):
         raise ValueError(f"state must have shape [{'slots' if spec.pooled else 'B'}, HV={HV}, K={K}, "
                          f"V={V}], got {getattr(state, 'shape', None)}")
@@ -736,15 +743,7 @@ def serial_prefill(q_rows, k_rows, v_rows, g_rows, beta_rows, seq_start, seq_end
     if not spec.tokens:
         raise ValueError("serial_prefill needs a spec with tokens=True")
     rows = q_rows.shape[0] if getattr(q_rows, "ndim", 0) >= 1 else -1
-    gk = K if spec.per_channel_gate else 1
-    _check_rows("q", q_rows, rows, spec.q_col + HK * K)
-    _check_rows("k", k_rows, rows, spec.k_col + HK * K)
-    _check_rows("v", v_rows, rows, spec.v_col + HV * V)
-    _check_rows("a" if spec.raw_gates else "g", g_rows, rows, spec.g_col + HV * gk)
-    _check_rows("b" if spec.raw_gates else "beta", beta_rows, rows, spec.beta_col + HV)
-    if spec.raw_gates:
-        _check_vector("A_log", A_log, HV)
-        _check_vector("dt_bias", dt_bias, HV * gk)
+    _check_token_operands(spec, q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, rows)
     n = seq_start.shape[0] if getattr(seq_start, "ndim", None) == 1 else -1
     _check_vector("seq_start", seq_start, n)
     _check_vector("seq_end", seq_end, n)
