@@ -120,7 +120,7 @@ def tame_huge_rows(x: jax.Array) -> jax.Array:
     """x (any float dtype, rows on the last axis) with every row whose max |x| exceeds
     L2NORM_RESCALE_ABOVE multiplied by the exact power of two that brings its max into
     [2**TAMED_ROW_EXPONENT, 2**(TAMED_ROW_EXPONENT + 1)): the same row after an L2 norm (the
-    reference's `l2norm` scales such rows the same way), its squares (<= K * 2**50) cannot
+    reference's `l2norm` scales such rows by a power of two too), its squares (<= K * 2**50) cannot
     overflow, and eps (1e-6 against a sum of squares >= 2**48) changes nothing. Ordinary rows
     come back unchanged, bit for bit. For launchers whose kernels normalise q/k without a guard
     (`l2_normalize(guard=False)`) or form raw dot products of rows normalised afterwards; one

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import KERNEL_MODES, interpret_flag
 from gdn_jax import reference as ref
 from helpers import rel_err
 
@@ -181,13 +182,14 @@ def test_l2norm_any_finite_size(size):
 HUGE_ROW_SIZES = (3e38 / 4.0, 2.0 ** 55, 1e30 / 4.0, 1e20)
 
 
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 @pytest.mark.parametrize("path", ["prefill", "decode", "carried fast", "carried exact",
                                   "verify states"])
-def test_kernels_take_huge_query_and_key_rows(path):
-    """q/k rows of any finite size through the kernels (interpret mode) with the L2 norm: the
-    same result as the rows at an ordinary scale (the norm makes the scale irrelevant). The
-    decode kernel guards its norm in the kernel; the verify, prefill and fast launchers tame
-    huge rows before the launch."""
+def test_kernels_take_huge_query_and_key_rows(path, mode):
+    """q/k rows of any finite size through the kernels with the L2 norm: the same result as the
+    rows at an ordinary scale (the norm makes the scale irrelevant). The decode kernel guards its
+    norm in the kernel; the verify, prefill and fast launchers tame huge rows before the
+    launch."""
     import gdn_jax
     from gdn_jax import carry as cv
     from gdn_jax import verify as vf
@@ -202,20 +204,21 @@ def test_kernels_take_huge_query_and_key_rows(path):
     sizes = np.resize(np.asarray(HUGE_ROW_SIZES, np.float32), B * T).reshape(B, T, 1, 1)
     big = jnp.asarray(sizes)
     slots = jnp.arange(B, dtype=jnp.int32)
+    interp = interpret_flag(mode)
 
     def run(q, k):
         if path in ("prefill", "decode"):
             return gdn_jax.gated_delta_rule(q, k, v, g, beta, initial_state=h0, impl="pallas",
                                             use_qk_l2norm=True, output_final_state=True,
-                                            interpret=True)
+                                            interpret=interp)
         if path == "verify states":
             return vf.verify_states(q, k, v, g, beta, h0, slots, use_qk_l2norm=True,
-                                    impl="pallas", interpret=True)
+                                    impl="pallas", interpret=interp)
         pool = DeltaPool.init(B, num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=K)
         pool = DeltaPool(jnp.array(h0, copy=True), pool.stash)  # donated
         o, pool, _ = cv.carried_verify(q, k, v, g, beta, pool, slots,
                                        exact=path == "carried exact", use_qk_l2norm=True,
-                                       impl="pallas", interpret=True)
+                                       impl="pallas", interpret=interp)
         return o, cv.flush(pool, impl="reference").states
 
     want_o, want_s = run(q, k)
@@ -228,13 +231,14 @@ def test_tame_huge_rows_scales_exactly_and_only_huge_rows():
     """tame_huge_rows leaves rows with max |x| <= 2**50 bit for bit, and brings every larger row
     (fp32 and bf16) to a max in [2**24, 2**25) by an exact power of two."""
     from pallas_kernels.gdn_decode import L2NORM_RESCALE_ABOVE, tame_huge_rows
+    tame = jax.jit(tame_huge_rows)
     x = jax.random.normal(_key("tame"), (8, 32))
     scales = jnp.asarray([1.0, 1e-30, 2.0 ** 40, 2.0 ** 46, 2.0 ** 51, 1e20, 1e30, 3e37],
                          jnp.float32)[:, None]
     for dtype in (jnp.float32, jnp.bfloat16):
         rows = (x * scales).astype(dtype)
         rows = rows.at[3].set(rows[3].at[0].set(L2NORM_RESCALE_ABOVE))  # max exactly at the bound
-        got = np.asarray(tame_huge_rows(rows).astype(jnp.float32))
+        got = np.asarray(tame(rows).astype(jnp.float32))
         rows = np.asarray(rows.astype(jnp.float32))
         np.testing.assert_array_equal(got[:4], rows[:4])
         ratio = got[4:] / rows[4:]
@@ -252,7 +256,7 @@ def test_exact_verify_sees_the_decode_bits_up_to_the_tame_bound():
     from gdn_jax import carry as cv
     from gdn_jax import decode as dec
     from gdn_jax.state import DeltaPool
-    B, T, HK, HV, K = 2, 2, 1, 2, 16
+    B, T, HK, HV, K = 2, 1, 1, 2, 16    # the norm is per token: one token shows the bound
     ks = jax.random.split(_key("tame bound"), 6)
     # every row's max |x| in [2**49, 2**50): the largest rows that tame leaves alone
     to_bound = lambda x: x * 2.0 ** (50 - jnp.frexp(jnp.max(jnp.abs(x), -1, keepdims=True))[1])
