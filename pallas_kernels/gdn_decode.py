@@ -68,6 +68,7 @@ F32 = jnp.float32
 L2NORM_EPS = 1e-6
 L2NORM_RESCALE_ABOVE = 2.0 ** 50  # max |x| above which a row's squares may overflow fp32
 HUGE_ROW_SCALE = 2.0 ** -100      # exact; brings any finite fp32 row well inside range
+TAMED_ROW_EXPONENT = 24           # tame_huge_rows: a huge row's max |x| lands in [2**24, 2**25)
 SOFTPLUS_THRESHOLD = 20.0
 STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
@@ -75,8 +76,7 @@ __all__ = [
     "DecodeBlockSizes", "DecodeSpec", "TUNING_TABLE", "default_block_sizes", "unsupported_reason",
     "index_overflow_reason", "SERIAL_TUNING_TABLE", "default_serial_block_sizes",
     "token_update", "l2_normalize", "softplus_value", "gdn_gate_value", "kda_gate_value",
-    "counter_bits", "stochastic_round_value", "gdn_decode",
-    "gdn_decode", "serial_prefill",
+    "tame_huge_rows", "counter_bits", "stochastic_round_value", "gdn_decode", "serial_prefill",
 ]
 
 
@@ -84,14 +84,27 @@ __all__ = [
 # Plain jnp on fp32 values already in registers: callable from any Pallas kernel body (and from
 # plain JAX). Keep the operation order fixed: the verify kernel relies on bit-identical results.
 
-def l2_normalize(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
+def l2_normalize(x: jax.Array, eps: float = L2NORM_EPS, *, guard: bool = True) -> jax.Array:
     """x * rsqrt(sum(x^2) + eps) over the last axis of a [K] vector, fp32 (the reference's
-    `l2norm`), for any finite x. The plain formula runs, bit for bit, unless the sum of squares
-    overflowed (some |x| above ~1.8e19); only then is the vector scaled by an exact power of two
-    and summed again (eps no longer matters at that size). The test is on the sum the plain
-    formula needs anyway, and the rare branch is a `lax.cond` on a scalar, so ordinary rows pay
-    one reduction, not two (a max-|x| pre-check per row cost the T-token verify kernels ~8%)."""
+    `l2norm`).
+
+    `guard` (static) says who keeps huge rows from overflowing the sum of squares (some |x|
+    above ~1.8e19):
+      * True: this function, for any finite x. The plain formula runs, bit for bit, unless the
+        sum of squares overflowed; only then is the vector scaled by an exact power of two and
+        summed again (eps no longer matters at that size). The rare branch is a `lax.cond` on
+        the scalar the plain formula needs anyway, so ordinary rows pay one reduction, not two.
+        For kernels whose q/k are made inside the kernel or that run one token per launch (the
+        decode: a pass over q/k before it would cost a launch).
+      * False: the plain formula alone, for rows the launcher passed through `tame_huge_rows`
+        (the T-token verify kernels, where the in-kernel branch costs ~8%).
+    Both give the same bits for every row with max |x| <= L2NORM_RESCALE_ABOVE (such a row is
+    left alone by `tame_huge_rows`, and its sum of squares, at most K * 2**100, does not
+    overflow, so the guarded form takes its plain branch)."""
     ss = jnp.sum(x * x, axis=-1, keepdims=True)
+    plain = lambda: x * lax.rsqrt(ss + jnp.float32(eps))
+    if not guard:
+        return plain()
     huge = jnp.max(ss) == jnp.inf
 
     def rescaled():
@@ -100,16 +113,25 @@ def l2_normalize(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
         y = x * jnp.where(huge, jnp.float32(HUGE_ROW_SCALE), jnp.float32(1.0))
         return y * lax.rsqrt(jnp.sum(y * y, axis=-1, keepdims=True))
 
-    return lax.cond(huge, rescaled, lambda: x * lax.rsqrt(ss + jnp.float32(eps)))
+    return lax.cond(huge, rescaled, plain)
 
 
 def tame_huge_rows(x: jax.Array) -> jax.Array:
     """x (any float dtype, rows on the last axis) with every row whose max |x| exceeds
-    L2NORM_RESCALE_ABOVE scaled by an exact power of two: the same rows after an L2 norm, and
-    their squares no longer overflow. For launchers whose kernels form raw dot products of rows
-    that are L2-normalised afterwards (one elementwise XLA pass; ordinary rows are unchanged)."""
-    huge = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True) > L2NORM_RESCALE_ABOVE
-    return jnp.where(huge, x * jnp.asarray(HUGE_ROW_SCALE, x.dtype), x)
+    L2NORM_RESCALE_ABOVE multiplied by the exact power of two that brings its max into
+    [2**TAMED_ROW_EXPONENT, 2**(TAMED_ROW_EXPONENT + 1)): the same row after an L2 norm (the
+    reference's `l2norm` scales such rows by a power of two too), its squares (<= K * 2**50) cannot
+    overflow, and eps (1e-6 against a sum of squares >= 2**48) changes nothing. Ordinary rows
+    come back unchanged, bit for bit. For launchers whose kernels normalise q/k without a guard
+    (`l2_normalize(guard=False)`) or form raw dot products of rows normalised afterwards; one
+    elementwise XLA pass."""
+    m = jnp.max(jnp.abs(x.astype(F32)), axis=-1, keepdims=True)
+    huge = m > L2NORM_RESCALE_ABOVE
+    # m in [2**(e-1), 2**e) with e >= 51: the factor 2**(TAMED_ROW_EXPONENT + 1 - e) lies in
+    # [2**-104, 2**-26], a normal number in fp32 and bf16, so the product is exact
+    e = jnp.frexp(m)[1]
+    factor = jnp.ldexp(jnp.ones_like(m), jnp.where(huge, TAMED_ROW_EXPONENT + 1 - e, 0))
+    return jnp.where(huge, x * factor.astype(x.dtype), x)
 
 
 def softplus_value(x: jax.Array) -> jax.Array:

@@ -187,8 +187,8 @@ def _load_token(q_ref, k_ref, v_ref, g_ref, beta_ref, b, t, h, cols, spec):
     kh = _key_head(h, spec)
     q = q_ref[b, t, kh, :].astype(F32)
     k = k_ref[b, t, kh, :].astype(F32)
-    if spec.use_qk_l2norm:
-        q, k = dec.l2_normalize(q), dec.l2_normalize(k)
+    if spec.use_qk_l2norm:  # the plain norm: the launcher tamed huge rows (`_tame`)
+        q, k = dec.l2_normalize(q, guard=False), dec.l2_normalize(k, guard=False)
     q = q * jnp.float32(spec.scale)
     v = v_ref[b, t, h, cols].astype(F32)
     g = (g_ref[b, t, h, :] if spec.per_channel_gate else g_ref[b, t, h]).astype(F32)
@@ -641,6 +641,18 @@ def _reason_or_raise(spec, block, pool):
         raise AssertionError(reason)
 
 
+def _tame(q, k, spec):
+    """q, k with huge rows tamed (`gdn_decode.tame_huge_rows`) when the kernel L2-normalises
+    them: the exact flavour and the intermediate-state verify normalise with the plain formula
+    (`l2_normalize(guard=False)`), the fast flavour forms raw Gram sums of rows it normalises
+    afterwards. One XLA pass before the launch instead of a branch per token in every program.
+    Rows with max |x| <= L2NORM_RESCALE_ABOVE pass unchanged, so for them the exact flavour sees
+    the bits the decode kernel (which guards in the kernel) sees."""
+    if not spec.use_qk_l2norm:
+        return q, k
+    return dec.tame_huge_rows(q), dec.tame_huge_rows(k)
+
+
 def _compiler_params(block):
     return plgpu.CompilerParams(num_warps=block.num_warps, num_stages=block.num_stages)
 
@@ -664,6 +676,7 @@ def verify_states_launch(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2
 def _verify_states_launch(q, k, v, g, beta, pool, slots, *, spec, block, interpret):
     b, t = q.shape[:2]
     hv, kd, vd = spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
+    q, k = _tame(q, k, spec)
     return pl.pallas_call(
         functools.partial(_verify_states_kernel, spec=spec, block=block),
         grid=(b, hv, vd // block.block_v),
@@ -701,8 +714,7 @@ def _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pen
     b, t = q.shape[:2]
     hv, vd = spec.num_v_heads, spec.head_v_dim
     row_bank, row_pending = _row_counters(bank, pending, slots, pool.shape[0])
-    if spec.use_qk_l2norm and not spec.exact:  # raw Gram sums of rows normalised afterwards
-        q, k = dec.tame_huge_rows(q), dec.tame_huge_rows(k)
+    q, k = _tame(q, k, spec)
     if spec.exact:
         kernel = _carried_verify_kernel
         tokens = (q, k, v, g, beta)

@@ -291,13 +291,20 @@ def test_traced_cu_seqlens_are_checked_in_checked_mode():
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [128, 256])
 @pytest.mark.parametrize("sdt", [F32, BF16])
-def test_gpu_exact_carried_verify_is_bitwise_the_public_decode(B, sdt):
+@pytest.mark.parametrize("rows", ["ordinary", "at the tame bound"])
+def test_gpu_exact_carried_verify_is_bitwise_the_public_decode(B, sdt, rows):
     """Through the public entry points at large batch: T = 4 exact carried verify, then accept
     4 and flush, against 4 calls of the public gdn_decode_pool and of gdn_decode (outputs and
-    states bit for bit)."""
+    states bit for bit). Also with every q/k row's max |x| in [2**49, 2**50): the largest rows
+    the verify launcher's tame leaves alone, normalised by the decode kernel's guarded norm
+    (plain branch) and the verify kernel's plain one."""
     HK, HV, K, V, T = 16, 32, 128, 128, 4
     rng = np.random.default_rng(B)
     toks = delta_inputs(jax.random.key(B), B=B, T=T, HK=HK, HV=HV, K=K, V=V, dtype=BF16)[:5]
+    if rows != "ordinary":
+        exp = lambda x: jnp.frexp(jnp.max(jnp.abs(x.astype(F32)), -1, keepdims=True))[1]
+        toks = tuple((x * jnp.ldexp(jnp.ones_like(x, F32), 50 - exp(x))).astype(x.dtype)
+                     if i < 2 else x for i, x in enumerate(toks))
     pool0 = jnp.asarray(0.3 * rng.standard_normal((B, HV, K, V), dtype=np.float32)).astype(sdt)
     slots = jnp.arange(B, dtype=jnp.int32)
     dp = DeltaPool(jnp.copy(pool0), DeltaStash.init(B, num_k_heads=HK, num_v_heads=HV, head_k_dim=K,

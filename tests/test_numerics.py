@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import KERNEL_MODES, interpret_flag
 from gdn_jax import reference as ref
 from helpers import rel_err
 
@@ -175,12 +176,23 @@ def test_l2norm_any_finite_size(size):
     np.testing.assert_allclose(np.asarray(got), [[2 ** -0.5, -(2 ** -0.5), 0.0]], atol=1e-7)
 
 
-@pytest.mark.parametrize("path", ["prefill", "decode", "carried fast", "carried exact"])
-def test_kernels_take_huge_query_and_key_rows(path):
-    """q/k rows of any finite size through the kernels (interpret mode) with the L2 norm: the
-    same result as the rows at an ordinary scale (the norm makes the scale irrelevant)."""
+# Row sizes for the kernel paths: squares that overflow fp32 (3e38 / 4, 1e30 / 4) and sizes above
+# the tame bound L2NORM_RESCALE_ABOVE = 2**50 whose squares do not overflow (2**55, 1e20): a
+# launcher that tames those rows must keep eps from swamping them.
+HUGE_ROW_SIZES = (3e38 / 4.0, 2.0 ** 55, 1e30 / 4.0, 1e20)
+
+
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+@pytest.mark.parametrize("path", ["prefill", "decode", "carried fast", "carried exact",
+                                  "verify states"])
+def test_kernels_take_huge_query_and_key_rows(path, mode):
+    """q/k rows of any finite size through the kernels with the L2 norm: the same result as the
+    rows at an ordinary scale (the norm makes the scale irrelevant). The decode kernel guards its
+    norm in the kernel; the verify, prefill and fast launchers tame huge rows before the
+    launch."""
     import gdn_jax
     from gdn_jax import carry as cv
+    from gdn_jax import verify as vf
     from gdn_jax.state import DeltaPool
     B, T, HK, HV, K = 2, (70 if path == "prefill" else 1 if path == "decode" else 3), 1, 2, 16
     ks = jax.random.split(_key("huge rows", path), 6)
@@ -189,24 +201,94 @@ def test_kernels_take_huge_query_and_key_rows(path):
     g = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, HV)))
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, HV)))
     h0 = jax.random.normal(ks[5], (B, HV, K, K))
-    big = jnp.where(jnp.arange(T)[None, :, None, None] % 2 == 0, 3e38, 1e30) / 4.0
+    sizes = np.resize(np.asarray(HUGE_ROW_SIZES, np.float32), B * T).reshape(B, T, 1, 1)
+    big = jnp.asarray(sizes)
+    slots = jnp.arange(B, dtype=jnp.int32)
+    interp = interpret_flag(mode)
 
     def run(q, k):
         if path in ("prefill", "decode"):
             return gdn_jax.gated_delta_rule(q, k, v, g, beta, initial_state=h0, impl="pallas",
                                             use_qk_l2norm=True, output_final_state=True,
-                                            interpret=True)
+                                            interpret=interp)
+        if path == "verify states":
+            return vf.verify_states(q, k, v, g, beta, h0, slots, use_qk_l2norm=True,
+                                    impl="pallas", interpret=interp)
         pool = DeltaPool.init(B, num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=K)
         pool = DeltaPool(jnp.array(h0, copy=True), pool.stash)  # donated
-        o, pool, _ = cv.carried_verify(q, k, v, g, beta, pool, jnp.arange(B, dtype=jnp.int32),
+        o, pool, _ = cv.carried_verify(q, k, v, g, beta, pool, slots,
                                        exact=path == "carried exact", use_qk_l2norm=True,
-                                       impl="pallas", interpret=True)
+                                       impl="pallas", interpret=interp)
         return o, cv.flush(pool, impl="reference").states
 
     want_o, want_s = run(q, k)
     o, s = run(q * big, k * big)
     assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(s)))
     assert rel_err(o, want_o) <= 1e-5 and rel_err(s, want_s) <= 1e-5
+
+
+def test_tame_huge_rows_scales_exactly_and_only_huge_rows():
+    """tame_huge_rows leaves rows with max |x| <= 2**50 bit for bit, and brings every larger row
+    (fp32 and bf16) to a max in [2**24, 2**25) by an exact power of two."""
+    from pallas_kernels.gdn_decode import L2NORM_RESCALE_ABOVE, tame_huge_rows
+    tame = jax.jit(tame_huge_rows)
+    x = jax.random.normal(_key("tame"), (8, 32))
+    scales = jnp.asarray([1.0, 1e-30, 2.0 ** 40, 2.0 ** 46, 2.0 ** 51, 1e20, 1e30, 3e37],
+                         jnp.float32)[:, None]
+    for dtype in (jnp.float32, jnp.bfloat16):
+        rows = (x * scales).astype(dtype)
+        rows = rows.at[3].set(rows[3].at[0].set(L2NORM_RESCALE_ABOVE))  # max exactly at the bound
+        got = np.asarray(tame(rows).astype(jnp.float32))
+        rows = np.asarray(rows.astype(jnp.float32))
+        np.testing.assert_array_equal(got[:4], rows[:4])
+        ratio = got[4:] / rows[4:]
+        assert np.all(ratio == ratio[:, :1])                                 # one factor per row
+        assert np.all(np.log2(ratio[:, 0]) == np.round(np.log2(ratio[:, 0])))  # a power of two
+        top = np.abs(got[4:]).max(-1)
+        assert np.all((top >= 2.0 ** 24) & (top < 2.0 ** 25))
+
+
+def test_exact_verify_sees_the_decode_bits_up_to_the_tame_bound():
+    """The decode kernel guards its L2 norm in the kernel, the exact carried verify normalises
+    rows tamed by its launcher: for rows with max |x| up to 2**50 (tame leaves them alone, and
+    the guard's plain branch runs) the two give the same bits (interpret mode; the GPU test in
+    test_front_door.py checks the compiled kernels)."""
+    from gdn_jax import carry as cv
+    from gdn_jax import decode as dec
+    from gdn_jax.state import DeltaPool
+    B, T, HK, HV, K = 2, 1, 1, 2, 16    # the norm is per token: one token shows the bound
+    ks = jax.random.split(_key("tame bound"), 6)
+    # every row's max |x| in [2**49, 2**50): the largest rows that tame leaves alone
+    to_bound = lambda x: x * 2.0 ** (50 - jnp.frexp(jnp.max(jnp.abs(x), -1, keepdims=True))[1])
+    q, k = (to_bound(jax.random.normal(x, (B, T, HK, K))) for x in ks[:2])
+    v = jax.random.normal(ks[2], (B, T, HV, K))
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, HV)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, HV)))
+    h0 = jax.random.normal(ks[5], (B, HV, K, K))
+    slots = jnp.arange(B, dtype=jnp.int32)
+
+    def verify(q, k, v, g, beta, h0):
+        dp = DeltaPool.init(B, num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=K)
+        o, dp, _ = cv.carried_verify(q, k, v, g, beta, DeltaPool(h0, dp.stash), slots,
+                                     use_qk_l2norm=True, impl="pallas", interpret=True)
+        dp, _ = cv.accept(dp, slots, jnp.full((B,), T, jnp.int32))
+        return o, cv.flush(dp, impl="pallas", interpret=True).states
+
+    def decode(q, k, v, g, beta, state):
+        outs = []
+        for t in range(T):
+            o_t, state = dec.gdn_decode(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state,
+                                        use_qk_l2norm=True, impl="pallas", interpret=True)
+            outs.append(o_t)
+        return jnp.stack(outs, 1), state
+
+    # XLA (interpret mode) contracts products and adds into FMAs differently in different
+    # programs; without fusion it does not (as tests/test_verify.py compiles its schedules)
+    no_fusion = {"xla_disable_hlo_passes": "fusion", "xla_backend_optimization_level": 0}
+    o, s = jax.jit(verify, compiler_options=no_fusion)(q, k, v, g, beta, h0)
+    want_o, want_s = jax.jit(decode, compiler_options=no_fusion)(q, k, v, g, beta, h0)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(want_o))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
 
 
 def test_l2norm_unchanged_bit_for_bit_on_ordinary_inputs():
