@@ -388,11 +388,33 @@ def _wy_scalars(rq, rk, kk, qk, gs, betas):
     (`_row_factors`), kk[i][j] = k_i.k_j (j < i), qk[i][j] = q_i.k_j (j <= i), gs the scalar log
     decays, betas. Elementwise: runs on scalars in a kernel or on arrays in XLA."""
     T = len(gs)
-    HI, LO = _cumulative_log_decay(gs)
-    w = lambda i, j: _decay_between(HI, LO, i, j)
-    C = [[kk[i][j] * rk[i] * rk[j] * w(i, j) for j in range(i)] for i in range(T)]
-    D = [[qk[i][j] * rq[i] * rk[j] * w(i, j) for j in range(i + 1)] for i in range(T)]
+    w = _pairwise_decays([jnp.exp(g) for g in gs])
+    C = [[kk[i][j] * rk[i] * rk[j] * w[i][j] for j in range(i)] for i in range(T)]
+    D = [[qk[i][j] * rq[i] * rk[j] * (w[i][j] if j < i else 1.0) for j in range(i + 1)]
+         for i in range(T)]
     return _wy_solve(C, D, betas)
+
+
+def _pairwise_decays(ds):
+    """w[i][j] = exp(G_i - G_j) = d_{j+1} * ... * d_i for j < i, from the per-token decays
+    d_t = exp(g_t): any gate in [-inf, 0] (every factor lies in [0, 1]), no cancellation
+    however negative the gates before j, one exp per token."""
+    w = []
+    for i in range(len(ds)):
+        row, acc = [None] * i, None
+        for j in range(i - 1, -1, -1):
+            acc = ds[j + 1] if acc is None else acc * ds[j + 1]
+            row[j] = acc
+        w.append(row)
+    return w
+
+
+def _running_products(ds):
+    """exp(G_i) = d_0 * ... * d_i."""
+    out = []
+    for d in ds:
+        out.append(d if not out else out[-1] * d)
+    return out
 
 
 def _fast_prelude(q, k, g, beta, spec):
@@ -451,11 +473,14 @@ def _fold_pending_fast(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, 
         g = stash_g_ref[slot, bank, h, i, :] if spec.per_channel_gate else stash_g_ref[slot, bank, h, i]
         live = i < count
         rows.append((k, jnp.where(live, u, 0.0), jnp.where(live, g, 0.0), live))
-    HI, LO = _cumulative_log_decay([g for _, _, g, _ in rows])
-    decay = jnp.exp(HI[-1] + LO[-1])
+    ds = [jnp.exp(g) for _, _, g, _ in rows]       # masked rows: g = 0, d = 1
+    after = [None] * C                                # after[i] = d_{i+1} ... d_{C-1}
+    for i in range(C - 2, -1, -1):
+        after[i] = ds[i + 1] if after[i + 1] is None else after[i + 1] * ds[i + 1]
+    decay = ds[0] if after[0] is None else after[0] * ds[0]
     S = S * (decay[:, None] if spec.per_channel_gate else decay)
     for i, (k, u, _, live) in enumerate(rows):
-        a = jnp.where(live, k * _decay_between(HI, LO, C - 1, i), 0.0)
+        a = jnp.where(live, k if after[i] is None else k * after[i], 0.0)
         S = a[:, None] * u[None, :] + S
     return S
 
@@ -527,9 +552,7 @@ def _carried_fast_kernel(slots_ref, bank_ref, pending_ref, q_ref, k_ref, v_ref, 
             pool_out_ref[slot, h, :, cols] = S.astype(pool_out_ref.dtype)
 
         xs_k, xs_q = [], []
-        HI, LO = _cumulative_log_decay(gs)
-        for q, k, hi, lo in zip(qs, ks, HI, LO):
-            d = jnp.exp(hi + lo)
+        for q, k, d in zip(qs, ks, _running_products([jnp.exp(g) for g in gs])):
             xs_k.append(k * d)
             xs_q.append(q * d)
         proj = _projections(S, xs_k + xs_q)
