@@ -27,9 +27,12 @@ form of the delta rule):
    finally the final state (or the pool slot it came from, in place).
 
 KDA (`per_channel_gate`): the decay is per key channel, e^{G_ic - G_jc}, so A and the intra-chunk
-attention matrix cannot be row-scaled products; the prep forms them one column j at a time with
-every pairwise decay exact, and hands the scan the decayed rows q e^G and k e^{G_C - G} instead
-of row factors. The rest of both kernels is shared.
+attention matrix cannot be row-scaled products. The prep cuts the chunk into blocks of SUB = 16
+rows: every block below the diagonal is a tensor-core product of rows decayed towards a reference
+row between the two blocks (no exponent above 0); the diagonal blocks are one more product through
+each block's middle row when the chunk's gates allow it (exponents within +-DIAG_EXP_LIMIT), else
+formed exactly in SUB elementwise steps (`_kda_intra_chunk`). The prep hands the scan the decayed
+rows q e^G and k e^{G_C - G} instead of row factors. The rest of both kernels is shared.
 
 Numerics. Gates are clamped at GATE_FLOOR (e^-88 is below fp32's smallest normal number, so a
 clamped decay is still a full reset) so every cumulative sum is finite and a -inf gate cannot
@@ -56,7 +59,8 @@ from pallas_kernels.gdn_decode import tame_huge_rows
 
 F32 = jnp.float32
 CHUNK = 64
-SUB = 16                 # diagonal blocks inverted by substitution
+SUB = 16                 # sub-chunk: diagonal blocks inverted by substitution; KDA's blocks
+DIAG_EXP_LIMIT = 40.0    # KDA: largest |G - G_mid| for the factored diagonal blocks (e^80 < 3e38)
 GATE_FLOOR = -88.0
 GATE_QUANTUM = 16.0      # hi parts of the gates are multiples of 1 / GATE_QUANTUM
 L2NORM_EPS = 1e-6
@@ -222,6 +226,121 @@ def _invert_unit_lower(A, precise, interpret):
     return dot(P, D)
 
 
+def _block_rows(x, r):
+    """Row r of every SUB-row block of x [C, K], as [C // SUB, K]."""
+    c, k = x.shape
+    x3 = x.reshape(c // SUB, SUB, k)
+    w = lax.broadcasted_iota(jnp.int32, x3.shape, 1)
+    return jnp.sum(jnp.where(w == r, x3, 0.0), axis=1)
+
+
+def _spread_rows(b):
+    """[C // SUB, K] -> [C, K]: row a of b repeated over the SUB rows of block a."""
+    nb, k = b.shape
+    return jnp.broadcast_to(b[:, None, :], (nb, SUB, k)).reshape(nb * SUB, k)
+
+
+def _nth_row(b, a):
+    """Row a (static) of b [n, K], as [1, K]."""
+    rows = lax.broadcasted_iota(jnp.int32, b.shape, 0)
+    return jnp.sum(jnp.where(rows == a, b, 0.0), axis=0, keepdims=True)
+
+
+def _factored_diagonal_always_safe(spec: PrefillSpec) -> bool:
+    """Whether the gate form alone bounds every diagonal-block exponent by DIAG_EXP_LIMIT: the
+    lower-bound gate g >= lb spans at most SUB // 2 * |lb| between a row and its block's middle
+    row (GLM-5.3-Flash's lb = -5 gives exactly 40)."""
+    return (spec.raw_gates and spec.gate_lower_bound is not None
+            and -spec.gate_lower_bound * (SUB // 2) <= DIAG_EXP_LIMIT)
+
+
+def _exact_diagonal_blocks(kn, qn, G_hi, G_lo):
+    """The diagonal SUB x SUB blocks of k k^T and q k^T with every decay e^{G_ic - G_jc} (j <= i,
+    zero above) formed exactly, column j of every block in one elementwise step. As [C, C]:
+    entry (i, j) holds the value for row i and column SUB * (i // SUB) + j % SUB, which is the
+    right one wherever j lies in i's block (the caller keeps only those)."""
+    c, k = kn.shape
+    nb = c // SUB
+    kn3, qn3, hi3, lo3 = (x.reshape(nb, SUB, k) for x in (kn, qn, G_hi, G_lo))
+    w = lax.broadcasted_iota(jnp.int32, (nb, SUB, k), 1)
+    col = lax.broadcasted_iota(jnp.int32, (nb, SUB, SUB), 2)
+
+    def column(s, mats):
+        kk, qk = mats
+        pick = lambda x: jnp.sum(jnp.where(w == s, x, 0.0), axis=1, keepdims=True)  # row s
+        e = jnp.exp(jnp.where(w >= s, (hi3 - pick(hi3)) + (lo3 - pick(lo3)), -jnp.inf))
+        kc = pick(kn3) * e
+        return (jnp.where(col == s, jnp.sum(kn3 * kc, axis=2, keepdims=True), kk),
+                jnp.where(col == s, jnp.sum(qn3 * kc, axis=2, keepdims=True), qk))
+
+    zero = jnp.zeros((nb, SUB, SUB), F32)
+    kk, qk = lax.fori_loop(0, SUB, column, (zero, zero))
+    # [nb, SUB, SUB] -> [C, C]: row i holds its block's row in every block column
+    tile = lambda m: jnp.broadcast_to(m.reshape(c, 1, SUB), (c, nb, SUB)).reshape(c, c)
+    return tile(kk), tile(qk)
+
+
+def _kda_intra_chunk(kn, qn, G_hi, G_lo, *, dot, factored_diagonal):
+    """KDA's intra-chunk products with per-channel decays, mostly on the tensor cores.
+
+    Returns (kk, qk) [C, C]: kk_ij = sum_c kn_ic kn_jc e^{G_ic - G_jc} for j < i (the caller
+    masks the rest) and qk_ij = sum_c qn_ic kn_jc e^{G_ic - G_jc} for j <= i, zero above.
+
+    The chunk is cut into C / SUB blocks of SUB rows. For an off-diagonal block (a > b), every
+    pairwise decay factors through the first row r of block a, which lies between i and j:
+    e^{G_i - G_j} = e^{G_i - G_r} e^{G_r - G_j}, both exponents <= 0, so the block is the tensor-
+    core product of (k_a e^{G_a - G_r}) and (k_b e^{G_r - G_b})^T with nothing that can overflow;
+    a factor that underflows to zero only drops a term already below ~1e-38 of the unit-size
+    diagonal. One product per block row a covers all its blocks b < a.
+
+    A diagonal block has pairs on both sides of any reference row, so one factor has a positive
+    exponent. Through the block's middle row m the factors are e^{+-(G_i - G_m)}: when
+    |G_ic - G_mc| <= DIAG_EXP_LIMIT for every row and channel of the chunk, the factors and even
+    the discarded upper-triangle products stay far inside fp32's range and the diagonal blocks
+    are one more product (the lower-bound gate guarantees it statically, see
+    _factored_diagonal_always_safe; otherwise the chunk checks at run time). A chunk whose gates
+    span more (resets, huge decays) forms the diagonal blocks exactly, SUB elementwise steps.
+
+    Every exponent is a difference of the split (hi, lo) sums, so it keeps full precision."""
+    c = kn.shape[0]
+    nb = c // SUB
+    i = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    j = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    block = lax.broadcasted_iota(jnp.int32, (c, 1), 0) // SUB
+    rel = lambda hi_r, lo_r: (G_hi - hi_r) + (G_lo - lo_r)  # G - G_r, per row and channel
+
+    # off-diagonal blocks: reference = first row of the row's block
+    first_hi, first_lo = _block_rows(G_hi, 0), _block_rows(G_lo, 0)
+    left = jnp.exp(rel(_spread_rows(first_hi), _spread_rows(first_lo)))      # <= 1
+    k_left, q_left = kn * left, qn * left
+    kk = qk = jnp.zeros((c, c), F32)
+    for a in range(1, nb):
+        right = jnp.exp(jnp.where(block < a, -rel(_nth_row(first_hi, a), _nth_row(first_lo, a)),
+                                  -jnp.inf))                                # <= 1, rows before a
+        k_right = kn * right
+        here = (i // SUB == a) & (j // SUB < a)
+        kk = jnp.where(here, dot(k_left, k_right, trans_b=True), kk)
+        qk = jnp.where(here, dot(q_left, k_right, trans_b=True), qk)
+
+    # diagonal blocks
+    mid = rel(_spread_rows(_block_rows(G_hi, SUB // 2)), _spread_rows(_block_rows(G_lo, SUB // 2)))
+
+    def factored():
+        up, down = jnp.exp(mid), jnp.exp(-mid)
+        k_down = kn * down
+        return dot(kn * up, k_down, trans_b=True), dot(qn * up, k_down, trans_b=True)
+
+    if factored_diagonal:
+        kk_d, qk_d = factored()
+    else:
+        kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT, factored,
+                              lambda: _exact_diagonal_blocks(kn, qn, G_hi, G_lo))
+    same = (i // SUB) == (j // SUB)
+    kk = jnp.where(same, kk_d, kk)
+    qk = jnp.where(same, qk_d, qk)
+    return kk, jnp.where(i >= j, qk, 0.0)
+
+
 # --------------------------------------------------------------------------- kernel 1: chunk prep
 
 def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log_ref, dt_ref,
@@ -270,8 +389,8 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
         i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
         j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
         if spec.per_channel_gate:
-            # KDA: no per-row factorisation of e^{G_ic - G_jc}; every (i, j, c) decay is formed
-            # exactly, one column j at a time (the pairwise exponent is <= 0 wherever used).
+            # KDA: no per-row factorisation of e^{G_ic - G_jc}; the decayed products are formed
+            # sub-chunk by sub-chunk on the tensor cores (see _kda_intra_chunk).
             row = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
             kn, qn = k * rk[:, None], q * rq[:, None]
             pick = lambda x, r: jnp.sum(jnp.where(row == r, x, 0.0), axis=0)   # row r of x
@@ -282,17 +401,8 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             store(fk_ref.at[tok, h, :],
                   kn * jnp.exp((last_hi[None, :] - G_hi) + (last_lo[None, :] - G_lo)), rows2)
 
-            def column(c, mats):
-                kk, qk = mats
-                e = jnp.exp(jnp.where(row >= c, (G_hi - pick(G_hi, c)[None, :])
-                                      + (G_lo - pick(G_lo, c)[None, :]), -jnp.inf))
-                kc = pick(kn, c)[None, :] * e
-                at = j == c
-                return (jnp.where(at, jnp.sum(kn * kc, axis=1)[:, None], kk),
-                        jnp.where(at, jnp.sum(qn * kc, axis=1)[:, None], qk))
-
-            zero = jnp.zeros((C, C), F32)
-            kk, qk = lax.fori_loop(0, C, column, (zero, zero))
+            kk, qk = _kda_intra_chunk(kn, qn, G_hi, G_lo, dot=dot,
+                                      factored_diagonal=_factored_diagonal_always_safe(spec))
             store(aqk_ref.at[tok, h, :], qk, rows2)
             A = jnp.where(i > j, beta[:, None] * kk, 0.0)
             T = _invert_unit_lower(A, spec.precise, interpret)

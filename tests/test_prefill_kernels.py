@@ -213,7 +213,8 @@ def test_chunk_table_packs_sequences_without_padding():
 
 @pytest.mark.parametrize("raw,pooled,boundary,dtype,kda", [(False, False, False, BF16, False),
                                                            (True, True, True, F32, False),
-                                                           (True, False, True, BF16, True)])
+                                                           (True, False, True, BF16, True),
+                                                           (False, True, False, BF16, True)])
 def test_variants_lower_to_triton_ir(monkeypatch, raw, pooled, boundary, dtype, kda):
     """Both kernels lower to Triton IR for an H200 without a GPU (only PTX needs the device)."""
     try:
@@ -224,7 +225,8 @@ def test_variants_lower_to_triton_ir(monkeypatch, raw, pooled, boundary, dtype, 
                         lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
     T, HK, HV, K = 256, 2, 4, 128
     spec = _spec(HK, HV, K, K, raw_gates=raw, pooled=pooled, boundary_states=boundary,
-                 precise=dtype == F32, per_channel_gate=kda, gate_lower_bound=-5.0 if kda else None)
+                 precise=dtype == F32, per_channel_gate=kda,
+                 gate_lower_bound=-5.0 if kda and raw else None)
     x = jnp.ones((T, HK, K), dtype)
     y = jnp.ones((T, HV, K), dtype)
     gate = jnp.ones((T, HV))
@@ -343,6 +345,80 @@ def test_kda_raw_gates_bf16_against_float64(mode, lower_bound):
     ro, rs = _oracle(q, k, v, g, ref.gdn_beta(b), h0, cu)
     assert rel_err(o, ro) <= 5e-3
     assert rel_err(hT, rs) <= 5e-3
+
+
+def _diag_spans(g, cu):
+    """Largest |G_ic - G_mc| per (chunk, head) between a row and the middle row m of its
+    16-row block (float64, gates clamped as the kernel does): the kernel forms a chunk's
+    diagonal blocks as products when this is <= DIAG_EXP_LIMIT, else exactly."""
+    g = np.maximum(np.asarray(g, np.float64), kern.GATE_FLOOR)
+    cu = np.asarray(cu)
+    spans = []
+    for n in range(len(cu) - 1):
+        for t0 in range(cu[n], cu[n + 1], kern.CHUNK):
+            chunk = g[t0:min(t0 + kern.CHUNK, cu[n + 1])]
+            chunk = np.concatenate([chunk, np.zeros((kern.CHUNK - len(chunk),) + chunk.shape[1:])])
+            G = np.cumsum(chunk, axis=0).reshape(-1, kern.SUB, *chunk.shape[1:])
+            spans.append(np.abs(G - G[:, kern.SUB // 2:kern.SUB // 2 + 1]).max(axis=(0, 1, 3)))
+    return np.concatenate(spans)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_kda_raw_gates_spanning_orders_of_magnitude(mode, lower_bound):
+    """Raw per-channel gates (Kimi Linear's softplus form, GLM-5.3-Flash's lower bound -5), fp32:
+    inside every chunk some channels decay by ~1e-9 per token and others sit at the bound (or,
+    for softplus, decay by e^-60 per token); head 0's gates are mild."""
+    lens, HK, HV, K = [150, 64, 9], 1, 2, 32
+    q, k, v, _, b, h0, cu = _kda_inputs(24, lens, HK=HK, HV=HV, K=K)
+    rng = np.random.default_rng(25)
+    a = jnp.asarray(rng.standard_normal((sum(lens), HV, K)), F32)
+    A_log = jnp.asarray([-2.0, 1.0], F32)
+    dt_bias = np.linspace(-30.0, 30.0, K, dtype=np.float32)[None, :].repeat(HV, 0)
+    dt_bias[0] = rng.uniform(-3, 1, K)
+    dt_bias = jnp.asarray(dt_bias.reshape(-1))
+    spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True, raw_gates=True,
+                 gate_lower_bound=lower_bound)
+    o, hT, _, _ = _run(mode, q, k, v, a, b, cu, spec, initial_state=h0, A_log=A_log,
+                       dt_bias=dt_bias)
+    g = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=lower_bound)
+    if lower_bound is not None:  # some channels at the bound exactly, others near zero
+        assert np.any(np.asarray(g) == lower_bound) and np.any(np.asarray(g) > -1e-6)
+        assert _diag_spans(g, cu).max() <= kern.DIAG_EXP_LIMIT
+    else:  # head 0 takes the factored diagonal, head 1 the exact one
+        spans = _diag_spans(g, cu).reshape(-1, HV)
+        assert np.all(spans[:, 0] <= kern.DIAG_EXP_LIMIT)
+        assert np.all(spans[:, 1] > kern.DIAG_EXP_LIMIT)
+    ro, rs = _oracle(q, k, v, g, ref.gdn_beta(b), h0, cu)
+    assert rel_err(o, ro) <= 1e-5
+    assert rel_err(hT, rs) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("exact_only", [False, True])
+def test_kda_factored_and_exact_diagonal_blocks(mode, exact_only, monkeypatch):
+    """One call whose chunks take both diagonal-block forms (mild gates; a stretch of gates
+    spanning 1e-7..1e3 with resets), and the same call with the exact form forced everywhere."""
+    lens, HK, HV, K = [200, 64], 1, 2, 16
+    q, k, v, g, beta, h0, cu = _kda_inputs(26, lens, HK=HK, HV=HV, K=K)
+    rng = np.random.default_rng(27)
+    g = np.asarray(g).copy()
+    g[70:120, 1] = -(10.0 ** rng.uniform(-7, 3, (50, K)))
+    g[90, 1, ::3] = -np.inf
+    g = jnp.asarray(g)
+    spans = _diag_spans(g, cu)
+    assert spans.min() <= kern.DIAG_EXP_LIMIT < spans.max()
+    if exact_only:
+        monkeypatch.setattr(kern, "DIAG_EXP_LIMIT", -1.0)
+    kern.chunk_prefill.clear_cache()  # the limit is read when the kernel is traced
+    try:
+        spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True)
+        o, hT, _, _ = _run(mode, q, k, v, g, beta, cu, spec, initial_state=h0)
+    finally:
+        kern.chunk_prefill.clear_cache()
+    ro, rs = _oracle(q, k, v, g, beta, h0, cu)
+    assert rel_err(o, ro) <= 1e-5
+    assert rel_err(hT, rs) <= 1e-5
 
 
 @pytest.mark.parametrize("mode", MODES)
