@@ -485,9 +485,14 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
                         pooled=True)
     which = _choose("gdn_prefill_pool", call, impl, interpret)
     if which is None:
+        # "auto" without a kernel takes the sequence functions' pure-JAX rule (the scan for
+        # short sequences, the chunk form for long ones); "reference" the scan.
+        from gdn_jax.ops import AUTO_CHUNKED_MIN_T
+        form = "chunked" if impl == "auto" and call.max_seq_len >= AUTO_CHUNKED_MIN_T else "reference"
         return reference_prefill_pool(q, k, v, g, beta, pool, slots, scale=scale,
                                       use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
-                                      A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+                                      A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                      impl=form)
     cu, A_log, dt_bias, static = _static_args(q, scale, cu_seqlens, A_log, dt_bias, lower_bound,
                                               use_qk_l2norm)
     return _run_pool(q, k, v, g, beta, cu, pool, slots.astype(jnp.int32), A_log, dt_bias,
@@ -495,8 +500,12 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
 
 
 def reference_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=False,
-                           cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None):
-    """The pure-JAX meaning of `gdn_prefill_pool` (the oracle its kernel is tested against)."""
+                           cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None,
+                           impl="reference"):
+    """The pure-JAX meaning of `gdn_prefill_pool` (the oracle its kernel is tested against).
+    impl: the sequence function's pure-JAX form, "reference" (the token scan) or "chunked"."""
+    if impl not in ("reference", "chunked"):
+        raise ValueError(f"impl must be 'reference' or 'chunked', got {impl!r}")
     g, beta = _raw_to_gates(g, beta, A_log, dt_bias, lower_bound)
     P = pool.shape[0]
     slots = jnp.asarray(slots, jnp.int32)
@@ -505,7 +514,7 @@ def reference_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_
     from gdn_jax.ops import gated_delta_rule, kda
     o, hT = (kda if g.ndim == 4 else gated_delta_rule)(q, k, v, g, beta, scale=scale, initial_state=h0,
                              output_final_state=True, use_qk_l2norm=use_qk_l2norm,
-                             cu_seqlens=cu_seqlens, impl="reference")
+                             cu_seqlens=cu_seqlens, impl=impl)
     if cu_seqlens is None:
         o = jnp.where(live[:, None, None, None], o, 0)
     else:
