@@ -259,3 +259,48 @@ def test_serving_step_copies_no_pool_gpu(name, what):
     hlo, shapes = _serving_step(_block(name), what, "auto")
     for shape in shapes:
         assert _state_copies(hlo, shape) == []
+
+
+# --------------------------------------------------------------------------- states_after on a pool
+
+@pytest.mark.parametrize("mode, T, positions", [
+    ("reference", 6, [0, 3, 6]),
+    ("interpret", 6, [[0, 6], [2, 5], [6, 1]]),              # token-serial kernel, per sequence
+    pytest.param("gpu", 70, [0, 64, 65, 70], marks=pytest.mark.gpu),   # chunked kernel
+])
+def test_prefill_pool_states_after_equal_cut_calls(mode, T, positions):
+    """gdn_prefill_pool(..., states_after=) gives the state of each sequence after each count,
+    equal to the pool slot's final state of the call cut there; o and the pool are those of the
+    call without it; padding rows' states are zero."""
+    from gdn_jax.prefill import gdn_prefill_pool
+    from helpers import delta_inputs
+    q, k, v, g, beta, h0 = delta_inputs(jax.random.PRNGKey(11), B=3, T=T, HK=1, HV=2, K=16, V=16)
+    pool = np.full((5, 2, 16, 16), 1e30, np.float32)
+    pool[4], pool[1] = h0[0], h0[2]
+    slots = jnp.array([4, -1, 1], jnp.int32)
+    kw = dict(use_qk_l2norm=True, impl=_impl(mode))
+    with _ctx(mode):
+        o, got_pool, at = gdn_prefill_pool(q, k, v, g, beta, jnp.asarray(pool), slots,
+                                           states_after=jnp.asarray(positions, jnp.int32), **kw)
+        o_plain, plain_pool = gdn_prefill_pool(q, k, v, g, beta, jnp.asarray(pool), slots, **kw)
+    assert rel_err(o, o_plain) <= TOL and rel_err(got_pool, plain_pool) <= 1e-30 + TOL
+    pos = np.broadcast_to(np.asarray(positions), (3, np.shape(positions)[-1]))
+    assert at.shape == (3, pos.shape[1], 2, 16, 16)
+    assert bool(jnp.all(at[1] == 0))
+    for n in (0, 2):
+        for i, p in enumerate(pos[n]):
+            want = _numpy_gdn_state(q[n, :p], k[n, :p], v[n, :p], g[n, :p], beta[n, :p], h0[n])
+            assert rel_err(at[n, i], want) <= TOL, (n, p)
+
+
+def _numpy_gdn_state(q, k, v, g, beta, S):
+    """float64 GDN over one sequence (q, k [T, HK, K], L2-normed keys): the final state."""
+    q, k, v, g, beta = (np.asarray(a, np.float64) for a in (q, k, v, g, beta))
+    S = np.array(S, np.float64)
+    r = S.shape[0] // k.shape[1]
+    for t in range(k.shape[0]):
+        for h in range(S.shape[0]):
+            kt = k[t, h // r] / np.linalg.norm(k[t, h // r])
+            S[h] *= np.exp(g[t, h])
+            S[h] += np.outer(kt, beta[t, h] * (v[t, h] - kt @ S[h]))
+    return S
