@@ -22,6 +22,12 @@ written, output rows zero). Everything that reads a pool folds the slot's pendin
 2..4, state dtype vs flavour, head dims, an implementation, a stash of capacity >= T); else the
 verify flushes the slots and keeps every intermediate state (`candidates`), and `accept`
 commits the accepted one. The short conv always carries (its stash is tiny, the carry pure JAX).
+The fold before a decode or prefill sits behind one gate on "a named slot has pending rows"
+(`gdn_jax.carry.when_pending`, a `lax.cond` under jit): a step with nothing pending runs no fold.
+
+`prefill` is pool-native: `gdn_jax.prefill.gdn_prefill_pool` reads each row's initial state from
+its slot and writes the final state back in place; only the named slots' conv windows are
+gathered and scattered.
 
 Single-token steps (`decode`, and `__call__` with T = 1) run the whole core -- conv window
 update, conv + SiLU, q/k L2 norm, gates from the raw projections, the recurrence, the gated
