@@ -370,9 +370,36 @@ def flush(pool, slots=None, *, impl="auto", interpret=None, block_sizes=None):
                            interpret=interpret, block_sizes=block_sizes)
 
 
+def any_pending(pending, slots):
+    """Whether a slot of a normalised table has pending rows (`pending` [slots] int32, a stash
+    counter): a bool scalar, read from B counters."""
+    return jnp.any(_live(slots) & (_gather(pending, slots) > 0))
+
+
+def when_pending(pending, fold, operands):
+    """`fold(*operands)` where the bool scalar `pending` holds, else `operands` unchanged.
+
+    A concrete flag is a Python branch. A traced one is one `lax.cond`: the branch not taken
+    passes the buffers through, so a donated pool stays in place either way (the compiled
+    programs are checked for pool-sized copies in tests/test_serving_pool.py). This is what
+    makes the common serving step, nothing pending (decode after decode, or after accept and
+    flush), cost no fold: no flush kernel launch, no conv window gather and scatter."""
+    if chk.is_concrete(pending):
+        return fold(*operands) if bool(pending) else operands
+    return jax.lax.cond(pending, lambda ops: fold(*ops), lambda ops: ops, operands)
+
+
 def flush_validated(pool: DeltaPool, slots, *, impl="auto", interpret=None, block_sizes=None):
     """`flush` for callers that have validated the pool and normalised the slot table (the
-    public decode, conversion and block paths), so the table is not read on the host again."""
+    public decode, conversion and block paths), so the table is not read on the host again.
+    Runs only when a named slot has pending rows (`when_pending`)."""
+    fold = lambda p: (fold_pending(p, slots, impl=impl, interpret=interpret,
+                                   block_sizes=block_sizes),)
+    return when_pending(any_pending(pool.stash.pending, slots), fold, (pool,))[0]
+
+
+def fold_pending(pool: DeltaPool, slots, *, impl="auto", interpret=None, block_sizes=None):
+    """Fold the pending rows of the named slots (normalised table) into H, unconditionally."""
     call = _flush_spec_of(pool, slots, block_sizes)
     choice = dispatch.select("flush", call, impl, interpret=interpret)
     if choice.impl == "pallas":

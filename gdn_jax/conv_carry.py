@@ -27,7 +27,7 @@ import numpy as np
 
 from gdn_jax import reference as ref
 from gdn_jax import validate as chk
-from gdn_jax.carry import _refuse_pending_verdicts, awaiting_verdict
+from gdn_jax.carry import _refuse_pending_verdicts, any_pending, awaiting_verdict, when_pending
 from gdn_jax.state import ConvPool, ConvStash
 from gdn_jax.verify import _gather, _live, _mask_rows, _scatter, normalise_slots
 
@@ -123,7 +123,15 @@ def conv_flush(conv_pool: ConvPool, slots=None):
         slots = jnp.arange(conv_pool.num_slots, dtype=jnp.int32)
     chk.array("slots", slots, rank=1, integer=True)
     chk.slot_table("slots", slots, slots.shape[0], conv_pool.num_slots)
-    return _conv_flush(conv_pool, normalise_slots(slots, conv_pool.num_slots))
+    slots = normalise_slots(slots, conv_pool.num_slots)
+    return when_pending(any_pending(conv_pool.stash.pending, slots),
+                        lambda p: (conv_fold_pending(p, slots),), (conv_pool,))[0]
+
+
+def conv_fold_pending(conv_pool: ConvPool, slots):
+    """Shift the pending inputs of the named slots (a normalised slot table) into their windows,
+    unconditionally (`conv_flush` skips it when nothing is pending)."""
+    return _conv_flush(conv_pool, slots)
 
 
 @functools.partial(jax.jit, donate_argnames=("conv_pool",))
@@ -133,6 +141,22 @@ def _conv_flush(conv_pool, slots):
     stash = dataclasses.replace(conv_pool.stash,
                                 pending=_scatter(conv_pool.stash.pending, write, jnp.zeros_like(slots)))
     return ConvPool(windows=_scatter(conv_pool.windows, write, window), stash=stash)
+
+
+def read_windows(conv_pool: ConvPool, slots):
+    """The named slots' windows (a normalised slot table) with their pending inputs shifted in:
+    [B, W-1, C], zero rows for padding. With `write_windows` this is a fold that moves only the
+    B windows read (a block's prefill reads them anyway)."""
+    return _mask_rows(_folded_windows(conv_pool, slots), _live(slots))
+
+
+def write_windows(conv_pool: ConvPool, slots, windows):
+    """Write windows [B, W-1, C] into the named slots and mark their pending inputs folded
+    (pending = 0): the other half of `read_windows`. Padding rows write nothing."""
+    write = jnp.where(_live(slots), slots, -1)
+    stash = dataclasses.replace(conv_pool.stash, pending=_scatter(conv_pool.stash.pending, write,
+                                                                  jnp.zeros_like(slots)))
+    return ConvPool(windows=_scatter(conv_pool.windows, write, windows), stash=stash)
 
 
 def conv_step(x, conv_pool: ConvPool, slots, weight, bias=None, *, activation="silu"):

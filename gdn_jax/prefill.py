@@ -6,7 +6,8 @@
                                                        optional raw gates, chunk-boundary states,
                                                        the states after requested token counts
     gdn_prefill_pool(q, k, v, g, beta, pool, slots)    initial and final states in pool slots,
-                                                       updated in place (pool donated)
+                                                       updated in place (pool donated); optional
+                                                       the states after requested token counts
     prefill_kernel_reason(...)                         why the kernels cannot take a call (or None)
     SERIAL_PREFILL_TABLE                               when "auto" picks the token-serial kernel
 
@@ -440,34 +441,63 @@ def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",
                                              "kernel", "interpret"),
                    donate_argnames=("pool",))
-def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, *, scale, use_qk_l2norm,
-              raw_gates, lower_bound, kernel, interpret):
+def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, positions, *, scale,
+              use_qk_l2norm, raw_gates, lower_bound, kernel, interpret):
     B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
     static = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
                   lower_bound=lower_bound)
+    h0 = live = None
+    if positions is not None:
+        # The walks to the positions start from the initial states: read them before the kernel
+        # overwrites their slots, and tie the pool to that read (else XLA copies the pool to keep
+        # the read safe from the in-place write).
+        live, h0 = _pool_rows(pool, slots)
+        h0, pool = jax.lax.optimization_barrier((h0, pool))
+    bounds = first = None
     if kernel == "serial":
         o, pool = _serial(q, k, v, g, beta, cu[:-1], cu[1:], pool, A_log, dt_bias, static=static,
                           state_dtype=pool.dtype, interpret=interpret, slots=slots)
-        return o.reshape(B, T, HV, V), pool
-    spec = _spec(q, v, g, **static, pooled=True)
-    o, pool, _, _ = kern.chunk_prefill(
-        _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
-        block=kern.PrefillBlockSizes.get_default(spec, cu.shape[0] - 1), A_log=A_log,
-        dt_bias=dt_bias, pool=pool, slots=slots, interpret=interpret)
-    return o.reshape(B, T, HV, V), pool
+    else:
+        spec = _spec(q, v, g, **static, pooled=True, boundary_states=positions is not None)
+        o, pool, bounds, (_, _, first) = kern.chunk_prefill(
+            _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
+            block=kern.PrefillBlockSizes.get_default(spec, cu.shape[0] - 1), A_log=A_log,
+            dt_bias=dt_bias, pool=pool, slots=slots, interpret=interpret)
+    if positions is None:
+        return o.reshape(B, T, HV, V), pool, None
+    at = _advance_to_positions(q, k, v, g, beta, cu, positions, h0, bounds, first, A_log,
+                               dt_bias, static=static, state_dtype=pool.dtype,
+                               interpret=interpret)
+    return o.reshape(B, T, HV, V), pool, _mask_seqs(at, live)
+
+
+def _pool_rows(pool, slots):
+    """(live [N] bool, the named slots' states [N, HV, K, V] fp32, zero for padding)."""
+    P = pool.shape[0]
+    live = (slots >= 0) & (slots < P)
+    rows = pool[jnp.clip(slots, 0, P - 1)].astype(jnp.float32)
+    return live, jnp.where(live[:, None, None, None], rows, 0.0)
+
+
+def _mask_seqs(x, live):
+    return jnp.where(live.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
 def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=False,
-                     cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None, kernel=None,
-                     impl="auto", interpret=None):
+                     cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None,
+                     states_after=None, kernel=None, impl="auto", interpret=None):
     """Prefill that lands in a state pool: sequence n starts from pool[slots[n]] and its final
     state is written there, in place (the pool is donated: use the returned one). A slot outside
     [0, P) (-1 by convention) is padding: nothing is read or written and its outputs are zero;
     slots not named keep their bits. Shapes as `gdn_prefill`; pool [P, HV, K, V] (fp32, fp16 or
     bf16: math in fp32, one rounding at the store); slots [N] int32 (N = B, or len(cu_seqlens)-1).
-    kernel and impl as `gdn_prefill` ("reference": `reference_prefill_pool`). Returns (o, pool)."""
-    B, _, _, K = q.shape
+    states_after: token counts as in `gdn_prefill` ([P] or [N, P], each in [0, len_n]): also
+    the state of each sequence after each count, [N, P, HV, K, V] in the pool's dtype (zero
+    rows for padding); the named slots' initial states are read once for it (N states).
+    kernel and impl as `gdn_prefill` ("reference": `reference_prefill_pool`). Returns (o, pool),
+    and with `states_after` a third element, the states at those positions."""
+    B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else int(np.shape(cu_seqlens)[0]) - 1
     if getattr(pool, "ndim", None) != 4 or pool.shape[1:] != (HV, K, V):
@@ -483,20 +513,49 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
         raise ValueError("A_log and dt_bias must be given together (raw gates) or not at all")
     call = prefill_call(q, v, g, cu_seqlens=cu_seqlens, state_dtype=pool.dtype, kernel=kernel,
                         pooled=True)
+    positions = lens = None
+    if states_after is not None:
+        lens = (np.full((B,), T) if cu_seqlens is None else
+                np.diff(np.asarray(cu_seqlens)) if chk.is_concrete(cu_seqlens) else None)
+        positions = _check_positions(states_after, N, lens)
     which = _choose("gdn_prefill_pool", call, impl, interpret)
     if which is None:
-        return reference_prefill_pool(q, k, v, g, beta, pool, slots, scale=scale,
-                                      use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
-                                      A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+        # "auto" without a kernel takes the sequence functions' pure-JAX rule (the scan for
+        # short sequences, the chunk form for long ones); "reference" the scan.
+        from gdn_jax.ops import AUTO_CHUNKED_MIN_T
+        form = "chunked" if impl == "auto" and call.max_seq_len >= AUTO_CHUNKED_MIN_T else "reference"
+        if positions is not None:
+            live, h0 = _pool_rows(pool, slots.astype(jnp.int32))
+        o, pool = reference_prefill_pool(q, k, v, g, beta, pool, slots, scale=scale,
+                                         use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
+                                         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                         impl=form)
+        if positions is None:
+            return o, pool
+        at = reference_states_after(q, k, v, g, beta, positions, scale=scale,
+                                    initial_state=h0.astype(pool.dtype),
+                                    use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
+                                    A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+        return o, pool, _mask_seqs(at, live)
     cu, A_log, dt_bias, static = _static_args(q, scale, cu_seqlens, A_log, dt_bias, lower_bound,
                                               use_qk_l2norm)
-    return _run_pool(q, k, v, g, beta, cu, pool, slots.astype(jnp.int32), A_log, dt_bias,
-                     **static, kernel=which, interpret=dispatch.interpret_enabled(interpret))
+    if positions is not None and not (chk.is_concrete(states_after) and lens is not None):
+        lens = cu[1:] - cu[:-1]
+        chk.device_check(jnp.all((positions >= 0) & (positions <= lens[:, None])),
+                         "states_after must lie in [0, len] of its sequence")
+    o, pool, at = _run_pool(q, k, v, g, beta, cu, pool, slots.astype(jnp.int32), A_log, dt_bias,
+                            positions, **static, kernel=which,
+                            interpret=dispatch.interpret_enabled(interpret))
+    return (o, pool) if positions is None else (o, pool, at)
 
 
 def reference_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=False,
-                           cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None):
-    """The pure-JAX meaning of `gdn_prefill_pool` (the oracle its kernel is tested against)."""
+                           cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None,
+                           impl="reference"):
+    """The pure-JAX meaning of `gdn_prefill_pool` (the oracle its kernel is tested against).
+    impl: the sequence function's pure-JAX form, "reference" (the token scan) or "chunked"."""
+    if impl not in ("reference", "chunked"):
+        raise ValueError(f"impl must be 'reference' or 'chunked', got {impl!r}")
     g, beta = _raw_to_gates(g, beta, A_log, dt_bias, lower_bound)
     P = pool.shape[0]
     slots = jnp.asarray(slots, jnp.int32)
@@ -505,7 +564,7 @@ def reference_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_
     from gdn_jax.ops import gated_delta_rule, kda
     o, hT = (kda if g.ndim == 4 else gated_delta_rule)(q, k, v, g, beta, scale=scale, initial_state=h0,
                              output_final_state=True, use_qk_l2norm=use_qk_l2norm,
-                             cu_seqlens=cu_seqlens, impl="reference")
+                             cu_seqlens=cu_seqlens, impl=impl)
     if cu_seqlens is None:
         o = jnp.where(live[:, None, None, None], o, 0)
     else:

@@ -97,6 +97,7 @@ def test_block_smoke(tmp_path):
     steps = [r for r in rows if r["who"].startswith("block __call__ T=1")]
     assert [r["B"] for r in steps] == [1, 3]
     assert all(r["path"] == "one launch" and r["rel_err_vs_unfused"] < 2e-2 for r in steps)
+    assert [r["B"] for r in rows if r["who"].startswith("block serving decode")] == [1]
     assert {r["who"] for r in rows if r["mode"] == "prefill"} == {
         "block __call__", "prefill kernel alone", "projections alone"}
     assert all(r["us"] > 0 for r in rows)

@@ -6,7 +6,9 @@ Blocks (random weights, bf16 parameters and compute, fp32 state):
 
 Decode (--batches, default 1, 32, 128, 256): one token per sequence through the block's
 `__call__` with T = 1 (the one-launch conv + norm + recurrence kernel where the dispatch gives it
-the call), `--unroll` chained steps per jitted call with the state donated. Beside it, the sum
+the call), `--unroll` chained steps per jitted call with the state donated; and the same step
+through the serving path (`decode` on a pool of B slots, slot table 0..B-1, nothing pending: the
+fold of pending verify rows is skipped by its gate), serving state donated. Beside them, the sum
 of its parts timed the same way: the recurrence kernel alone (`gdn_jax.decode.gdn_decode` on
 prepared q, k, v, g, beta, state donated) and the projections alone (input and output
 projections of the block, nothing else). The block's output is checked against the unfused
@@ -29,6 +31,7 @@ blocks over devices (gdn_jax/bench/tp.py) passes its mesh there; this bench runs
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -201,6 +204,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 y, state = blk(x, state)
             return y, state
 
+        @functools.partial(jax.jit, donate_argnums=2)
+        def serving_steps(params, x, serving, slots):
+            blk = nnx.merge(graphdef, params)
+            for _ in range(unroll):
+                y, serving = blk.decode(x, serving, slots)
+            return y, serving
+
         @jax.jit
         def projections(params, x, o):
             blk = nnx.merge(graphdef, params)
@@ -227,6 +237,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             err = common.rel_err(y_fused, y_ref)
             us_block = timed(block_steps, params, x, jax.tree.map(jnp.copy, state),
                              chain=lambda out, a: (a[0], a[1], out[1]), per=unroll)
+            us_serving = None
+            if not args.smoke or b == batches[0]:     # the smoke run checks it once
+                serving = block.init_serving_state(b)
+                serving = dataclasses.replace(serving, delta=dataclasses.replace(
+                    serving.delta, states=jnp.copy(state.recurrent)), conv=dataclasses.replace(
+                    serving.conv, windows=jnp.copy(state.conv)))
+                us_serving = timed(serving_steps, params, x, serving, jnp.arange(b, dtype=jnp.int32),
+                                   chain=lambda out, a: (a[0], a[1], out[1], a[3]), per=unroll)
             t = common.np_inputs(b, b, 1, hk, hv, kd, vd, per_channel=kind == "kda")
             toks = [jnp.asarray(t[n][:, 0]).astype(dtype) for n in ("q", "k", "v")]
             toks += [jnp.asarray(t["g"][:, 0]), jnp.asarray(t["beta"][:, 0]), jnp.asarray(t["h0"])]
@@ -239,6 +257,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     us=us_block, GBps=nbytes / us_block / 1e3, chained=True,
                     rel_err_vs_unfused=err, x_kernel=us_block / us_kernel,
                     x_parts=us_block / (us_kernel + us_proj), path=path)
+            if us_serving is not None:
+                rep.add(case=label, mode="decode", block=name, B=b, T=1,
+                        who="block serving decode (pool, slots; nothing pending)", us=us_serving,
+                        GBps=nbytes / us_serving / 1e3, chained=True,
+                        x_kernel=us_serving / us_kernel, x_call=us_serving / us_block)
             rep.add(case=label, mode="decode", block=name, B=b, T=1, who="recurrence kernel alone",
                     us=us_kernel, GBps=nbytes / us_kernel / 1e3, chained=True)
             rep.add(case=label, mode="decode", block=name, B=b, T=1, who="projections alone",

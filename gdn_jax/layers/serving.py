@@ -22,6 +22,12 @@ written, output rows zero). Everything that reads a pool folds the slot's pendin
 2..4, state dtype vs flavour, head dims, an implementation, a stash of capacity >= T); else the
 verify flushes the slots and keeps every intermediate state (`candidates`), and `accept`
 commits the accepted one. The short conv always carries (its stash is tiny, the carry pure JAX).
+The fold before a decode or prefill sits behind one gate on "a named slot has pending rows"
+(`gdn_jax.carry.when_pending`, a `lax.cond` under jit): a step with nothing pending runs no fold.
+
+`prefill` is pool-native: `gdn_jax.prefill.gdn_prefill_pool` reads each row's initial state from
+its slot and writes the final state back in place; only the named slots' conv windows are
+gathered and scattered.
 
 Single-token steps (`decode`, and `__call__` with T = 1) run the whole core -- conv window
 update, conv + SiLU, q/k L2 norm, gates from the raw projections, the recurrence, the gated
@@ -38,6 +44,7 @@ token-by-token run to matmul rounding, not bitwise.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +54,7 @@ from gdn_jax import conv_carry
 from gdn_jax import conv_decode as conv_decode_ops
 from gdn_jax import decode as decode_ops
 from gdn_jax import dispatch, ops
+from gdn_jax import prefill as prefill_ops
 from gdn_jax import reference as ref
 from gdn_jax import validate as chk
 from gdn_jax import verify as verify_ops
@@ -72,6 +80,25 @@ class DeltaDims:
 def _pool_impl(impl):
     """The pool operations have no chunk form: "chunked" means the pure-JAX path there."""
     return "reference" if impl == "chunked" else impl
+
+
+@functools.partial(jax.jit, donate_argnames=("delta", "conv"))
+def _start_fresh(delta: DeltaPool, conv: ConvPool, slots):
+    """The named slots (a normalised table) made fresh sequences: zero states (the prefill reads
+    its initial states from the pool), and no stashed rows pending or awaiting a verdict (they
+    belong to the slot's previous sequence). The prefill zeroes the conv windows it reads."""
+    write = jnp.where(slots >= 0, slots, -1)
+    zeros = jnp.zeros_like(slots)
+    dstash = dataclasses.replace(delta.stash,
+                                 pending=verify_ops._scatter(delta.stash.pending, write, zeros),
+                                 drafted=verify_ops._scatter(delta.stash.drafted, write, zeros))
+    cstash = dataclasses.replace(conv.stash,
+                                 pending=verify_ops._scatter(conv.stash.pending, write, zeros),
+                                 drafted=verify_ops._scatter(conv.stash.drafted, write, zeros))
+    states = verify_ops._scatter(delta.states, write,
+                                 jnp.zeros((slots.shape[0],) + delta.states.shape[1:],
+                                           delta.states.dtype))
+    return DeltaPool(states=states, stash=dstash), ConvPool(windows=conv.windows, stash=cstash)
 
 
 class DeltaBlockMixin:
@@ -207,28 +234,65 @@ class DeltaBlockMixin:
 
     # ------------------------------------------------------------------ serving path
 
+    def _fold_pending(self, serving, slots, impl):
+        """(delta pool, conv pool) with the named slots' pending rows folded (a normalised slot
+        table): the delta rows into H, the conv inputs into the windows. One gate for both: when
+        no named slot has any (decode after decode, after a prefill, after accept + flush) no
+        fold runs at all (`gdn_jax.carry.when_pending`)."""
+        pending = (carry_ops.any_pending(serving.delta.stash.pending, slots)
+                   | carry_ops.any_pending(serving.conv.stash.pending, slots))
+        fold = lambda delta, conv: (carry_ops.fold_pending(delta, slots, impl=_pool_impl(impl)),
+                                    conv_carry.conv_fold_pending(conv, slots))
+        return carry_ops.when_pending(pending, fold, (serving.delta, serving.conv))
+
     def prefill(self, x, serving: ServingState, slots, *, fresh: bool = False, impl: str = "auto"):
         """T tokens per row into the named slots: x [B, T, hidden] -> (y, serving). The slots'
         pending rows are folded first; `fresh=True` starts the rows from zero states instead
-        (a new sequence in a reused slot)."""
+        (a new sequence in a reused slot: the slots' stashed rows are dropped too).
+
+        Pool-native: the delta rule reads each initial state from its pool slot and writes the
+        final state back in place (`gdn_jax.prefill.gdn_prefill_pool`: the prefill kernels where
+        the dispatch gives them the call, else `reference_prefill_pool`); only the small conv
+        windows of the named slots are gathered and scattered."""
         self._check_serving(serving, x)
         self._refuse_candidates(serving, "a prefill")
+        dispatch.check_impl(self.DELTA_OP, impl)
         chk.slot_table("slots", slots, x.shape[0], serving.num_slots)
-        slots = verify_ops.normalise_slots(slots, serving.num_slots)
         carry_ops.check_delta_pool(serving.delta)
-        delta = carry_ops.flush_validated(serving.delta, slots, impl=_pool_impl(impl))
-        conv = conv_carry.conv_flush(serving.conv, slots)
+        slots = verify_ops.normalise_slots(slots, serving.num_slots)
         live = slots >= 0
-        safe = jnp.where(live, slots, 0)
-        keep = lambda a: jnp.where(live.reshape((-1,) + (1,) * (a.ndim - 1)) & (not fresh), a,
-                                   jnp.zeros((), a.dtype))
-        state = self.STATE_CLS(recurrent=keep(delta.states[safe]), conv=keep(conv.windows[safe]))
-        y, state = self(x, state, impl=impl)
-        write = jnp.where(live, slots, serving.num_slots)
-        delta = dataclasses.replace(delta, states=delta.states.at[write].set(state.recurrent, mode="drop"))
-        conv = dataclasses.replace(conv, windows=conv.windows.at[write].set(state.conv, mode="drop"))
-        y = jnp.where(live[:, None, None], y, jnp.zeros((), y.dtype))
-        return y, ServingState(delta=delta, conv=conv)
+        if fresh:
+            delta, conv = _start_fresh(serving.delta, serving.conv, slots)
+        else:
+            # The delta rows fold into H under the gate; the conv inputs fold as the named
+            # windows are read (the conv reads them anyway).
+            delta = carry_ops.flush_validated(serving.delta, slots, impl=_pool_impl(impl))
+            conv = serving.conv
+        dtype = self._compute_dtype(x)
+        mixed, g, beta, z = self._inputs(x, dtype)
+        weight, bias = self._conv_params()
+        windows = conv_carry.read_windows(conv, slots)
+        if fresh:
+            windows = jnp.zeros_like(windows)
+        else:
+            # With T >= W-1 the new windows do not depend on the old ones, so nothing would order
+            # the write after the read and XLA would copy the window pool to keep the read safe:
+            # tie the pool to the read.
+            windows, pool_windows = jax.lax.optimization_barrier((windows, conv.windows))
+            conv = dataclasses.replace(conv, windows=pool_windows)
+        mixed, windows = ref.causal_conv1d(mixed, weight, bias, conv_state=windows,
+                                           activation="silu")
+        q, k, v = self._split_qkv(mixed)
+        if impl == "chunked":   # the pool entry point's pure-JAX path, in the chunk form
+            o, states = prefill_ops.reference_prefill_pool(
+                q, k, v, g, beta, delta.states, slots, use_qk_l2norm=True, impl="chunked")
+        else:
+            o, states = prefill_ops.gdn_prefill_pool(q, k, v, g, beta, delta.states, slots,
+                                                     use_qk_l2norm=True, impl=impl)
+        y = verify_ops._mask_rows(self._output(o, z, dtype), live)
+        delta = dataclasses.replace(delta, states=states)
+        conv = conv_carry.write_windows(conv, slots, windows)
+        return y.astype(x.dtype), ServingState(delta=delta, conv=conv)
 
     def decode(self, x, serving: ServingState, slots, *, impl: str = "auto"):
         """One decode token per row: x [B, 1, hidden] -> (y [B, 1, hidden], serving). The rows'
@@ -244,8 +308,7 @@ class DeltaBlockMixin:
             # Fold what a verify left pending (delta rows and conv inputs) before reading H.
             slots = verify_ops.normalise_slots(slots, serving.num_slots)
             carry_ops.check_delta_pool(serving.delta)
-            delta = carry_ops.flush_validated(serving.delta, slots, impl=_pool_impl(impl))
-            conv = conv_carry.conv_flush(serving.conv, slots)
+            delta, conv = self._fold_pending(serving, slots, impl)
             y, states, windows = self._run_one_launch(fused, delta.states, conv.windows, slots)
             return y.astype(x.dtype), ServingState(
                 delta=dataclasses.replace(delta, states=states),
