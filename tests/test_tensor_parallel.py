@@ -5,8 +5,9 @@ devices (`test_on_host_devices`; XLA's device count is fixed when JAX starts, so
 raised in this process). There, and on a machine with several GPUs (`-m gpu`), the tests below
 run directly: every block operation under a mesh of 2 and 4 devices against the unsharded block
 (fp32, <= 1e-6 relative), through the references and the kernels (interpret mode on the CPU,
-compiled on GPUs), the compiled program's collectives, the head-count errors and
-`from_pretrained(..., mesh=)` reading each device's slice only.
+compiled on GPUs), the compiled program's collectives, the donated decode step updating its
+state in place with no input moved per call, the head-count errors, `from_pretrained(...,
+mesh=)` reading each device's slice only and `bench block --mesh 2 --smoke`.
 """
 
 from __future__ import annotations
