@@ -346,6 +346,11 @@ def _check_donated_step(block, op, *, copies=True):
 def test_donated_steps_in_place_gpu(name):
     """On GPUs (the kernels compiled): the serving decode and the T=1 call (the one-launch
     kernel) under a mesh of 2 alias their state in place with no state-sized copy."""
+    one = BLOCKS[name]()
+    state = one.init_state(2)
+    x = jnp.ones((2, 1, one.config.hidden_size))
+    # The fused kernel takes the unsharded call (the mesh's bodies have the same head dims).
+    assert one._one_launch(x, state.recurrent, state.conv, None, "auto") is not None
     block = BLOCKS[name](mesh=make_mesh(2))
     for op in ("serving decode", "call T=1"):
         _check_donated_step(block, op)
