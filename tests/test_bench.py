@@ -17,7 +17,7 @@ from gdn_jax.bench import common
 from gdn_jax.cli import _bench_names
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-NAMES = ["block", "decode", "kda", "prefill", "tp", "verify"]
+NAMES = ["block", "decode", "kda", "prefill", "verify"]
 SHARED = ["--batches", "--seq-lens", "--dtype", "--peers", "--repeats", "--smoke", "--json",
           "--plot", "--write-md"]
 
@@ -206,3 +206,15 @@ def test_prefill_short_smoke_compares_the_two_kernels(tmp_path):
         assert r["serial_us"] > 0 and r["chunked_us"] > 0
         assert r["rel_err_serial_vs_chunked"] <= common.PEER_TOL
     assert set(data["meta"]["crossover"]) == {"1", "2"}
+
+
+@pytest.mark.skipif(len(jax.devices()) >= 2, reason="the message for too few devices")
+def test_block_mesh_needs_devices(capsys):
+    """`bench block --mesh 2` where JAX already runs on one device: one line, status 2 (the
+    comparison itself runs in tests/test_tensor_parallel.py's child process on host devices)."""
+    from gdn_jax.bench import block
+    assert block.main(["--smoke", "--mesh", "2"]) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "--mesh 2 needs 2 devices" in out
+    with pytest.raises(SystemExit, match="--mesh must be at least 1"):
+        block.main(["--mesh", "0"])

@@ -5,8 +5,9 @@ devices (`test_on_host_devices`; XLA's device count is fixed when JAX starts, so
 raised in this process). There, and on a machine with several GPUs (`-m gpu`), the tests below
 run directly: every block operation under a mesh of 2 and 4 devices against the unsharded block
 (fp32, <= 1e-6 relative), through the references and the kernels (interpret mode on the CPU,
-compiled on GPUs), the compiled program's collectives, the head-count errors and
-`from_pretrained(..., mesh=)` reading each device's slice only.
+compiled on GPUs), the compiled program's collectives, the donated decode step updating its
+state in place with no input moved per call, the head-count errors, `from_pretrained(...,
+mesh=)` reading each device's slice only and `bench block --mesh 2 --smoke`.
 """
 
 from __future__ import annotations
@@ -263,12 +264,12 @@ def _count_collectives(text):
 def test_one_all_reduce_no_gather(name):
     """Each block call compiles to exactly one all-reduce (the output projection's partial
     sums) and no all-gather / all-to-all / permute: the state never leaves its device.
-    accept and flush have no collective at all."""
+    accept and flush have no collective at all. The donated serving decode step updates its
+    state in place and moves no input between devices per call (`_check_donated_step`)."""
     mesh = make_mesh(2)
     split = BLOCKS[name](mesh=mesh)
     graphdef, params = nnx.split(split)
     hidden = split.config.hidden_size
-    x1 = jax.random.normal(jax.random.PRNGKey(0), (2, 1, hidden))
     x3 = jax.random.normal(jax.random.PRNGKey(1), (2, 3, hidden))
     slots = jnp.array([1, 0], jnp.int32)
     serving = split.init_serving_state(4)
@@ -279,8 +280,6 @@ def test_one_all_reduce_no_gather(name):
 
     calls = {
         "__call__": (lambda p, x, s: nnx.merge(graphdef, p)(x, s), params, x3, state),
-        "decode": (lambda p, x, s, sl: nnx.merge(graphdef, p).decode(x, s, sl), params, x1,
-                   serving, slots),
         "prefill": (lambda p, x, s, sl: nnx.merge(graphdef, p).prefill(x, s, sl), params, x3,
                     serving, slots),
         "verify": (lambda p, x, s, sl: nnx.merge(graphdef, p).verify(x, s, sl), params, x3,
@@ -294,6 +293,67 @@ def test_one_all_reduce_no_gather(name):
              (params, serving, slots)),
             ("flush", lambda p, s: nnx.merge(graphdef, p).flush(s), (params, serving))):
         assert _count_collectives(compiled(fn, *args)) == (0, 0), what
+    # The serving decode as the bench times it (donated, inputs on the mesh): the same one
+    # all-reduce, and the state updated in place (the pure-JAX path on the CPU).
+    _check_donated_step(split, "serving decode")
+
+
+def _aliased_params(hlo: str) -> set[int]:
+    """The entry parameters the compiled module updates in place (its input_output_alias)."""
+    header = hlo.split("\n", 1)[0]
+    m = re.search(r"input_output_alias=\{(.*?)\}, entry_computation_layout", header)
+    return {int(i) for i in re.findall(r":\s*\((\d+),", m.group(1))} if m else set()
+
+
+def _check_donated_step(block, op, *, copies=True):
+    """The donated step `bench block --mesh` times for `op` ("serving decode" or "call T=1"),
+    compiled once on `block`'s mesh: one all-reduce and no other collective; every state
+    buffer (pool, windows, stashes) aliased in place and, with `copies`, no copy of a
+    state-sized buffer; with the inputs where the bench puts them, two chained calls move
+    nothing between devices (`jax.transfer_guard("disallow")`) and consume the donated state."""
+    from test_blocks_fused import _state_copies
+
+    from gdn_jax.bench.block import mesh_case
+    program, args, chain = mesh_case(block, op, 2, unroll=1)
+    state = args[2]
+    compiled = program.lower(*args).compile()
+    hlo = compiled.as_text()
+    assert _count_collectives(hlo) == (1, 0), op
+    first = len(jax.tree.leaves(args[:2]))
+    want = set(range(first, first + len(jax.tree.leaves(state))))
+    assert want <= _aliased_params(hlo), (op, sorted(want - _aliased_params(hlo)))
+    pools = ((state.delta.states, state.conv.windows) if op == "serving decode"
+             else (state.recurrent, state.conv))
+    if copies:
+        for pool in pools:
+            local = pool.sharding.shard_shape(pool.shape)
+            assert _state_copies(hlo, local) == [], (op, local)
+    with jax.transfer_guard("disallow"):
+        out = compiled(*args)
+        assert all(p.is_deleted() for p in pools), op
+        out = compiled(*chain(out, args))
+    assert np.all(np.isfinite(np.asarray(out[0], np.float32))), op
+    # x made on the default device, uncommitted (as `jax.random.normal` makes it): it would be
+    # moved onto the mesh on every call.
+    x_default_device = jnp.asarray(np.asarray(args[1]))
+    with jax.transfer_guard("disallow"), pytest.raises(Exception, match="(?i)disallowed"):
+        compiled(*chain(out, (args[0], x_default_device) + tuple(args[2:])))
+
+
+@several
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_next", "kda"])
+def test_donated_steps_in_place_gpu(name):
+    """On GPUs (the kernels compiled): the serving decode and the T=1 call (the one-launch
+    kernel) under a mesh of 2 alias their state in place with no state-sized copy."""
+    one = BLOCKS[name]()
+    state = one.init_state(2)
+    x = jnp.ones((2, 1, one.config.hidden_size))
+    # The fused kernel takes the unsharded call (the mesh's bodies have the same head dims).
+    assert one._one_launch(x, state.recurrent, state.conv, None, "auto") is not None
+    block = BLOCKS[name](mesh=make_mesh(2))
+    for op in ("serving decode", "call T=1"):
+        _check_donated_step(block, op)
 
 
 # --------------------------------------------------------------------------- errors
@@ -368,13 +428,14 @@ def test_shard_gather_round_trip():
 
 
 @several
-def test_bench_tp_smoke(tmp_path):
-    """`gdn-jax bench tp --smoke --mesh 2` runs both operations and reports finite ratios."""
+def test_bench_block_mesh_smoke(tmp_path):
+    """`gdn-jax bench block --smoke --mesh 2`: the serving decode, the T=1 call and prefill on 1
+    and 2 devices, finite ratios, the mesh's output equal to one device's within bf16."""
     import json
 
-    from gdn_jax.bench import tp as bench_tp
-    out = tmp_path / "tp.json"
-    assert bench_tp.main(["--smoke", "--mesh", "2", "--blocks", "kimi_linear", "--json", str(out)]) == 0
+    from gdn_jax.bench import block as bench_block
+    out = tmp_path / "mesh.json"
+    assert bench_block.main(["--smoke", "--mesh", "2", "--blocks", "kimi", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["block"], r["op"]) for r in rows] == [("kimi_linear", "decode"), ("kimi_linear", "prefill")]
-    assert all(np.isfinite(r["ratio"]) and r["ratio"] > 0 for r in rows)
+    assert [r["op"] for r in rows] == ["serving decode", "call T=1", "prefill"]
+    assert all(np.isfinite(r["ratio"]) and r["ratio"] > 0 and r["rel_err_vs_1"] < 2e-2 for r in rows)

@@ -24,8 +24,23 @@ importable, else FLA's own layer modules (`fla.layers.GatedDeltaNet` / `KimiDelt
 in a subprocess, same dims, bf16, random weights (times only: different weights, no output
 check). What is missing is printed as one line.
 
-`make_block(..., mesh=None)` is the hook point for tensor parallelism: a bench that shards the
-blocks over devices (gdn_jax/bench/tp.py) passes its mesh there; this bench runs on one device.
+Heads split over devices (`--mesh N`, N > 1; the blocks' `mesh=`, see docs/layers.md): instead
+of the above, each block on one device against the same block with its heads split over N
+devices, as time per step, tokens/s and the ratio N-device / 1-device throughput:
+
+  serving decode  `block.decode` of B sequences (B slots of a state pool), the pool donated
+  call T=1        `block(x, state)` with one token per row (contiguous state: the one-launch
+                  kernel), the state donated
+  prefill         `block(x)` over T tokens from a fresh state (B = 1)
+
+Both decode forms chain `--unroll` steps per jitted call; the difference between them is the
+serving path's own cost (folding pending stash rows, the conv pool's gather and scatter),
+the same on one device and on the mesh. Each operation's inputs are placed where the block
+wants them before timing (on the mesh: replicated, as the previous layer's all-reduced output
+is) and the timed calls run under `jax.transfer_guard("disallow")`, so no input moves between
+devices per call. The mesh's outputs are checked against the one-device block's (same weights,
+same inputs; bf16, so they differ by the rounding of the partial output projections).
+`--smoke --mesh N` runs on N host CPU devices.
 """
 
 from __future__ import annotations
@@ -33,6 +48,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 from typing import Sequence
 
 import numpy as np
@@ -45,26 +61,27 @@ BLOCKS = {
 }
 SMOKE = dict(hidden=32, num_k_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16)
 SMOKE_T, SMOKE_B = 40, (1, 3)
+# --smoke --mesh N: head counts that 2 and 4 devices divide
+SMOKE_MESH = dict(hidden=32, num_k_heads=4, num_v_heads=4, head_k_dim=16, head_v_dim=16)
 
 
 def make_block(name: str, dims: dict, *, mesh=None):
-    """A block with random weights at these dims, bf16 parameters and compute. `mesh`: the hook
-    where a tensor-parallel bench places the block on its devices (None here: one device)."""
+    """A block with random weights at these dims (the same weights for every `mesh`), bf16
+    parameters and compute; `mesh`: its heads split over that mesh's "tp" axis."""
     import jax.numpy as jnp
     from flax import nnx
     from gdn_jax.layers import GDNConfig, KDAConfig, KimiDeltaAttention, Qwen3NextGatedDeltaNet
-    if mesh is not None:
-        raise ValueError("bench block runs on one device; tensor parallelism is bench tp's")
     bf16 = jnp.bfloat16
     if name == "qwen3_next":
         cfg = GDNConfig(hidden_size=dims["hidden"], num_k_heads=dims["num_k_heads"],
                         num_v_heads=dims["num_v_heads"], head_k_dim=dims["head_k_dim"],
                         head_v_dim=dims["head_v_dim"])
-        return Qwen3NextGatedDeltaNet(cfg, rngs=nnx.Rngs(0), dtype=bf16, param_dtype=bf16)
+        return Qwen3NextGatedDeltaNet(cfg, rngs=nnx.Rngs(0), dtype=bf16, param_dtype=bf16,
+                                      mesh=mesh)
     cfg = KDAConfig(hidden_size=dims["hidden"], num_heads=dims["num_k_heads"],
                     head_dim=dims["head_k_dim"], num_v_heads=dims["num_v_heads"],
                     head_v_dim=dims["head_v_dim"])
-    return KimiDeltaAttention(cfg, rngs=nnx.Rngs(0), dtype=bf16, param_dtype=bf16)
+    return KimiDeltaAttention(cfg, rngs=nnx.Rngs(0), dtype=bf16, param_dtype=bf16, mesh=mesh)
 
 
 # --------------------------------------------------------------------------- peer (subprocess)
@@ -137,15 +154,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"which blocks, comma-separated from {sorted(BLOCKS)} (default %(default)s)")
     p.add_argument("--unroll", type=int, default=20, help="decode steps chained per jitted call")
     p.add_argument("--no-prefill", action="store_true", help="time decode only")
+    p.add_argument("--mesh", type=int, default=1, metavar="N",
+                   help="N > 1: each block on 1 device vs its heads split over N devices "
+                        "(serving decode, T=1 call, prefill); default 1: one device, the parts")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.mesh < 1:
+        raise SystemExit("--mesh must be at least 1")
+    if args.mesh > 1 and args.smoke:   # host devices for the CPU pass: only before JAX starts
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count="
+                                       f"{args.mesh}").strip()
     why = common.missing_gpu(args.smoke)
     if why:
         print(f"gdn-jax bench block: {why}")
         return 2
+    if args.mesh > 1:
+        return mesh_main(args)
     import contextlib
 
     import jax
@@ -329,6 +358,140 @@ def main(argv: Sequence[str] | None = None) -> int:
                          title=f"block decode ({rep.meta['device']})")
 
     return rep.finish("Blocks end to end", "\n".join(lines), plot)
+
+
+# --------------------------------------------------------------------------- heads over a mesh
+
+MESH_OPS = ("serving decode", "call T=1", "prefill")
+
+
+def mesh_steps(graphdef, op: str, unroll: int):
+    """The jitted program one timed call of `op` runs (`unroll` chained steps for the decode
+    forms, the state donated)."""
+    import jax
+    from flax import nnx
+
+    if op == "serving decode":
+        def steps(params, x, serving, slots):
+            blk = nnx.merge(graphdef, params)
+            for _ in range(unroll):
+                y, serving = blk.decode(x, serving, slots)
+            return y, serving
+        return jax.jit(steps, donate_argnums=2)
+    if op == "call T=1":
+        def steps(params, x, state):
+            blk = nnx.merge(graphdef, params)
+            for _ in range(unroll):
+                y, state = blk(x, state)
+            return y, state
+        return jax.jit(steps, donate_argnums=2)
+    return jax.jit(lambda params, x: nnx.merge(graphdef, params)(x))
+
+
+def mesh_case(block, op: str, size: int, *, unroll: int, seed: int = 1):
+    """(program, args, chain) for one timed case of `op` on `block` (B = size rows for the
+    decode forms, T = size tokens for prefill): every argument already lives where the program
+    wants it (replicated on the block's mesh, or on the default device), so a call moves no
+    input between devices."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+    graphdef, params = nnx.split(block)
+    hidden = block.config.hidden_size
+    where = (NamedSharding(block.mesh, PartitionSpec()) if block.mesh is not None
+             else SingleDeviceSharding(jax.devices()[0]))
+    place = lambda a: jax.device_put(a, where)
+    rows, tokens = (size, 1) if op != "prefill" else (1, size)
+    x = place(jax.random.normal(jax.random.PRNGKey(seed), (rows, tokens, hidden), block.dtype))
+    program = mesh_steps(graphdef, op, unroll)
+    # On one device the fresh state is committed too: a step's output state is, and a state
+    # that changes from uncommitted to committed between the first and second call compiles
+    # the program twice.
+    fresh = (lambda s: s) if block.mesh is not None else place
+    if op == "serving decode":
+        return (program, (params, x, fresh(block.init_serving_state(size)),
+                          place(jnp.arange(size, dtype=jnp.int32))),
+                lambda out, a: (a[0], a[1], out[1], a[3]))
+    if op == "call T=1":
+        return (program, (params, x, fresh(block.init_state(size))),
+                lambda out, a: (a[0], a[1], out[1]))
+    return program, (params, x), None
+
+
+def mesh_main(args) -> int:
+    """`bench block --mesh N`: each block on one device against its heads over N devices."""
+    import contextlib
+
+    import jax
+    from jax.sharding import Mesh
+
+    import gdn_jax
+
+    n = args.mesh
+    if len(jax.devices()) < n:
+        print(f"gdn-jax bench block: --mesh {n} needs {n} devices, this machine has "
+              f"{len(jax.devices())}")
+        return 2
+    rep = common.Report("block", args)
+    names = [b.strip() for b in args.blocks.split(",") if b.strip()]
+    bad = [b for b in names if b not in BLOCKS]
+    if bad:
+        raise SystemExit(f"--blocks: unknown {bad}; choose from {sorted(BLOCKS)}")
+    if common.peer_list(args):
+        rep.note("peers not timed with --mesh")
+    batches, seq_lens = args.batches, ([] if args.no_prefill else args.seq_lens)
+    calls, repeats, unroll = (10, args.repeats, args.unroll)
+    if args.smoke:   # one size of each, one step per call: each case compiles twice, interpreted
+        batches, seq_lens = [SMOKE_B[-1]], ([] if args.no_prefill else [SMOKE_T])
+        calls, repeats, unroll = 1, 1, 1
+    mesh = Mesh(np.array(jax.devices()[:n]), ("tp",))
+    rep.meta.update(mesh=n, dtype=args.dtype, unroll=unroll)
+    interp = (gdn_jax.interpret() if jax.default_backend() != "gpu" else contextlib.nullcontext())
+
+    lines = [f"| block | op | size | 1 device us | {n} devices us | 1 device tok/s | "
+             f"{n} devices tok/s | ratio | {n} vs 1 device |", "|---|---|---|---|---|---|---|---|---|"]
+    with interp:
+        for name in names:
+            dims = SMOKE_MESH if args.smoke else BLOCKS[name]
+            one, split = make_block(name, dims), make_block(name, dims, mesh=mesh)
+            cases = [(op, b) for op in MESH_OPS[:2] for b in batches]
+            cases += [("prefill", t) for t in seq_lens]
+            for op, size in cases:
+                what = f"{'B' if op != 'prefill' else 'T'}={size}"
+                rep.progress(f"{name} {op} {what} ...")
+                per = unroll if op != "prefill" else 1
+                timings, outputs = [], []
+                for block in (one, split):
+                    program, a, chain = mesh_case(block, op, size, unroll=unroll)
+                    # An input moved per call (x on one device while the block wants it
+                    # replicated) would be timed as the mesh's cost: the guard makes it an error.
+                    with jax.transfer_guard("disallow"):
+                        out = program(*a)
+                    outputs.append(np.asarray(jax.device_get(out[0][:, -64:]), np.float32))
+                    a = a if chain is None else chain(out, a)
+                    with jax.transfer_guard("disallow"):
+                        sec = common.time_jax(program, *a, calls=calls if per > 1 else
+                                              max(1, calls // 5), repeats=repeats, chain=chain)
+                    timings.append(sec / per)
+                err = common.rel_err(outputs[1], outputs[0])
+                row = rep.add(block=name, op=op, size=size, devices=n, us_1=timings[0] * 1e6,
+                              us_n=timings[1] * 1e6, tokens_per_s_1=size / timings[0],
+                              tokens_per_s_n=size / timings[1], ratio=timings[0] / timings[1],
+                              rel_err_vs_1=err)
+                lines.append(f"| {name} | {op} | {what} | {row['us_1']:.1f} | {row['us_n']:.1f} | "
+                             f"{row['tokens_per_s_1']:,.0f} | {row['tokens_per_s_n']:,.0f} | "
+                             f"{row['ratio']:.2f}x | {common.peer_verdict(err)} |")
+                rep.progress(f"{name} {op} {what}: {row['us_1']:.1f} us on 1 device, "
+                             f"{row['us_n']:.1f} us on {n}: {row['ratio']:.2f}x")
+    md = "\n".join(lines) + (
+        f"\n\n{rep.meta['device']} x{n}, {rep.meta['date']}, jax {rep.meta['jax']}; {args.dtype} "
+        f"weights and activations, fp32 state. Decode forms: {unroll} chained steps per jitted call "
+        "(state donated), us per step; prefill: one call per jitted program, B = 1. Inputs placed "
+        "on the devices before timing, no transfer per call (checked)."
+        + (" SMOKE RUN: times mean nothing." if args.smoke else ""))
+    return rep.finish(f"Heads split over {n} devices (bench block --mesh {n})", md)
 
 
 if __name__ == "__main__":
