@@ -376,16 +376,28 @@ def any_pending(pending, slots):
     return jnp.any(_live(slots) & (_gather(pending, slots) > 0))
 
 
-def when_pending(pending, fold, operands):
-    """`fold(*operands)` where the bool scalar `pending` holds, else `operands` unchanged.
+# Below this many slot-table rows a traced fold runs unconditionally instead of behind a
+# `lax.cond`: XLA on the GPU reads a conditional's predicate on the host (a stream sync, ~16 us
+# per step on the H200), which outweighs the fold of a few rows; from here up the fold's
+# gather/scatter of B windows costs more than the sync (BENCHMARKS.md, serving decode).
+FOLD_GATE_MIN_ROWS = 128
 
-    A concrete flag is a Python branch. A traced one is one `lax.cond`: the branch not taken
-    passes the buffers through, so a donated pool stays in place either way (the compiled
-    programs are checked for pool-sized copies in tests/test_serving_pool.py). This is what
-    makes the common serving step, nothing pending (decode after decode, or after accept and
-    flush), cost no fold: no flush kernel launch, no conv window gather and scatter."""
+
+def when_pending(pending, fold, operands, *, rows: int):
+    """`fold(*operands)` where the bool scalar `pending` holds, else `operands` unchanged; `rows`
+    is the length of the slot table the fold covers.
+
+    A concrete flag is a Python branch. A traced one is one `lax.cond` for tables of at least
+    FOLD_GATE_MIN_ROWS rows (the branch not taken passes the buffers through, so a donated pool
+    stays in place either way; tests/test_serving_pool.py checks the compiled programs for
+    pool-sized copies): the common serving step, nothing pending (decode after decode, or after
+    accept and flush), then costs no fold: no flush kernel launch, no conv window gather and
+    scatter. Smaller traced tables fold unconditionally (a fold with nothing pending is the
+    identity: the flush kernel's programs exit at once and the conv fold shifts by zero)."""
     if chk.is_concrete(pending):
         return fold(*operands) if bool(pending) else operands
+    if rows < FOLD_GATE_MIN_ROWS:
+        return fold(*operands)
     return jax.lax.cond(pending, lambda ops: fold(*ops), lambda ops: ops, operands)
 
 
@@ -395,7 +407,8 @@ def flush_validated(pool: DeltaPool, slots, *, impl="auto", interpret=None, bloc
     Runs only when a named slot has pending rows (`when_pending`)."""
     fold = lambda p: (fold_pending(p, slots, impl=impl, interpret=interpret,
                                    block_sizes=block_sizes),)
-    return when_pending(any_pending(pool.stash.pending, slots), fold, (pool,))[0]
+    return when_pending(any_pending(pool.stash.pending, slots), fold, (pool,),
+                        rows=slots.shape[0])[0]
 
 
 def fold_pending(pool: DeltaPool, slots, *, impl="auto", interpret=None, block_sizes=None):

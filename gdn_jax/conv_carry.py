@@ -125,7 +125,8 @@ def conv_flush(conv_pool: ConvPool, slots=None):
     chk.slot_table("slots", slots, slots.shape[0], conv_pool.num_slots)
     slots = normalise_slots(slots, conv_pool.num_slots)
     return when_pending(any_pending(conv_pool.stash.pending, slots),
-                        lambda p: (conv_fold_pending(p, slots),), (conv_pool,))[0]
+                        lambda p: (conv_fold_pending(p, slots),), (conv_pool,),
+                        rows=slots.shape[0])[0]
 
 
 def conv_fold_pending(conv_pool: ConvPool, slots):

@@ -158,12 +158,17 @@ def test_block_prefill_16bit_pool_and_chunked_form():
 
 # --------------------------------------------------------------------------- gated fold
 
-@pytest.mark.parametrize("mode", ["reference", "interpret",
-                                  pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_jitted_decode_folds_pending_rows_and_skips_when_none(mode):
-    """Under jit the fold is a lax.cond on "any named slot pending": a decode after a carried
-    verify + accept (taken) and a decode after that decode (not taken) both equal the unfused
-    chain run eagerly; the slot table names one pending slot, one clean slot and padding."""
+@pytest.mark.parametrize("mode,gated", [("reference", True), ("reference", False),
+                                        ("interpret", True),
+                                        pytest.param("gpu", True, marks=pytest.mark.gpu),
+                                        pytest.param("gpu", False, marks=pytest.mark.gpu)])
+def test_jitted_decode_folds_pending_rows_and_skips_when_none(mode, gated, monkeypatch):
+    """Under jit the fold is a lax.cond on "any named slot pending" (gated: slot tables of at
+    least FOLD_GATE_MIN_ROWS rows, forced here for a small one) or runs unconditionally: a
+    decode after a carried verify + accept (pending) and a decode after that decode (nothing
+    pending) both equal the unfused chain run eagerly; the slot table names one pending slot,
+    one clean slot and padding."""
+    _gate(monkeypatch, gated)
     block = _block("qwen3_next")
     graphdef, params = nnx.split(block)
     impl = "reference" if mode == "reference" else "auto"
@@ -191,14 +196,26 @@ def test_jitted_decode_folds_pending_rows_and_skips_when_none(mode):
     assert not bool(serving.delta.stash.pending[2])
 
 
+def _gate(monkeypatch, gated):
+    """Gated: the fold behind a lax.cond for any slot table; else for none (always folded)."""
+    monkeypatch.setattr(carry_ops, "FOLD_GATE_MIN_ROWS", 1 if gated else 1 << 30)
+
+
 def test_when_pending_branches():
     pool = jnp.arange(4.0)
     fold = lambda p: (p + 1,)
-    assert bool(jnp.all(carry_ops.when_pending(jnp.array(False), fold, (pool,))[0] == pool))
-    assert bool(jnp.all(carry_ops.when_pending(jnp.array(True), fold, (pool,))[0] == pool + 1))
-    traced = jax.jit(lambda p, flag: carry_ops.when_pending(flag, fold, (p,))[0])
+    small, large = 1, carry_ops.FOLD_GATE_MIN_ROWS
+    for rows in (small, large):
+        assert bool(jnp.all(carry_ops.when_pending(jnp.array(False), fold, (pool,), rows=rows)[0] == pool))
+        assert bool(jnp.all(carry_ops.when_pending(jnp.array(True), fold, (pool,), rows=rows)[0] == pool + 1))
+    # traced: a conditional from FOLD_GATE_MIN_ROWS rows up, an unconditional fold below
+    traced = jax.jit(lambda p, flag: carry_ops.when_pending(flag, fold, (p,), rows=large)[0])
     assert bool(jnp.all(traced(pool, jnp.array(True)) == pool + 1))
     assert bool(jnp.all(traced(pool, jnp.array(False)) == pool))
+    assert " conditional(" in traced.lower(pool, jnp.array(True)).compile().as_text()
+    always = jax.jit(lambda p, flag: carry_ops.when_pending(flag, fold, (p,), rows=small)[0])
+    assert bool(jnp.all(always(pool, jnp.array(False)) == pool + 1))
+    assert " conditional(" not in always.lower(pool, jnp.array(True)).compile().as_text()
     pending = jnp.array([0, 2, 0], jnp.int32)
     assert bool(carry_ops.any_pending(pending, jnp.array([1, -1], jnp.int32)))
     assert not bool(carry_ops.any_pending(pending, jnp.array([0, 2, -1], jnp.int32)))
@@ -223,17 +240,19 @@ def _serving_step(block, what, impl):
     return hlo, [serving.delta.states.shape, serving.conv.windows.shape]
 
 
-@pytest.mark.parametrize("what", ["decode", "prefill"])
-def test_serving_step_copies_no_pool_cpu(what):
-    """The pure-JAX path (impl="reference"): the gated fold (a conditional in the program), the
-    pool prefill and the conv window read/write copy no pool-sized buffer."""
+@pytest.mark.parametrize("what,gated", [("decode", True), ("decode", False), ("prefill", True)])
+def test_serving_step_copies_no_pool_cpu(what, gated, monkeypatch):
+    """The pure-JAX path (impl="reference"): the fold (gated: a conditional in the program; or
+    unconditional), the pool prefill and the conv window read/write copy no pool-sized buffer."""
+    _gate(monkeypatch, gated)
     hlo, shapes = _serving_step(_block("kimi"), what, "reference")
     for shape in shapes:
         assert _state_copies(hlo, shape) == []
-    assert " conditional(" in hlo
+    assert (" conditional(" in hlo) == gated
 
 
 def test_fused_serving_decode_structure_copies_no_pool_cpu(monkeypatch):
+    _gate(monkeypatch, True)
     """The one-launch serving decode's structure on the CPU: the gate around the fold, then the
     in-place pool update. Interpret-mode kernels copy on their own, so the kernel body and the
     fold run their pure-JAX twins here (same operands, same in-place gather/scatter); the GPU
@@ -253,9 +272,12 @@ def test_fused_serving_decode_structure_copies_no_pool_cpu(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen3_next", "kimi"])
-@pytest.mark.parametrize("what", ["decode", "prefill", "prefill-fresh"])
-def test_serving_step_copies_no_pool_gpu(name, what):
-    """Compiled kernels: the one-launch decode behind the gate, the pool prefill kernels."""
+@pytest.mark.parametrize("what,gated", [("decode", True), ("decode", False), ("prefill", True),
+                                        ("prefill-fresh", True)])
+def test_serving_step_copies_no_pool_gpu(name, what, gated, monkeypatch):
+    """Compiled kernels: the one-launch decode behind the gate or after an unconditional fold,
+    the pool prefill kernels."""
+    _gate(monkeypatch, gated)
     hlo, shapes = _serving_step(_block(name), what, "auto")
     for shape in shapes:
         assert _state_copies(hlo, shape) == []

@@ -23,7 +23,8 @@ written, output rows zero). Everything that reads a pool folds the slot's pendin
 verify flushes the slots and keeps every intermediate state (`candidates`), and `accept`
 commits the accepted one. The short conv always carries (its stash is tiny, the carry pure JAX).
 The fold before a decode or prefill sits behind one gate on "a named slot has pending rows"
-(`gdn_jax.carry.when_pending`, a `lax.cond` under jit): a step with nothing pending runs no fold.
+(`gdn_jax.carry.when_pending`, a `lax.cond` under jit from 128 rows up; smaller tables fold
+unconditionally): a large step with nothing pending runs no fold.
 
 `prefill` is pool-native: `gdn_jax.prefill.gdn_prefill_pool` reads each row's initial state from
 its slot and writes the final state back in place; only the named slots' conv windows are
@@ -243,7 +244,8 @@ class DeltaBlockMixin:
                    | carry_ops.any_pending(serving.conv.stash.pending, slots))
         fold = lambda delta, conv: (carry_ops.fold_pending(delta, slots, impl=_pool_impl(impl)),
                                     conv_carry.conv_fold_pending(conv, slots))
-        return carry_ops.when_pending(pending, fold, (serving.delta, serving.conv))
+        return carry_ops.when_pending(pending, fold, (serving.delta, serving.conv),
+                                     rows=slots.shape[0])
 
     def prefill(self, x, serving: ServingState, slots, *, fresh: bool = False, impl: str = "auto"):
         """T tokens per row into the named slots: x [B, T, hidden] -> (y, serving). The slots'
