@@ -6,8 +6,25 @@ A kernel test body runs in each mode it is parametrized with:
   "gpu"        the Pallas kernels compiled (marked `gpu`; skipped without a CUDA GPU)
 """
 
-import jax
-import pytest
+import importlib.metadata
+import os
+
+
+def _cuda_jax_installed() -> bool:
+    return any("jax-cuda" in (d.metadata["Name"] or "").lower().replace("_", "-")
+               for d in importlib.metadata.distributions())
+
+
+# CPU-only runs: compile XLA's CPU programs without LLVM's optimisation passes. The suite is
+# dominated by compiling interpret-mode kernels (large programs run once on small shapes), and
+# the passes take ~30% of its time without changing any result (no fast-math: LLVM may not
+# reorder float arithmetic at any level). Set before JAX starts its backends; a GPU install keeps
+# its codegen untouched.
+if not _cuda_jax_installed() and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 ON_GPU = any(d.platform == "gpu" for d in jax.devices())
 
