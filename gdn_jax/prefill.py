@@ -35,6 +35,7 @@ import numpy as np
 from gdn_jax import dispatch
 from gdn_jax import reference as ref
 from gdn_jax import validate as chk
+from gdn_jax.verify import _mask_rows
 from pallas_kernels import gdn_decode as serial_kern
 from pallas_kernels import gdn_prefill as kern
 
@@ -469,7 +470,7 @@ def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, positions, *, s
     at = _advance_to_positions(q, k, v, g, beta, cu, positions, h0, bounds, first, A_log,
                                dt_bias, static=static, state_dtype=pool.dtype,
                                interpret=interpret)
-    return o.reshape(B, T, HV, V), pool, _mask_seqs(at, live)
+    return o.reshape(B, T, HV, V), pool, _mask_rows(at, live)
 
 
 def _pool_rows(pool, slots):
@@ -478,10 +479,6 @@ def _pool_rows(pool, slots):
     live = (slots >= 0) & (slots < P)
     rows = pool[jnp.clip(slots, 0, P - 1)].astype(jnp.float32)
     return live, jnp.where(live[:, None, None, None], rows, 0.0)
-
-
-def _mask_seqs(x, live):
-    return jnp.where(live.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
 def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=False,
@@ -536,7 +533,7 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
                                     initial_state=h0.astype(pool.dtype),
                                     use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
                                     A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
-        return o, pool, _mask_seqs(at, live)
+        return o, pool, _mask_rows(at, live)
     cu, A_log, dt_bias, static = _static_args(q, scale, cu_seqlens, A_log, dt_bias, lower_bound,
                                               use_qk_l2norm)
     if positions is not None and not (chk.is_concrete(states_after) and lens is not None):
@@ -559,8 +556,7 @@ def reference_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_
     g, beta = _raw_to_gates(g, beta, A_log, dt_bias, lower_bound)
     P = pool.shape[0]
     slots = jnp.asarray(slots, jnp.int32)
-    live = (slots >= 0) & (slots < P)
-    h0 = jnp.where(live[:, None, None, None], pool[jnp.clip(slots, 0, P - 1)], 0).astype(jnp.float32)
+    live, h0 = _pool_rows(pool, slots)
     from gdn_jax.ops import gated_delta_rule, kda
     o, hT = (kda if g.ndim == 4 else gated_delta_rule)(q, k, v, g, beta, scale=scale, initial_state=h0,
                              output_final_state=True, use_qk_l2norm=use_qk_l2norm,

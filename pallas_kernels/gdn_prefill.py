@@ -391,10 +391,8 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
         if spec.per_channel_gate:
             # KDA: no per-row factorisation of e^{G_ic - G_jc}; the decayed products are formed
             # sub-chunk by sub-chunk on the tensor cores (see _kda_intra_chunk).
-            row = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
             kn, qn = k * rk[:, None], q * rq[:, None]
-            pick = lambda x, r: jnp.sum(jnp.where(row == r, x, 0.0), axis=0)   # row r of x
-            last_hi, last_lo = pick(G_hi, C - 1), pick(G_lo, C - 1)              # [K]
+            last_hi, last_lo = _nth_row(G_hi, C - 1)[0], _nth_row(G_lo, C - 1)[0]  # [K]
             eG = jnp.exp(G_hi + G_lo)
             decay_ref[s, h, :] = jnp.exp(last_hi + last_lo)
             store(fq_ref.at[tok, h, :], qn * eG, rows2)

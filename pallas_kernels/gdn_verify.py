@@ -395,18 +395,20 @@ def _wy_scalars(rq, rk, kk, qk, gs, betas):
     return _wy_solve(C, D, betas)
 
 
+def _decays_to_last(ds):
+    """e[j] = d_{j+1} * ... * d_{n-1} for the per-token decays ds (n of them), multiplied from the
+    last one backwards; None for j = n - 1 (the empty product, so no multiply by 1)."""
+    out = [None] * len(ds)
+    for j in range(len(ds) - 2, -1, -1):
+        out[j] = ds[j + 1] if out[j + 1] is None else out[j + 1] * ds[j + 1]
+    return out
+
+
 def _pairwise_decays(ds):
     """w[i][j] = exp(G_i - G_j) = d_{j+1} * ... * d_i for j < i, from the per-token decays
     d_t = exp(g_t): any gate in [-inf, 0] (every factor lies in [0, 1]), no cancellation
     however negative the gates before j, one exp per token."""
-    w = []
-    for i in range(len(ds)):
-        row, acc = [None] * i, None
-        for j in range(i - 1, -1, -1):
-            acc = ds[j + 1] if acc is None else acc * ds[j + 1]
-            row[j] = acc
-        w.append(row)
-    return w
+    return [_decays_to_last(ds[:i + 1])[:i] for i in range(len(ds))]
 
 
 def _running_products(ds):
@@ -474,9 +476,7 @@ def _fold_pending_fast(S, stash_k_ref, stash_u_ref, stash_g_ref, slot, bank, h, 
         live = i < count
         rows.append((k, jnp.where(live, u, 0.0), jnp.where(live, g, 0.0), live))
     ds = [jnp.exp(g) for _, _, g, _ in rows]       # masked rows: g = 0, d = 1
-    after = [None] * C                                # after[i] = d_{i+1} ... d_{C-1}
-    for i in range(C - 2, -1, -1):
-        after[i] = ds[i + 1] if after[i + 1] is None else after[i + 1] * ds[i + 1]
+    after = _decays_to_last(ds)                       # after[i] = d_{i+1} ... d_{C-1}
     decay = ds[0] if after[0] is None else after[0] * ds[0]
     S = S * (decay[:, None] if spec.per_channel_gate else decay)
     for i, (k, u, _, live) in enumerate(rows):

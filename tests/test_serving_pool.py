@@ -23,7 +23,7 @@ from gdn_jax import conv_decode as conv_decode_ops
 from gdn_jax.layers import GDNConfig, KDAConfig, KimiDeltaAttention, Qwen3NextGatedDeltaNet
 from gdn_jax.state import ServingState
 from helpers import rel_err
-from test_blocks_fused import _state_copies
+from test_blocks_fused import _copy, _kernel_ctx, _state_copies
 
 F32 = jnp.float32
 TOL = 1e-5
@@ -55,14 +55,6 @@ def _seeded(block, seed):
     rnd = lambda a, std: jnp.asarray(std * rng.standard_normal(a.shape, dtype=np.float32))
     return ServingState(delta=dataclasses.replace(s.delta, states=rnd(s.delta.states, 0.3)),
                         conv=dataclasses.replace(s.conv, windows=rnd(s.conv.windows, 1.0)))
-
-
-def _copy(tree):
-    return jax.tree.map(jnp.copy, tree)
-
-
-def _ctx(mode):
-    return gdn_jax.interpret(mode == "interpret")
 
 
 def _impl(mode):
@@ -126,7 +118,7 @@ def test_block_prefill_on_pool_equals_gather_call_scatter(name, mode, T):
     serving = _with_pending(block, _seeded(block, 1), jnp.array([3, 0, -1], jnp.int32), 2)
     assert bool(serving.delta.stash.pending[3] > 0)
     x = _x(3, B, T)
-    with _ctx(mode):
+    with _kernel_ctx(mode):
         y, after = block.prefill(x, _copy(serving), slots, impl=_impl(mode))
     _check_prefill(block, x, serving, after, y, slots)
     assert bool(after.delta.stash.pending[0] > 0)          # slot 0 was not named: still pending
@@ -134,7 +126,7 @@ def test_block_prefill_on_pool_equals_gather_call_scatter(name, mode, T):
     _, serving, _ = block.verify(_x(4, B, 3), after, jnp.array([1, -1, -1], jnp.int32),
                                  impl="reference")
     assert bool(serving.delta.stash.drafted[1] > 0)
-    with _ctx(mode):
+    with _kernel_ctx(mode):
         y, fresh = block.prefill(x, _copy(serving), slots, fresh=True, impl=_impl(mode))
     _check_prefill(block, x, serving, fresh, y, slots, fresh=True)
     assert not bool(fresh.delta.stash.drafted[1]) and not bool(fresh.conv.stash.drafted[1])
@@ -182,7 +174,7 @@ def test_jitted_decode_folds_pending_rows_and_skips_when_none(mode, gated, monke
     for t in range(2):
         x = _x(8 + t, B, 1)
         y0, s0 = block.decode(x, _copy(serving), slots, impl="reference")
-        with _ctx(mode):
+        with _kernel_ctx(mode):
             y1, s1 = step(params, x, _copy(serving), slots)
         assert rel_err(y1, y0) <= TOL and bool(jnp.all(y1[1] == 0))
         assert rel_err(s1.delta.states, s0.delta.states) <= TOL
@@ -301,7 +293,7 @@ def test_prefill_pool_states_after_equal_cut_calls(mode, T, positions):
     pool[4], pool[1] = h0[0], h0[2]
     slots = jnp.array([4, -1, 1], jnp.int32)
     kw = dict(use_qk_l2norm=True, impl=_impl(mode))
-    with _ctx(mode):
+    with _kernel_ctx(mode):
         o, got_pool, at = gdn_prefill_pool(q, k, v, g, beta, jnp.asarray(pool), slots,
                                            states_after=jnp.asarray(positions, jnp.int32), **kw)
         o_plain, plain_pool = gdn_prefill_pool(q, k, v, g, beta, jnp.asarray(pool), slots, **kw)

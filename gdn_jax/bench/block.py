@@ -226,19 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rng = np.random.default_rng(0)
         unroll = args.unroll
 
-        @functools.partial(jax.jit, donate_argnums=2)
-        def block_steps(params, x, state):
-            blk = nnx.merge(graphdef, params)
-            for _ in range(unroll):
-                y, state = blk(x, state)
-            return y, state
-
-        @functools.partial(jax.jit, donate_argnums=2)
-        def serving_steps(params, x, serving, slots):
-            blk = nnx.merge(graphdef, params)
-            for _ in range(unroll):
-                y, serving = blk.decode(x, serving, slots)
-            return y, serving
+        block_steps = step_program(graphdef, "call T=1", unroll)
+        serving_steps = step_program(graphdef, "serving decode", unroll)
 
         @jax.jit
         def projections(params, x, o):
@@ -365,9 +354,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 MESH_OPS = ("serving decode", "call T=1", "prefill")
 
 
-def mesh_steps(graphdef, op: str, unroll: int):
-    """The jitted program one timed call of `op` runs (`unroll` chained steps for the decode
-    forms, the state donated)."""
+def step_program(graphdef, op: str, unroll: int):
+    """The jitted program one timed call of `op` (one of MESH_OPS) runs, with or without a mesh:
+    `unroll` chained steps for the decode forms, the state donated."""
     import jax
     from flax import nnx
 
@@ -405,7 +394,7 @@ def mesh_case(block, op: str, size: int, *, unroll: int, seed: int = 1):
     place = lambda a: jax.device_put(a, where)
     rows, tokens = (size, 1) if op != "prefill" else (1, size)
     x = place(jax.random.normal(jax.random.PRNGKey(seed), (rows, tokens, hidden), block.dtype))
-    program = mesh_steps(graphdef, op, unroll)
+    program = step_program(graphdef, op, unroll)
     # On one device the fresh state is committed too: a step's output state is, and a state
     # that changes from uncommitted to committed between the first and second call compiles
     # the program twice.
