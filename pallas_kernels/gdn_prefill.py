@@ -40,8 +40,17 @@ produce -inf - (-inf). The cumulative decay is kept as two sums, of hi = g round
 of 1/16 and lo = g - hi: the hi sums are exact in fp32 (|sum| <= 64 * 88 * 16 < 2^24), so the
 pairwise differences G_i - G_j lose no precision however negative the gates before j were.
 
-Dots: fp32 inputs use three-pass TF32 (fp32 accuracy on tensor cores), 16-bit inputs one-pass
-TF32 on fp32 operands. Intermediates go through memory in the input dtype (bf16 for bf16 input).
+Dots: fp32 inputs use three-pass TF32 (fp32 accuracy on tensor cores). With bf16 inputs every
+product with a bf16 row operand (raw q and k, v, and the W the prep stores) takes that operand as
+it is and splits the fp32 side (state, deltas, the inverse's rows) into two bf16 halves
+(`_dot_bf16x2`: ~16 significand bits, twice the tensor-core rate of TF32, half the registers);
+products between fp32 matrices (the block inverse, the intra-chunk matrix times the deltas) are
+one-pass TF32. fp16 inputs take one-pass TF32 throughout (fp16 halves cannot hold a state's
+range). Between the kernels W is stored in the input dtype, U and the intra-chunk matrix in fp32:
+when a chunk repeats keys with beta near 1 and gates near 0, (I + A) is near singular, U's rows
+are large and cancel against W S, and the output sums large intra-chunk terms that cancel, so
+16-bit copies of U and of that matrix cost the state and the output several times bf16's
+rounding (tests/test_prefill_kernels.py, repeated keys).
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ from pallas_kernels.gdn_decode import tame_huge_rows
 
 F32 = jnp.float32
 CHUNK = 64
-SUB = 16                 # sub-chunk: diagonal blocks inverted by substitution; KDA's blocks
+SUB = 16                 # KDA's sub-chunk: blocks of the per-channel intra-chunk products
 DIAG_EXP_LIMIT = 40.0    # KDA: largest |G - G_mid| for the factored diagonal blocks (e^80 < 3e38)
 GATE_FLOOR = -88.0
 GATE_QUANTUM = 16.0      # hi parts of the gates are multiples of 1 / GATE_QUANTUM
@@ -173,6 +182,31 @@ def _dot(a, b, precise, *, trans_a=False, trans_b=False, interpret=False):
     return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=F32)
 
 
+def _split_bf16(x):
+    """fp32 x as hi + lo, both bf16: hi holds x's top 8 significand bits, lo the next 8."""
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(F32)).astype(jnp.bfloat16)
+
+
+def _dot_bf16x2(a, b, *, trans_a=False, trans_b=False):
+    """a @ b for one exact bf16 operand and one fp32 operand, as two bf16 tensor-core products
+    (the fp32 side split by `_split_bf16`) summed in fp32: ~2^-17 relative on the fp32 side where
+    one-pass TF32 rounds it to 2^-11, for the tensor-core time of one TF32 pass (bf16 runs at
+    twice TF32's rate) and without widening the bf16 operand to fp32 registers."""
+    dot = functools.partial(_dot, precise=False, trans_a=trans_a, trans_b=trans_b)
+    if b.dtype == F32:
+        hi, lo = _split_bf16(b)
+        return dot(a, hi) + dot(a, lo)
+    hi, lo = _split_bf16(a)
+    return dot(hi, b) + dot(lo, b)
+
+
+def _bf16_rows(*refs) -> bool:
+    """Whether the rows these refs hold are bf16, so they enter products as they are
+    (`_dot_bf16x2`); fp16 rows are widened to fp32 (fp16 cannot hold a split state's range)."""
+    return all(r.dtype == jnp.bfloat16 for r in refs)
+
+
 def _l2_normalize(x):
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
@@ -197,33 +231,27 @@ def _split_cumsum(g):
 
 
 def _invert_unit_lower(A, precise, interpret):
-    """(I + A)^-1 for a strictly lower-triangular [C, C] A.
-
-    The SUB x SUB diagonal blocks are inverted together by forward substitution (row i of every
-    block per step, as one matrix product); with D that block-diagonal inverse and N = D A_off
-    (strictly block-lower, so N^4 = 0 for C / SUB = 4 blocks):
-        (I + A)^-1 = (I + N)^-1 D = (I - N)(I + N^2) D.
-    Substitution rather than the shorter product (I - A_d)(I + A_d^2)(I + A_d^4)(I + A_d^8):
-    for repeated keys with beta near 1 the powers of A_d grow to ~C(15, 7) while the inverse stays
-    O(1), so the product form loses about three digits exactly where prompts repeat tokens."""
+    """(I + A)^-1 for a strictly lower-triangular [C, C] A, by recursive doubling of the
+    triangular block inverse: with D the inverse of I + A on the diagonal blocks of size b, and
+    L = A's entries below those blocks but inside the diagonal blocks of size 2b,
+        (I + A)^-1 on the 2b-blocks = D - D L D
+    (the block formula [[X, 0], [Y, Z]]^-1 = [[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]] for every 2b-block
+    at once). From b = 2 (D = I - A on the 2-blocks) that is two dependent matrix products per
+    doubling, 10 for C = 64. This is the standard recursive triangular inversion, with error bounds like
+    forward substitution's; it forms no powers of A (a truncated series I - A + A^2 - ... loses
+    about three digits for repeated keys with beta near 1, where the powers grow to ~C(15, 7)
+    while the inverse stays O(1))."""
     c = A.shape[0]
     r = lax.broadcasted_iota(jnp.int32, (c, c), 0)
     col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    eye = (r == col).astype(F32)
-    same = (r // SUB) == (col // SUB)
-    A_diag = jnp.where(same, A, 0.0)
-    A_off = jnp.where(same, 0.0, A)
     dot = functools.partial(_dot, precise=precise, interpret=interpret)
-
-    def substitute(i, D):
-        rows = (r % SUB) == i
-        return jnp.where(rows, eye - dot(jnp.where(rows, A_diag, 0.0), D), D)
-
-    D = lax.fori_loop(1, SUB, substitute, eye)
-    N = dot(D, A_off)
-    N2 = dot(N, N)
-    P = eye - N + N2 - dot(N, N2)
-    return dot(P, D)
+    D = (r == col).astype(F32) - jnp.where((r // 2 == col // 2) & (r != col), A, 0.0)  # b = 2
+    b = 2
+    while b < c:
+        L = jnp.where(((r // (2 * b)) == (col // (2 * b))) & ((r // b) != (col // b)), A, 0.0)
+        D = D - dot(D, dot(L, D))
+        b *= 2
+    return D
 
 
 def _block_rows(x, r):
@@ -349,6 +377,7 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
     s, h = pl.program_id(0), pl.program_id(1)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
+    bf16_rows = _bf16_rows(q_ref, k_ref, v_ref)
     C = CHUNK
 
     @pl.when(n > 0)
@@ -421,9 +450,16 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             kk = dot(k_in, k_in, trans_b=True) * (rk[:, None] * rk[None, :])
             A = jnp.where(i > j, beta[:, None] * kk * decay, 0.0)
             T = _invert_unit_lower(A, spec.precise, interpret)
-            store(w_ref.at[tok, h, :], dot(T * (beta * eG * rk)[None, :], k), rows2)
-        v = load(v_ref.at[tok, h, :], rows2)
-        store(u_ref.at[tok, h, :], dot(T * beta[None, :], v), rows2)
+            if bf16_rows:
+                store(w_ref.at[tok, h, :], _dot_bf16x2(T * (beta * eG * rk)[None, :], k_in), rows2)
+            else:
+                store(w_ref.at[tok, h, :], dot(T * (beta * eG * rk)[None, :], k), rows2)
+        if bf16_rows:
+            v = plgpu.load(v_ref.at[tok, h, :], mask=rows2, other=0)
+            store(u_ref.at[tok, h, :], _dot_bf16x2(T * beta[None, :], v), rows2)
+        else:
+            v = load(v_ref.at[tok, h, :], rows2)
+            store(u_ref.at[tok, h, :], dot(T * beta[None, :], v), rows2)
 
 
 # --------------------------------------------------------------------------- kernel 2: state scan
@@ -451,30 +487,33 @@ def _scan_kernel(cu_ref, first_ref, slots_ref, q_ref, k_ref, w_ref, u_ref, aqk_r
     else:
         S = jnp.zeros((K, block_v), F32)
 
+    # bf16 rows (W, raw q and k) enter the products as they are, against the fp32 state and
+    # deltas split in two bf16 halves.
+    bf16_rows = _bf16_rows(w_ref, q_ref, k_ref)
+    row_dot = _dot_bf16x2 if bf16_rows else dot
+
     def chunk(c, S):
         t0 = bos + c * C
         rows = lax.broadcasted_iota(jnp.int32, (C,), 0) < eos - t0
         rows2 = rows[:, None]
         tok = pl.ds(t0, C)
-        load = lambda ref, mask: plgpu.load(ref, mask=mask, other=0).astype(F32)
+        load32 = lambda ref, mask: plgpu.load(ref, mask=mask, other=0).astype(F32)
+        load = (lambda ref, mask: plgpu.load(ref, mask=mask, other=0)) if bf16_rows else load32
         w = load(w_ref.at[tok, h, :], rows2)
-        u, aqk = load(u_ref.at[tok, h, cols], rows2), load(aqk_ref.at[tok, h, :], rows2)
-        delta = u - dot(w, S)
-        if spec.per_channel_gate:  # decayed, normalised q and k rows come from the prep
-            q, k = load(fq_ref.at[tok, h, :], rows2), load(fk_ref.at[tok, h, :], rows2)
+        u, aqk = load32(u_ref.at[tok, h, cols], rows2), load32(aqk_ref.at[tok, h, :], rows2)
+        delta = u - row_dot(w, S)
+        if spec.per_channel_gate:  # decayed, normalised fp32 q and k rows come from the prep
+            q, k = load32(fq_ref.at[tok, h, :], rows2), load32(fk_ref.at[tok, h, :], rows2)
             o = dot(q, S) + dot(aqk, delta)
-            k_delta = delta
-            state_decay = decay_ref[first + c, h, :][:, None]
+            S = S * decay_ref[first + c, h, :][:, None] + dot(k, delta, trans_a=True)
         else:  # raw q and k rows with per-row factors
             q, k = load(q_ref.at[tok, hk, :], rows2), load(k_ref.at[tok, hk, :], rows2)
-            fq, fk = load(fq_ref.at[tok, h], rows), load(fk_ref.at[tok, h], rows)
-            o = dot(q, S) * fq[:, None] + dot(aqk, delta)
-            k_delta = delta * fk[:, None]
-            state_decay = decay_ref[first + c, h]
+            fq, fk = load32(fq_ref.at[tok, h], rows), load32(fk_ref.at[tok, h], rows)
+            o = row_dot(q, S) * fq[:, None] + dot(aqk, delta)
+            S = S * decay_ref[first + c, h] + row_dot(k, delta * fk[:, None], trans_a=True)
         if spec.pooled:
             o = jnp.where(live, o, 0.0)
         plgpu.store(o_ref.at[tok, h, cols], o.astype(o_ref.dtype), mask=rows2)
-        S = S * state_decay + dot(k, k_delta, trans_a=True)
         if spec.boundary_states:
             hb_ref[first + c, h, :, cols] = S.astype(hb_ref.dtype)
         return S
@@ -489,17 +528,20 @@ def _scan_kernel(cu_ref, first_ref, slots_ref, q_ref, k_ref, w_ref, u_ref, aqk_r
 
 # --------------------------------------------------------------------------- launchers
 
+
 def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, interpret):
     T_total, HV, V, K = q.shape[0], v.shape[1], v.shape[2], q.shape[2]
-    mid = v.dtype  # intermediates go through memory in the input dtype
+    # W goes through memory in the input dtype; U and the intra-chunk matrix in fp32 (see the
+    # module docstring: with 16-bit copies a near-singular chunk loses the output's digits).
+    mid = v.dtype
     # Row factors (GDN) or whole decayed rows, kept in fp32 (KDA); per-channel total decays.
     rows = (T_total, HV, K) if spec.per_channel_gate else (T_total, HV)
     chunk = (start.shape[0], HV, K) if spec.per_channel_gate else (start.shape[0], HV)
     return pl.pallas_call(
         functools.partial(_prep_kernel, spec=spec, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((T_total, HV, K), mid),      # W
-                   jax.ShapeDtypeStruct((T_total, HV, V), mid),      # U
-                   jax.ShapeDtypeStruct((T_total, HV, CHUNK), mid),  # q k^T e^{G_i - G_j}, j <= i
+                   jax.ShapeDtypeStruct((T_total, HV, V), F32),      # U
+                   jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),  # q k^T e^{G_i - G_j}, j <= i
                    jax.ShapeDtypeStruct(rows, F32),                  # q: norm * scale * e^G
                    jax.ShapeDtypeStruct(rows, F32),                  # k: norm * e^{G_C - G}
                    jax.ShapeDtypeStruct(chunk, F32)),                # e^{G_C}
@@ -512,7 +554,7 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
 
 def _scan(cu, first, slots, q, k, w, u, aqk, fq, fk, decay, h0, *, spec, block, state_dtype,
           num_boundary, interpret):
-    v_dtype = u.dtype
+    v_dtype = q.dtype
     T_total, HV, V = u.shape
     K = w.shape[2]
     N = cu.shape[0] - 1
