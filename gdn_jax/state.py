@@ -45,32 +45,30 @@ def _init(cls, batch_size, *, num_v_heads, head_k_dim, head_v_dim, conv_dim, con
                conv=jnp.zeros((batch_size, conv_width - 1, conv_dim), conv_dtype))
 
 
+@dataclasses.dataclass(frozen=True)
+class _LayerState:
+    """recurrent [B, HV, K, V] and conv [B, W-1, conv_dim]; one subclass per layer kind, so a
+    block can tell a state of its own kind from another's."""
+    recurrent: jax.Array
+    conv: jax.Array
+
+    init = classmethod(_init)
+
+    @property
+    def batch_size(self) -> int:
+        return self.recurrent.shape[0]
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class GDNState:
+class GDNState(_LayerState):
     """State of one Gated DeltaNet layer for a batch of sequences."""
-    recurrent: jax.Array
-    conv: jax.Array
-
-    init = classmethod(_init)
-
-    @property
-    def batch_size(self) -> int:
-        return self.recurrent.shape[0]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class KDAState:
+class KDAState(_LayerState):
     """State of one Kimi Delta Attention layer for a batch of sequences."""
-    recurrent: jax.Array
-    conv: jax.Array
-
-    init = classmethod(_init)
-
-    @property
-    def batch_size(self) -> int:
-        return self.recurrent.shape[0]
 
 
 # --------------------------------------------------------------------------- carried-verify stashes

@@ -3,6 +3,7 @@ written unless asked, JSON / PNG / markdown on request, the FLA decode call by k
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib
 import json
@@ -136,6 +137,17 @@ def test_peer_available_names_what_is_missing(monkeypatch):
     assert msg.count("\n") == 0 and "torch" in msg and "flash-linear-attention" in msg
 
 
+def test_usable_peers_notes_each_peer_left_out(monkeypatch):
+    rep = common.Report("decode", argparse.Namespace(smoke=False))
+    monkeypatch.setattr(common, "peer_available",
+                        lambda name: None if name == "fla" else f"peer {name} skipped: gone")
+    args = argparse.Namespace(smoke=False, peers="jla,fla")
+    assert common.usable_peers(args, rep) == ["fla"]
+    assert common.usable_peers(args, rep, supported=("jla",), why_not="FLA only here") == []
+    assert rep.notes == ["peer jla skipped: gone", "peer jla skipped: gone",
+                         "peer fla skipped: FLA only here"]
+
+
 def test_fla_decode_peer_passes_g_and_beta_by_keyword():
     """FLA 0.6's fused_recurrent_gated_delta_rule is (q, k, v, g, gk, gv, beta, ...): a positional
     beta lands in gk. Every call of an FLA function in the benches passes only q, k, v positionally."""
@@ -160,19 +172,13 @@ def test_chunk_flops_counts_the_chunk_form():
 
 
 def fake_peer(cases, out_dir):
-    """A stand-in peer for run_peer's plumbing (runs in the subprocess)."""
-    import numpy as np
-    res = {}
-    for c in cases:
+    """A stand-in peer for run_peer's plumbing (runs in the subprocess, through peer_cases)."""
+    def run_case(c):
         if c["key"] == "bad":
-            res["bad"] = {"error": "ValueError: no"}
-            continue
-        x = common.np_inputs(c["seed"], 1, 2, 1, 1, 4, 4, state=False)
-        np.savez(os.path.join(out_dir, f"{c['key']}.npz"), q=x["q"])
-        res[c["key"]] = {"us": 1.5}
+            raise ValueError("no")
+        return {"us": 1.5}, {"q": common.np_inputs(c["seed"], 1, 2, 1, 1, 4, 4, state=False)["q"]}
+    common.peer_cases(cases, out_dir, run_case, tag="fake", res={"meta": {"GBps": 2.0}})
     print("fake peer done", flush=True)
-    with open(os.path.join(out_dir, "result.json"), "w") as f:
-        json.dump(res, f)
 
 
 def fake_peer_crash(cases, out_dir):
@@ -184,7 +190,8 @@ def test_run_peer_plumbing():
     lines = []
     res = common.run_peer("tests.test_bench:fake_peer", [{"key": "a", "seed": 3}, {"key": "bad"}],
                           progress=lines.append, timeout=120)
-    assert res["a"]["us"] == 1.5 and res["bad"]["error"].startswith("ValueError")
+    assert res["a"]["us"] == 1.5 and res["bad"]["error"] == "ValueError: no"
+    assert res["meta"] == {"GBps": 2.0} and "samples" not in res["bad"]
     want = common.np_inputs(3, 1, 2, 1, 1, 4, 4, state=False)["q"]
     assert (res["a"]["samples"]["q"] == want).all()
     assert "fake peer done" in lines

@@ -115,41 +115,31 @@ def _peer_module(name: str, dims: dict):
 def _torch_peer(cases: list[dict], out_dir: str) -> None:
     """Runs in a subprocess: prefill of the peer module on [1, T, hidden] (decode needs the
     peer's own cache object and is not timed here)."""
-    import json
-    import os
-
     import torch
 
-    res = {}
     modules = {}
-    for c in cases:
-        key = c["key"]
-        try:
-            if c["block"] not in modules:
-                m, who = _peer_module(c["block"], c["dims"])
-                modules[c["block"]] = (m.cuda().to(torch.bfloat16).eval(), who)
-            m, who = modules[c["block"]]
-            x = torch.randn(1, c["T"], c["dims"]["hidden"], device="cuda", dtype=torch.bfloat16)
-            with torch.no_grad():
-                fn = lambda: m(x)
-                fn()
-                torch.cuda.synchronize()
-                us = common.torch_do_bench_us(fn)
-            res[key] = {"us": us, "who": who}
-        except Exception as e:  # noqa: BLE001 - one line per failed case, keep going
-            res[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        print(f"peer {key}: {res[key]}", flush=True)
-    with open(os.path.join(out_dir, "result.json"), "w") as f:
-        json.dump(res, f)
+
+    def run_case(c):
+        if c["block"] not in modules:
+            m, who = _peer_module(c["block"], c["dims"])
+            modules[c["block"]] = (m.cuda().to(torch.bfloat16).eval(), who)
+        m, who = modules[c["block"]]
+        x = torch.randn(1, c["T"], c["dims"]["hidden"], device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            fn = lambda: m(x)
+            fn()
+            torch.cuda.synchronize()
+            us = common.torch_do_bench_us(fn)
+        return {"us": us, "who": who}, None
+
+    common.peer_cases(cases, out_dir, run_case, tag="peer")
 
 
 # --------------------------------------------------------------------------- ours
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gdn-jax bench block", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_shared_flags(p, batches="1,32,128,256", seq_lens="4096,32768", dtype="bfloat16",
-                            peers="fla")
+    p = common.make_parser("block", __doc__, batches="1,32,128,256", seq_lens="4096,32768",
+                           dtype="bfloat16", peers="fla")
     p.add_argument("--blocks", default="qwen3_next,kimi",
                    help=f"which blocks, comma-separated from {sorted(BLOCKS)} (default %(default)s)")
     p.add_argument("--unroll", type=int, default=20, help="decode steps chained per jitted call")
@@ -197,14 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = lambda: gdn_jax.interpret() if interp else contextlib.nullcontext()
     dtype = jnp.dtype(args.dtype)
 
-    peers = [p for p in common.peer_list(args) if p == "fla"]
-    if "jla" in common.peer_list(args):
-        rep.note("peer jla skipped: jax-linear-attention has no block module")
-    for name in list(peers):
-        reason = common.peer_available(name)
-        if reason:
-            rep.note(reason)
-            peers.remove(name)
+    peers = common.usable_peers(args, rep, supported=("fla",),
+                                why_not="jax-linear-attention has no block module")
     peer = {}
     if peers and seq_lens:
         cases = [dict(key=f"{n}-p{t}", block=n, T=t, dims=BLOCKS[n]) for n in names for t in seq_lens]

@@ -233,6 +233,58 @@ def run_peer(func: str, cases: list[dict], *, timeout: int = 900,
         return res
 
 
+def peer_cases(cases: list[dict], out_dir: str, run_case: Callable[[dict], tuple[dict, dict | None]],
+               *, tag: str, res: dict | None = None) -> None:
+    """The body of a peer subprocess (see `run_peer`): `run_case(case)` returns (result, samples
+    or None) for one case; samples go to `<key>.npz`, results (a failed case as one "error" line,
+    the other cases still run) to `result.json`, with any entries already in `res`."""
+    res = {} if res is None else res
+    for c in cases:
+        key = c["key"]
+        try:
+            r, samples = run_case(c)
+            if samples:
+                np.savez(os.path.join(out_dir, f"{key}.npz"), **samples)
+            res[key] = r
+        except Exception as e:  # noqa: BLE001 - one line per failed case, keep going
+            res[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        print(f"{tag} {key}: {res[key]}", flush=True)
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump(res, f)
+
+
+def make_parser(name: str, description: str | None, **shared) -> argparse.ArgumentParser:
+    """`gdn-jax bench <name>`'s parser with the shared flags (`add_shared_flags(**shared)`)."""
+    p = argparse.ArgumentParser(prog=f"gdn-jax bench {name}", description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_shared_flags(p, **shared)
+    return p
+
+
+def parse_here(name: str, parser: argparse.ArgumentParser, argv) -> argparse.Namespace | None:
+    """`argv` parsed, or None after one line saying why `gdn-jax bench <name>` cannot run here."""
+    args = parser.parse_args(argv)
+    why = missing_gpu(args.smoke)
+    if why:
+        print(f"gdn-jax bench {name}: {why}")
+        return None
+    return args
+
+
+def usable_peers(args, rep: "Report", *, supported=tuple(PEERS), why_not: str = "") -> list[str]:
+    """The --peers this benchmark can run here, in order; each one left out gets a note in the
+    report (not supported by this benchmark: `why_not`; not installed: what is missing)."""
+    peers = []
+    for name in peer_list(args):
+        reason = (f"peer {name} skipped: {why_not}" if name not in supported
+                  else peer_available(name))
+        if reason:
+            rep.note(reason)
+        else:
+            peers.append(name)
+    return peers
+
+
 def torch_do_bench_us(fn: Callable) -> float:
     """Median microseconds of `fn` by triton.testing.do_bench (CUDA events), in the peer process."""
     import triton.testing as tt

@@ -45,48 +45,39 @@ def _np_case(seed, b, state_dtype):
 
 def _peer_main(cases: list[dict], out_dir: str) -> None:
     """Runs in a subprocess: FLA's fused recurrent GDN step on each case's inputs."""
-    import json
-    import os
-
     import torch
     import triton.testing as tt
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
-    res = {}
     dev = "cuda"
     x = torch.empty(1024**3 // 4, device=dev)
     y = torch.empty_like(x)
     ms = tt.do_bench(lambda: y.copy_(x), warmup=20, rep=200, return_mode="median")
-    res["torch_copy"] = {"GBps": 2 * x.numel() * 4 / (ms * 1e-3) / 1e9}
+    copy = {"GBps": 2 * x.numel() * 4 / (ms * 1e-3) / 1e9}
     del x, y
-    for c in cases:
-        key = c["key"]
+
+    def run_case(c):
+        a = {n: torch.from_numpy(v).to(dev) for n, v in _np_case(c["seed"], c["B"], c["state"]).items()}
+        q, k, v = (a[n].to(torch.bfloat16) for n in ("q", "k", "v"))
+        g, beta = a["g"], a["beta"]
+        h0 = a["h0"].to(getattr(torch, c["state"]))
+        # by keyword: the positional order is (q, k, v, g, gk, gv, beta, ...)
+        step = lambda h: fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h,
+                                                          output_final_state=True)
+        o, hf = step(h0.clone())     # the checked call on its own copy of the state
+        torch.cuda.synchronize()
+        samples = dict(o=o[:, 0].float().cpu().numpy(), state=hf.float().cpu().numpy())
+        h_run = h0.clone()
+        fn = lambda: step(h_run)
+        t_ev = tt.do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e3
         try:
-            a = {n: torch.from_numpy(v).to(dev) for n, v in _np_case(c["seed"], c["B"], c["state"]).items()}
-            q, k, v = (a[n].to(torch.bfloat16) for n in ("q", "k", "v"))
-            g, beta = a["g"], a["beta"]
-            h0 = a["h0"].to(getattr(torch, c["state"]))
-            # by keyword: the positional order is (q, k, v, g, gk, gv, beta, ...)
-            step = lambda h: fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h,
-                                                              output_final_state=True)
-            o, hf = step(h0.clone())     # the checked call on its own copy of the state
-            torch.cuda.synchronize()
-            np.savez(os.path.join(out_dir, f"{key}.npz"), o=o[:, 0].float().cpu().numpy(),
-                     state=hf.float().cpu().numpy())
-            h_run = h0.clone()
-            fn = lambda: step(h_run)
-            t_ev = tt.do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e3
-            try:
-                t_graph = tt.do_bench_cudagraph(fn, rep=300, return_mode="median") * 1e3
-            except Exception:  # noqa: BLE001 - the graph timing is a bonus
-                t_graph = float("inf")
-            res[key] = {"us": min(t_ev, t_graph), "us_events": t_ev, "us_graph": t_graph,
-                        "final_state_dtype": str(hf.dtype)}
-        except Exception as e:  # noqa: BLE001 - report, keep going
-            res[key] = {"error": f"{type(e).__name__}: {e}"[:400]}
-        print(f"fla {key}: {res[key]}", flush=True)
-    with open(os.path.join(out_dir, "result.json"), "w") as f:
-        json.dump(res, f)
+            t_graph = tt.do_bench_cudagraph(fn, rep=300, return_mode="median") * 1e3
+        except Exception:  # noqa: BLE001 - the graph timing is a bonus
+            t_graph = float("inf")
+        return ({"us": min(t_ev, t_graph), "us_events": t_ev, "us_graph": t_graph,
+                 "final_state_dtype": str(hf.dtype)}, samples)
+
+    common.peer_cases(cases, out_dir, run_case, tag="fla", res={"torch_copy": copy})
 
 
 # --------------------------------------------------------------------------- ours
@@ -184,9 +175,8 @@ def _blk_str(bk: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gdn-jax bench decode", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_shared_flags(p, batches="1,32,128,256", seq_lens="1", dtype="bfloat16", peers="fla")
+    p = common.make_parser("decode", __doc__, batches="1,32,128,256", seq_lens="1",
+                           dtype="bfloat16", peers="fla")
     p.add_argument("--state-dtypes", default="float32,float16",
                    help="recurrent state dtypes, comma-separated (default %(default)s)")
     p.add_argument("--sweep", action="store_true", help="also time other block shapes, keep the best")
@@ -195,10 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    why = common.missing_gpu(args.smoke)
-    if why:
-        print(f"gdn-jax bench decode: {why}")
+    args = common.parse_here("decode", build_parser(), argv)
+    if args is None:
         return 2
     global HV, HK, K, V, INTERPRET
     state_dtypes = [x.strip() for x in args.state_dtypes.split(",") if x.strip()]
@@ -214,14 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pallas_kernels import gdn_decode as kern
 
     rep = common.Report("decode", args)
-    peers = [p for p in common.peer_list(args) if p == "fla"]
-    if "jla" in common.peer_list(args):
-        rep.note("peer jla skipped: this bench times FLA's decode only")
-    for name in list(peers):
-        reason = common.peer_available(name)
-        if reason:
-            rep.note(reason)
-            peers.remove(name)
+    peers = common.usable_peers(args, rep, supported=("fla",),
+                                why_not="this bench times FLA's decode only")
     peer = {}
     if peers:
         rep.progress("running FLA in a subprocess ...")

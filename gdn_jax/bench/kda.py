@@ -34,51 +34,39 @@ SMOKE = dict(h=2, k=32, v=32, T=40, B=3)
 
 def _fla_peer(cases: list[dict], out_dir: str) -> None:
     """Runs in a subprocess: FLA's chunk_kda (prefill) / fused_recurrent_kda (decode)."""
-    import json
-    import os
-
     import torch
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
-    res = {}
-    for c in cases:
-        key = c["key"]
-        try:
-            x = common.np_inputs(c["seed"], c["B"], c["T"], c["h"], c["h"], c["k"], c["v"],
-                                 per_channel=True, state=c["mode"] == "decode")
-            dt = getattr(torch, c["dtype"])
-            t = {n: torch.from_numpy(a).cuda() for n, a in x.items()}
-            q, k, v = (t[n].to(dt) for n in ("q", "k", "v"))
-            g, beta = t["g"], t["beta"].to(dt)
-            if c["mode"] == "prefill":
-                fn = lambda: chunk_kda(q, k, v, g=g, beta=beta, output_final_state=True,
-                                       use_qk_l2norm_in_kernel=True)
-                o, ht = fn()
-                samples = dict(head=o[:, :SAMPLE], tail=o[:, -SAMPLE:], state=ht)
-            else:
-                # The kernel may update initial_state in place: the checked call gets its own copy.
-                o, ht = fused_recurrent_kda(q, k, v, g=g, beta=beta, initial_state=t["h0"].clone(),
-                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
-                samples = dict(o=o, state=ht)
-                h_run = t["h0"].clone()
-                fn = lambda: fused_recurrent_kda(q, k, v, g=g, beta=beta, initial_state=h_run,
-                                                 output_final_state=True, use_qk_l2norm_in_kernel=True)
-            torch.cuda.synchronize()
-            samples = {n: a.float().cpu().numpy() for n, a in samples.items()}
-            us = common.torch_do_bench_us(fn)
-            np.savez(os.path.join(out_dir, f"{key}.npz"), **samples)
-            res[key] = {"us": us}
-        except Exception as e:  # noqa: BLE001 - one line per failed case, keep going
-            res[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        print(f"fla {key}: {res[key]}", flush=True)
-    with open(os.path.join(out_dir, "result.json"), "w") as f:
-        json.dump(res, f)
+    def run_case(c):
+        x = common.np_inputs(c["seed"], c["B"], c["T"], c["h"], c["h"], c["k"], c["v"],
+                             per_channel=True, state=c["mode"] == "decode")
+        dt = getattr(torch, c["dtype"])
+        t = {n: torch.from_numpy(a).cuda() for n, a in x.items()}
+        q, k, v = (t[n].to(dt) for n in ("q", "k", "v"))
+        g, beta = t["g"], t["beta"].to(dt)
+        if c["mode"] == "prefill":
+            fn = lambda: chunk_kda(q, k, v, g=g, beta=beta, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True)
+            o, ht = fn()
+            samples = dict(head=o[:, :SAMPLE], tail=o[:, -SAMPLE:], state=ht)
+        else:
+            # The kernel may update initial_state in place: the checked call gets its own copy.
+            o, ht = fused_recurrent_kda(q, k, v, g=g, beta=beta, initial_state=t["h0"].clone(),
+                                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+            samples = dict(o=o, state=ht)
+            h_run = t["h0"].clone()
+            fn = lambda: fused_recurrent_kda(q, k, v, g=g, beta=beta, initial_state=h_run,
+                                             output_final_state=True, use_qk_l2norm_in_kernel=True)
+        torch.cuda.synchronize()
+        samples = {n: a.float().cpu().numpy() for n, a in samples.items()}
+        return {"us": common.torch_do_bench_us(fn)}, samples
+
+    common.peer_cases(cases, out_dir, run_case, tag="fla")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gdn-jax bench kda", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_shared_flags(p, batches="128", seq_lens="8192", dtype="bfloat16", peers="fla")
+    p = common.make_parser("kda", __doc__, batches="128", seq_lens="8192", dtype="bfloat16",
+                           peers="fla")
     p.add_argument("--impls", default="chunked,pallas",
                    help="our prefill impls, comma-separated (default %(default)s)")
     p.add_argument("--unroll", type=int, default=20, help="decode steps chained per jitted call")
@@ -86,10 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    why = common.missing_gpu(args.smoke)
-    if why:
-        print(f"gdn-jax bench kda: {why}")
+    args = common.parse_here("kda", build_parser(), argv)
+    if args is None:
         return 2
     import contextlib
 
@@ -105,14 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         h, kd, vd = SMOKE["h"], SMOKE["k"], SMOKE["v"]
         seq_lens, batches, args.unroll = [SMOKE["T"]], [SMOKE["B"]], 2
     interp = jax.default_backend() != "gpu"
-    peers = [p for p in common.peer_list(args) if p == "fla"]
-    if "jla" in common.peer_list(args):
-        rep.note("peer jla skipped: this bench times FLA only (jla has no KDA call here)")
-    for name in list(peers):
-        reason = common.peer_available(name)
-        if reason:
-            rep.note(reason)
-            peers.remove(name)
+    peers = common.usable_peers(args, rep, supported=("fla",),
+                                why_not="this bench times FLA only (jla has no KDA call here)")
     copy = common.measure_copy_gbps(1 << 22 if args.smoke else 1 << 30)
     rep.meta.update(copy_GBps=copy, heads=dict(H=h, K=kd, V=vd), dtype=args.dtype)
     rep.progress(f"device copy bandwidth measured now: {copy:.0f} GB/s (read + write)")

@@ -63,50 +63,31 @@ def _cases(args, pieces: int, total: int, seed: int = 0):
 
 def _fla_peer(cases: list[dict], out_dir: str) -> None:
     """Runs in a subprocess: FLA's chunked GDN on the same inputs; times and output samples."""
-    import json
-    import os
-
     import torch
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    res = {}
-    for c in cases:
-        key = c["key"]
-        try:
-            x = common.np_inputs(c["seed"], c["B"], c["T"], c["hk"], c["hv"], c["k"], c["v"], state=False)
-            dt = getattr(torch, c["dtype"])
-            t = {n: torch.from_numpy(a).cuda() for n, a in x.items()}
-            q, k, v = (t[n].to(dt) for n in ("q", "k", "v"))
-            g, beta = t["g"], t["beta"].to(dt)
-            cu = None if c["cu"] is None else torch.tensor(c["cu"], dtype=torch.long, device="cuda")
-            fn = lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True,
-                                                use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
-            o, ht = fn()
-            torch.cuda.synchronize()
-            us = common.torch_do_bench_us(fn)
-            np.savez(os.path.join(out_dir, f"{key}.npz"), head=o[:, :SAMPLE].float().cpu().numpy(),
-                     tail=o[:, -SAMPLE:].float().cpu().numpy(), state=ht.float().cpu().numpy())
-            res[key] = {"us": us}
-        except Exception as e:  # noqa: BLE001 - one line per failed case, keep going
-            res[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        print(f"fla {key}: {res[key]}", flush=True)
-    with open(os.path.join(out_dir, "result.json"), "w") as f:
-        json.dump(res, f)
+    def run_case(c):
+        x = common.np_inputs(c["seed"], c["B"], c["T"], c["hk"], c["hv"], c["k"], c["v"], state=False)
+        dt = getattr(torch, c["dtype"])
+        t = {n: torch.from_numpy(a).cuda() for n, a in x.items()}
+        q, k, v = (t[n].to(dt) for n in ("q", "k", "v"))
+        g, beta = t["g"], t["beta"].to(dt)
+        cu = None if c["cu"] is None else torch.tensor(c["cu"], dtype=torch.long, device="cuda")
+        fn = lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+        o, ht = fn()
+        torch.cuda.synchronize()
+        us = common.torch_do_bench_us(fn)
+        return {"us": us}, dict(head=o[:, :SAMPLE].float().cpu().numpy(),
+                                tail=o[:, -SAMPLE:].float().cpu().numpy(),
+                                state=ht.float().cpu().numpy())
 
+    common.peer_cases(cases, out_dir, run_case, tag="fla")
 
-def _jla_call(q, k, v, g, beta):
-    from jla.ops import linear_attention
-    return linear_attention("gated_deltanet", q, k, v, g=g, beta=beta, impl="mosaic_gpu",
-                            output_final_state=True)
-
-
-# --------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gdn-jax bench prefill", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_shared_flags(p, batches="1,8,1", seq_lens="8192,4096,32768", dtype="bfloat16",
-                            peers="fla,jla")
+    p = common.make_parser("prefill", __doc__, batches="1,8,1", seq_lens="8192,4096,32768",
+                           dtype="bfloat16", peers="fla,jla")
     p.add_argument("--impls", default="chunked,pallas",
                    help="our impls to time, comma-separated from reference, chunked, pallas, auto "
                         "(default %(default)s)")
@@ -201,10 +182,8 @@ def _short(args, argv) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    why = common.missing_gpu(args.smoke)
-    if why:
-        print(f"gdn-jax bench prefill: {why}")
+    args = common.parse_here("prefill", build_parser(), argv)
+    if args is None:
         return 2
     if args.short:
         import sys
@@ -224,12 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.batches, args.seq_lens = [b for b, _ in SMOKE["cases"]], [t for _, t in SMOKE["cases"]]
     impls = [x.strip() for x in args.impls.split(",") if x.strip()]
     cases = _cases(args, pieces, total)
-    peers = common.peer_list(args)
-    for name in list(peers):
-        reason = common.peer_available(name)
-        if reason:
-            rep.note(reason)
-            peers.remove(name)
+    peers = common.usable_peers(args, rep)
 
     copy = common.measure_copy_gbps(1 << 22 if args.smoke else 1 << 30)
     rep.meta.update(copy_GBps=copy, heads=dict(HK=hk, HV=hv, K=kd, V=vd), dtype=args.dtype,

@@ -104,9 +104,8 @@ def _check_exact(interp) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gdn-jax bench verify", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_shared_flags(p, batches="128", seq_lens="2,4", dtype="bfloat16", peers="none")
+    p = common.make_parser("verify", __doc__, batches="128", seq_lens="2,4",
+                           dtype="bfloat16", peers="none")
     p.add_argument("--unroll", type=int, default=8, help="rounds chained in one jitted program")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--tokens", dest="seq_lens", type=common.int_list, help=argparse.SUPPRESS)  # = --seq-lens
@@ -118,10 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """--batches takes one B (the pool holds B slots); --seq-lens are the draft widths T
     (T = 4, the target's width, is always timed)."""
-    args = build_parser().parse_args(argv)
-    why = common.missing_gpu(args.smoke)
-    if why:
-        print(f"gdn-jax bench verify: {why}")
+    args = common.parse_here("verify", build_parser(), argv)
+    if args is None:
         return 2
     if len(args.batches) != 1:
         print(f"gdn-jax bench verify: --batches takes one batch size, got {args.batches}")
