@@ -237,10 +237,10 @@ def _invert_unit_lower(A, precise, interpret):
         (I + A)^-1 on the 2b-blocks = D - D L D
     (the block formula [[X, 0], [Y, Z]]^-1 = [[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]] for every 2b-block
     at once). From b = 2 (D = I - A on the 2-blocks) that is two dependent matrix products per
-    doubling, 10 for C = 64. This is the standard recursive triangular inversion, with error bounds like
-    forward substitution's; it forms no powers of A (a truncated series I - A + A^2 - ... loses
-    about three digits for repeated keys with beta near 1, where the powers grow to ~C(15, 7)
-    while the inverse stays O(1))."""
+    doubling, 10 for C = 64. This is the standard recursive triangular inversion, with error
+    bounds like forward substitution's; it forms no powers of A (a truncated series
+    I - A + A^2 - ... loses about three digits for repeated keys with beta near 1, where the
+    powers grow to ~C(15, 7) while the inverse stays O(1))."""
     c = A.shape[0]
     r = lax.broadcasted_iota(jnp.int32, (c, c), 0)
     col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
@@ -377,6 +377,7 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
     s, h = pl.program_id(0), pl.program_id(1)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
+    # bf16 k and v rows enter the W and U products as they are (`_dot_bf16x2`).
     bf16_rows = _bf16_rows(q_ref, k_ref, v_ref)
     C = CHUNK
 
@@ -390,6 +391,7 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
         load = lambda ref, mask: plgpu.load(ref, mask=mask, other=0).astype(F32)
         store = lambda ref, x, mask: plgpu.store(ref, x.astype(ref.dtype), mask=mask)
         dot = functools.partial(_dot, precise=spec.precise, interpret=interpret)
+        row_dot = _dot_bf16x2 if bf16_rows else dot
         gmask = rows2 if spec.per_channel_gate else rows
         g = load(g_ref.at[tok, h, :] if spec.per_channel_gate else g_ref.at[tok, h], gmask)
         beta = load(beta_ref.at[tok, h], rows)
@@ -450,16 +452,11 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             kk = dot(k_in, k_in, trans_b=True) * (rk[:, None] * rk[None, :])
             A = jnp.where(i > j, beta[:, None] * kk * decay, 0.0)
             T = _invert_unit_lower(A, spec.precise, interpret)
-            if bf16_rows:
-                store(w_ref.at[tok, h, :], _dot_bf16x2(T * (beta * eG * rk)[None, :], k_in), rows2)
-            else:
-                store(w_ref.at[tok, h, :], dot(T * (beta * eG * rk)[None, :], k), rows2)
-        if bf16_rows:
-            v = plgpu.load(v_ref.at[tok, h, :], mask=rows2, other=0)
-            store(u_ref.at[tok, h, :], _dot_bf16x2(T * beta[None, :], v), rows2)
-        else:
-            v = load(v_ref.at[tok, h, :], rows2)
-            store(u_ref.at[tok, h, :], dot(T * beta[None, :], v), rows2)
+            store(w_ref.at[tok, h, :],
+                  row_dot(T * (beta * eG * rk)[None, :], k_in if bf16_rows else k), rows2)
+        v = plgpu.load(v_ref.at[tok, h, :], mask=rows2, other=0)
+        store(u_ref.at[tok, h, :], row_dot(T * beta[None, :], v if bf16_rows else v.astype(F32)),
+              rows2)
 
 
 # --------------------------------------------------------------------------- kernel 2: state scan
