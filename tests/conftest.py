@@ -38,9 +38,16 @@ def interpret_flag(mode) -> bool:
     return mode == "interpret"
 
 
+# The longest CPU tests (a child pytest process each, over a minute): run first, so that under
+# `-n 2` the other worker balances the rest of the suite against them instead of one worker
+# starting them when the rest is done.
+LONGEST_FIRST = ("test_tensor_parallel.py::test_on_host_devices",)
+
+
 def pytest_collection_modifyitems(config, items):
     if ON_GPU:
         return
+    items.sort(key=lambda item: not any(name in item.nodeid for name in LONGEST_FIRST))
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
