@@ -116,8 +116,12 @@ class PrefillBlockSizes:
         # Few (sequence, head) pairs: narrower column blocks give the scan enough programs, and
         # software pipelining of the next chunk's loads pays; with many pairs the GPU is full
         # and wider blocks read each chunk's rows fewer times (BENCHMARKS.md, prefill sweep).
+        # Pipelined stages hold the chunk's rows in shared memory once per stage: KDA's fp32
+        # decayed q and k rows, or K = 256, leave room for one stage only on an H200.
+        one_stage = spec.per_channel_gate or spec.head_k_dim > 128
         if num_sequences * spec.num_v_heads < 128:
-            return PrefillBlockSizes(block_v=min(32, spec.head_v_dim), num_stages_scan=3)
+            return PrefillBlockSizes(block_v=min(32, spec.head_v_dim),
+                                     num_stages_scan=1 if one_stage else 3)
         return PrefillBlockSizes(block_v=min(64, spec.head_v_dim), num_stages_scan=1)
 
 

@@ -466,6 +466,27 @@ def test_kda_prefill_pool_lower_bound_gate(mode):
     assert np.array_equal(np.asarray(got[2:]), pool_np[2:])  # the argument pool was donated
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("K", [128, 256])
+@pytest.mark.parametrize("lens", [[130], [70] * 32], ids=["few_pairs", "many_pairs"])
+def test_default_blocks_fit_the_gpu(kda, K, lens):
+    """The default launch shapes compile and run at the production head dims, on both sides of
+    the block-size rule (few and many (sequence, head) pairs): a shared-memory overflow shows
+    only when the kernel is built for a real GPU."""
+    HK, HV = 2, 4
+    inputs = (_kda_inputs(31, lens, HK=HK, HV=HV, K=K, dtype=BF16) if kda else
+              _packed_inputs(31, lens, HK=HK, HV=HV, K=K, V=K, dtype=BF16))
+    q, k, v, g, beta, h0, cu = inputs
+    spec = _spec(HK, HV, K, K, has_initial_state=True, precise=False, per_channel_gate=kda)
+    block = kern.PrefillBlockSizes.get_default(spec, len(lens))
+    o, hT, _, _ = kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
+                                     initial_state=h0)
+    ro, rs = _oracle(q, k, v, g, beta, h0, cu)
+    assert rel_err(o, ro) <= 5e-3
+    assert rel_err(hT, rs) <= 5e-3
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the no-kernel path is the CPU's")
 def test_prefill_entry_points_without_a_kernel():
     """Off a GPU and outside interpret mode: "auto" runs the pure-JAX path, "pallas" and chunk
