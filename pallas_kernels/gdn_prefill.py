@@ -31,7 +31,9 @@ attention matrix cannot be row-scaled products. The prep cuts the chunk into blo
 rows: every block below the diagonal is a tensor-core product of rows decayed towards a reference
 row between the two blocks (no exponent above 0); the diagonal blocks are one more product through
 each block's middle row when the chunk's gates allow it (exponents within +-DIAG_EXP_LIMIT), else
-formed exactly in SUB elementwise steps (`_kda_intra_chunk`). The prep hands the scan the decayed
+formed exactly in SUB elementwise steps (`_kda_intra_chunk`). These are sums over key channels:
+the prep forms them block_k channels at a time and adds them up (`_kda_prep_channels`), so its
+[C, block_k] gate and decayed-row tiles stay in registers. The prep hands the scan the decayed
 rows q e^G and k e^{G_C - G} instead of row factors. The rest of both kernels is shared.
 
 Numerics. Gates are clamped at GATE_FLOOR (e^-88 is below fp32's smallest normal number, so a
@@ -110,6 +112,7 @@ class PrefillBlockSizes:
     num_warps_prep: int = 4
     num_warps_scan: int = 4
     num_stages_scan: int = 2
+    block_k: int = 16        # KDA prep: key channels per step of the per-channel products
 
     @staticmethod
     def get_default(spec: PrefillSpec, num_sequences: int) -> "PrefillBlockSizes":
@@ -119,10 +122,12 @@ class PrefillBlockSizes:
         # Pipelined stages hold the chunk's rows in shared memory once per stage: KDA's fp32
         # decayed q and k rows, or K = 256, leave room for one stage only on an H200.
         one_stage = spec.per_channel_gate or spec.head_k_dim > 128
+        block_k = min(16, spec.head_k_dim)  # narrowest: least register pressure (BENCHMARKS.md)
         if num_sequences * spec.num_v_heads < 128:
             return PrefillBlockSizes(block_v=min(32, spec.head_v_dim),
-                                     num_stages_scan=1 if one_stage else 3)
-        return PrefillBlockSizes(block_v=min(64, spec.head_v_dim), num_stages_scan=1)
+                                     num_stages_scan=1 if one_stage else 3, block_k=block_k)
+        return PrefillBlockSizes(block_v=min(64, spec.head_v_dim), num_stages_scan=1,
+                                 block_k=block_k)
 
 
 def _pow2(n: int) -> bool:
@@ -142,6 +147,9 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
     if block is not None:
         if not _pow2(block.block_v) or spec.head_v_dim % block.block_v:
             return f"block_v={block.block_v} must be a power of two >= 16 dividing V={spec.head_v_dim}"
+        if spec.per_channel_gate and (not _pow2(block.block_k) or spec.head_k_dim % block.block_k):
+            return (f"block_k={block.block_k} must be a power of two >= 16 dividing "
+                    f"K={spec.head_k_dim}")
         for w in (block.num_warps_prep, block.num_warps_scan):
             if w not in (1, 2, 4, 8):
                 return f"num_warps={w} must be 1, 2, 4 or 8"
@@ -377,18 +385,16 @@ def _kda_intra_chunk(kn, qn, G_hi, G_lo, *, dot, factored_diagonal):
 
 def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log_ref, dt_ref,
                  w_ref, u_ref, aqk_ref, fq_ref, fk_ref, decay_ref, *, spec: PrefillSpec,
-                 interpret: bool):
+                 block_k: int, interpret: bool):
     s, h = pl.program_id(0), pl.program_id(1)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
     # bf16 k and v rows enter the W and U products as they are (`_dot_bf16x2`).
     bf16_rows = _bf16_rows(q_ref, k_ref, v_ref)
-    C = CHUNK
+    C, K = CHUNK, spec.head_k_dim
 
     @pl.when(n > 0)
     def _():
-        # q and k stay raw: their L2 norms and the decays are per-row factors applied to the dot
-        # products (for 16-bit inputs the raw rows are exact tensor-core operands).
         rows = lax.broadcasted_iota(jnp.int32, (C,), 0) < n
         rows2 = rows[:, None]
         tok = pl.ds(t0, C)
@@ -396,53 +402,50 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
         store = lambda ref, x, mask: plgpu.store(ref, x.astype(ref.dtype), mask=mask)
         dot = functools.partial(_dot, precise=spec.precise, interpret=interpret)
         row_dot = _dot_bf16x2 if bf16_rows else dot
-        gmask = rows2 if spec.per_channel_gate else rows
-        g = load(g_ref.at[tok, h, :] if spec.per_channel_gate else g_ref.at[tok, h], gmask)
-        beta = load(beta_ref.at[tok, h], rows)
-        if spec.raw_gates:
+        i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
+        j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+
+        def gate(cols=None):
+            """The chunk's log decays: [C] (GDN) or [C, len(cols)] for the channels cols (KDA)."""
+            mask = rows2 if spec.per_channel_gate else rows
+            g = load(g_ref.at[tok, h, cols] if spec.per_channel_gate else g_ref.at[tok, h], mask)
+            if not spec.raw_gates:
+                return g
             A_log = A_log_ref[h].astype(F32)
-            dt = (dt_ref[pl.ds(h * spec.head_k_dim, spec.head_k_dim)][None, :]
-                  if spec.per_channel_gate else dt_ref[h]).astype(F32)
+            dt = (dt_ref[pl.ds(h * K + cols.start, cols.size)][None, :] if spec.per_channel_gate
+                  else dt_ref[h]).astype(F32)
             if spec.gate_lower_bound is None:
                 g = -jnp.exp(A_log) * _softplus(g + dt)
             else:
                 g = jnp.float32(spec.gate_lower_bound) * jax.nn.sigmoid(jnp.exp(A_log) * (g + dt))
-            beta = jax.nn.sigmoid(beta)
-            g = jnp.where(gmask, g, 0.0)
-            beta = jnp.where(rows, beta, 0.0)
-        k_in = plgpu.load(k_ref.at[tok, hk, :], mask=rows2, other=0)
-        q_in = plgpu.load(q_ref.at[tok, hk, :], mask=rows2, other=0)
-        k, q = k_in.astype(F32), q_in.astype(F32)
-        if spec.use_qk_l2norm:
-            rk = lax.rsqrt(jnp.sum(k * k, axis=1) + L2NORM_EPS)
-            rq = lax.rsqrt(jnp.sum(q * q, axis=1) + L2NORM_EPS) * jnp.float32(spec.scale)
-        else:
-            rk = jnp.ones((C,), F32)
-            rq = jnp.full((C,), spec.scale, F32)
+            return jnp.where(mask, g, 0.0)
 
-        G_hi, G_lo = _split_cumsum(g)
-        i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
-        j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+        beta = load(beta_ref.at[tok, h], rows)
+        if spec.raw_gates:
+            beta = jnp.where(rows, jax.nn.sigmoid(beta), 0.0)
+
         if spec.per_channel_gate:
-            # KDA: no per-row factorisation of e^{G_ic - G_jc}; the decayed products are formed
-            # sub-chunk by sub-chunk on the tensor cores (see _kda_intra_chunk).
-            kn, qn = k * rk[:, None], q * rq[:, None]
-            last_hi, last_lo = _nth_row(G_hi, C - 1)[0], _nth_row(G_lo, C - 1)[0]  # [K]
-            eG = jnp.exp(G_hi + G_lo)
-            decay_ref[s, h, :] = jnp.exp(last_hi + last_lo)
-            store(fq_ref.at[tok, h, :], qn * eG, rows2)
-            store(fk_ref.at[tok, h, :],
-                  kn * jnp.exp((last_hi[None, :] - G_hi) + (last_lo[None, :] - G_lo)), rows2)
-
-            kk, qk = _kda_intra_chunk(kn, qn, G_hi, G_lo, dot=dot,
-                                      factored_diagonal=_factored_diagonal_always_safe(spec))
+            where = dict(hk=hk, tok=tok, rows2=rows2, spec=spec, block_k=block_k)
+            rk, rq = _kda_norms(q_ref, k_ref, **where)
+            kk, qk = _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, decay_ref, gate, rk, rq,
+                                        s=s, h=h, dot=dot, **where)
             store(aqk_ref.at[tok, h, :], qk, rows2)
             A = jnp.where(i > j, beta[:, None] * kk, 0.0)
             T = _invert_unit_lower(A, spec.precise, interpret)
-            store(w_ref.at[tok, h, :], dot(T * beta[None, :], eG * kn), rows2)
+            _kda_store_w(k_ref, w_ref, gate, rk, T * beta[None, :], h=h, dot=dot, **where)
         else:
             # GDN: q and k stay raw; their L2 norms and the decays are per-row factors applied
             # to the products (for 16-bit inputs the raw rows are exact tensor-core operands).
+            k_in = plgpu.load(k_ref.at[tok, hk, :], mask=rows2, other=0)
+            q_in = plgpu.load(q_ref.at[tok, hk, :], mask=rows2, other=0)
+            k, q = k_in.astype(F32), q_in.astype(F32)
+            if spec.use_qk_l2norm:
+                rk = lax.rsqrt(jnp.sum(k * k, axis=1) + L2NORM_EPS)
+                rq = lax.rsqrt(jnp.sum(q * q, axis=1) + L2NORM_EPS) * jnp.float32(spec.scale)
+            else:
+                rk = jnp.ones((C,), F32)
+                rq = jnp.full((C,), spec.scale, F32)
+            G_hi, G_lo = _split_cumsum(gate())
             seg = (G_hi[:, None] - G_hi[None, :]) + (G_lo[:, None] - G_lo[None, :])
             decay = jnp.exp(jnp.where(i >= j, seg, -jnp.inf))               # e^{G_i - G_j}, j <= i
             last_hi = jnp.sum(jnp.where(j == C - 1, G_hi[None, :], 0.0), axis=1)  # [C], all G_C
@@ -461,6 +464,65 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
         v = plgpu.load(v_ref.at[tok, h, :], mask=rows2, other=0)
         store(u_ref.at[tok, h, :], row_dot(T * beta[None, :], v if bf16_rows else v.astype(F32)),
               rows2)
+
+
+def _kda_norms(q_ref, k_ref, *, hk, tok, rows2, spec, block_k):
+    """The q and k row factors (L2 norm; q's also the scale), [C] each, summed block by block."""
+    C = CHUNK
+    if not spec.use_qk_l2norm:
+        return jnp.ones((C,), F32), jnp.full((C,), spec.scale, F32)
+
+    def add(b, sums):
+        cols = pl.ds(b * block_k, block_k)
+        k = plgpu.load(k_ref.at[tok, hk, cols], mask=rows2, other=0).astype(F32)
+        q = plgpu.load(q_ref.at[tok, hk, cols], mask=rows2, other=0).astype(F32)
+        return sums[0] + jnp.sum(k * k, axis=1), sums[1] + jnp.sum(q * q, axis=1)
+
+    zero = jnp.zeros((C,), F32)
+    sk, sq = lax.fori_loop(0, spec.head_k_dim // block_k, add, (zero, zero))
+    return (lax.rsqrt(sk + L2NORM_EPS),
+            lax.rsqrt(sq + L2NORM_EPS) * jnp.float32(spec.scale))
+
+
+def _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, decay_ref, gate, rk, rq, *, s, h, hk, tok,
+                       rows2, spec, block_k, dot):
+    """KDA's per-channel part of the prep, block_k key channels at a time: the decayed rows the
+    scan takes (q e^G, k e^{G_C - G}), the chunk's total decay per channel, and the intra-chunk
+    products kk, qk [C, C] (`_kda_intra_chunk`), which are sums over channels and so add up
+    block by block. Working on [C, block_k] tiles keeps the gates, their exponentials and the
+    decayed copies of q and k in registers; whole [C, K] fp32 tiles of each do not fit."""
+    C = CHUNK
+    factored = _factored_diagonal_always_safe(spec)
+
+    def channels(b, acc):
+        cols = pl.ds(b * block_k, block_k)
+        kn = plgpu.load(k_ref.at[tok, hk, cols], mask=rows2, other=0).astype(F32) * rk[:, None]
+        qn = plgpu.load(q_ref.at[tok, hk, cols], mask=rows2, other=0).astype(F32) * rq[:, None]
+        G_hi, G_lo = _split_cumsum(gate(cols))
+        last_hi, last_lo = _nth_row(G_hi, C - 1), _nth_row(G_lo, C - 1)  # [1, block_k]
+        decay_ref[s, h, cols] = jnp.exp(last_hi + last_lo)[0]
+        plgpu.store(fq_ref.at[tok, h, cols], qn * jnp.exp(G_hi + G_lo), mask=rows2)
+        plgpu.store(fk_ref.at[tok, h, cols], kn * jnp.exp((last_hi - G_hi) + (last_lo - G_lo)),
+                    mask=rows2)
+        kk, qk = _kda_intra_chunk(kn, qn, G_hi, G_lo, dot=dot, factored_diagonal=factored)
+        return acc[0] + kk, acc[1] + qk
+
+    zero = jnp.zeros((C, C), F32)
+    return lax.fori_loop(0, spec.head_k_dim // block_k, channels, (zero, zero))
+
+
+def _kda_store_w(k_ref, w_ref, gate, rk, t_beta, *, h, hk, tok, rows2, spec, block_k, dot):
+    """W = T beta (e^G k), block_k key channels at a time (t_beta = T * beta, [C, C])."""
+
+    def channels(b, carry):
+        cols = pl.ds(b * block_k, block_k)
+        kn = plgpu.load(k_ref.at[tok, hk, cols], mask=rows2, other=0).astype(F32) * rk[:, None]
+        G_hi, G_lo = _split_cumsum(gate(cols))
+        plgpu.store(w_ref.at[tok, h, cols],
+                    dot(t_beta, jnp.exp(G_hi + G_lo) * kn).astype(w_ref.dtype), mask=rows2)
+        return carry
+
+    lax.fori_loop(0, spec.head_k_dim // block_k, channels, 0)
 
 
 # --------------------------------------------------------------------------- kernel 2: state scan
@@ -539,7 +601,7 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
     rows = (T_total, HV, K) if spec.per_channel_gate else (T_total, HV)
     chunk = (start.shape[0], HV, K) if spec.per_channel_gate else (start.shape[0], HV)
     return pl.pallas_call(
-        functools.partial(_prep_kernel, spec=spec, interpret=interpret),
+        functools.partial(_prep_kernel, spec=spec, block_k=block.block_k, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((T_total, HV, K), mid),      # W
                    jax.ShapeDtypeStruct((T_total, HV, V), F32),      # U
                    jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),  # q k^T e^{G_i - G_j}, j <= i

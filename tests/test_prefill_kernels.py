@@ -49,7 +49,8 @@ def _spec(HK, HV, K, V, **kw):
 
 
 def _run(mode, q, k, v, g, beta, cu, spec, *, block_v=16, **kw):
-    block = kern.PrefillBlockSizes(block_v=min(block_v, spec.head_v_dim))
+    # block_k = 16: the KDA prep's channel loop takes several steps at every tested K
+    block = kern.PrefillBlockSizes(block_v=min(block_v, spec.head_v_dim), block_k=16)
     return kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
                               interpret=mode == "interpret", **kw)
 
