@@ -60,17 +60,7 @@ class DeltaSpec:
 def delta_spec(kind, q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=False,
                cu_seqlens=None, output_final_state=False) -> DeltaSpec:
     """Validate a sequence call's arguments (ValueError naming the argument) into its spec."""
-    for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("beta", beta, 3)):
-        chk.array(name, x, rank=rank, floating=True)
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {q.shape}, got {k.shape}")
-    b, t, hk, kd = q.shape
-    if v.shape[:2] != (b, t):
-        raise ValueError(f"v must be [B={b}, T={t}, HV, V], got {v.shape}")
-    hv, vd = v.shape[2], v.shape[3]
-    chk.heads(hk, hv, kd, vd)
-    if t == 0:
-        raise ValueError(f"q must hold at least one token (T >= 1), got shape {q.shape}")
+    b, t, hk, hv, kd, vd = chk.tokens(q, k, v, beta)
     want_g = (b, t, hv) if kind == "gdn" else (b, t, hv, kd)
     chk.array("g", g, floating=True)
     chk.shape("g", g, want_g)

@@ -157,6 +157,23 @@ def heads(hk: int, hv: int, kd: int, vd: int):
         raise ValueError(f"head dims must be positive, got K={kd} (q) and V={vd} (v)")
 
 
+def tokens(q, k, v, beta):
+    """q, k [B, T, HK, K], v [B, T, HV, V], beta [B, T, HV] floating, T >= 1, heads that divide;
+    returns (B, T, HK, HV, K, V)."""
+    for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("beta", beta, 3)):
+        array(name, x, rank=rank, floating=True)
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {q.shape}, got {k.shape}")
+    b, t, hk, kd = q.shape
+    if v.shape[:2] != (b, t):
+        raise ValueError(f"v must be [B={b}, T={t}, HV, V], got {v.shape}")
+    hv, vd = v.shape[2], v.shape[3]
+    heads(hk, hv, kd, vd)
+    if t == 0:
+        raise ValueError(f"q must hold at least one token (T >= 1), got shape {q.shape}")
+    return b, t, hk, hv, kd, vd
+
+
 def slot_table(name, slots, batch, num_slots):
     """slots [B] integer; concrete entries in [-1, num_slots) and no live slot twice. Returns the
     host copy when the table is concrete (one device-to-host read per public call), else None."""

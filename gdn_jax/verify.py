@@ -58,17 +58,7 @@ class VerifyCall:
 
 def check_tokens(q, k, v, g, beta):
     """Shapes of one verify's tokens; returns (kind, B, T, HK, HV, K, V)."""
-    for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("beta", beta, 3)):
-        chk.array(name, x, rank=rank, floating=True)
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {q.shape}, got {k.shape}")
-    b, t, hk, kd = q.shape
-    if v.shape[:2] != (b, t):
-        raise ValueError(f"v must be [B={b}, T={t}, HV, V], got {v.shape}")
-    hv, vd = v.shape[2:]
-    chk.heads(hk, hv, kd, vd)
-    if t < 1:
-        raise ValueError(f"q must hold at least one token (T >= 1), got T={t}")
+    b, t, hk, hv, kd, vd = chk.tokens(q, k, v, beta)
     chk.array("g", g, floating=True)
     if chk.shape_of(g) == (b, t, hv):
         kind = "gdn"
