@@ -39,14 +39,28 @@ def test_shared_flags(name, capsys):
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the no-GPU message")
-@pytest.mark.parametrize("name", NAMES)
-def test_one_line_without_gpu(name, capsys, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name,extra", [(n, []) for n in NAMES] + [("block", ["--mesh", "2"])],
+                         ids=NAMES + ["block-mesh"])
+def test_one_line_without_gpu(name, extra, capsys, tmp_path, monkeypatch):
+    """Every bench (bench block --mesh too, which parses before its check) says so in one line."""
     monkeypatch.chdir(tmp_path)
-    rc = importlib.import_module(f"gdn_jax.bench.{name}").main(["--batches", "1"])
+    rc = importlib.import_module(f"gdn_jax.bench.{name}").main(["--batches", "1", *extra])
     out = capsys.readouterr()
     assert rc == 2
     assert out.out.count("\n") == 1 and "no GPU" in out.out and "Traceback" not in out.err
+    assert out.out.startswith(f"gdn-jax bench {name}: no GPU")
     assert os.listdir(tmp_path) == []
+
+
+def test_runs_here_says_why_once(capsys):
+    """The shared check after parsing: True with --smoke (nothing printed); without a GPU and
+    without --smoke, False and one line naming the benchmark."""
+    args = argparse.Namespace(smoke=True)
+    assert common.runs_here("x", args) and capsys.readouterr().out == ""
+    if jax.default_backend() != "gpu":
+        assert not common.runs_here("x", argparse.Namespace(smoke=False))
+        out = capsys.readouterr().out
+        assert out.count("\n") == 1 and out.startswith("gdn-jax bench x: no GPU")
 
 
 def test_smoke_writes_only_what_is_asked(tmp_path, monkeypatch, capsys):
