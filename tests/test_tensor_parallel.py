@@ -12,7 +12,6 @@ mesh=)` reading each device's slice only and `bench block --mesh 2 --smoke`.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import subprocess
@@ -155,11 +154,15 @@ class Compiled:
         self.block = block
         self.config = block.config
         self._graphdef, self._params = nnx.split(block)
+        self._programs = {}
 
-    @functools.cache
     def _program(self, op, **static):
-        graphdef = self._graphdef
-        return jax.jit(lambda params, *args: getattr(nnx.merge(graphdef, params), op)(*args, **static))
+        key = (op, tuple(sorted(static.items())))
+        if key not in self._programs:
+            graphdef = self._graphdef
+            self._programs[key] = jax.jit(
+                lambda params, *args: getattr(nnx.merge(graphdef, params), op)(*args, **static))
+        return self._programs[key]
 
     def __getattr__(self, op):
         if op.startswith("_"):
