@@ -39,14 +39,28 @@ def test_shared_flags(name, capsys):
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the no-GPU message")
-@pytest.mark.parametrize("name", NAMES)
-def test_one_line_without_gpu(name, capsys, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name,extra", [(n, []) for n in NAMES] + [("block", ["--mesh", "2"])],
+                         ids=NAMES + ["block-mesh"])
+def test_one_line_without_gpu(name, extra, capsys, tmp_path, monkeypatch):
+    """Every bench (bench block --mesh too, which parses before its check) says so in one line."""
     monkeypatch.chdir(tmp_path)
-    rc = importlib.import_module(f"gdn_jax.bench.{name}").main(["--batches", "1"])
+    rc = importlib.import_module(f"gdn_jax.bench.{name}").main(["--batches", "1", *extra])
     out = capsys.readouterr()
     assert rc == 2
     assert out.out.count("\n") == 1 and "no GPU" in out.out and "Traceback" not in out.err
+    assert out.out.startswith(f"gdn-jax bench {name}: no GPU")
     assert os.listdir(tmp_path) == []
+
+
+def test_runs_here_says_why_once(capsys):
+    """The shared check after parsing: True with --smoke (nothing printed); without a GPU and
+    without --smoke, False and one line naming the benchmark."""
+    args = argparse.Namespace(smoke=True)
+    assert common.runs_here("x", args) and capsys.readouterr().out == ""
+    if jax.default_backend() != "gpu":
+        assert not common.runs_here("x", argparse.Namespace(smoke=False))
+        out = capsys.readouterr().out
+        assert out.count("\n") == 1 and out.startswith("gdn-jax bench x: no GPU")
 
 
 def test_smoke_writes_only_what_is_asked(tmp_path, monkeypatch, capsys):
@@ -104,20 +118,16 @@ def test_block_smoke(tmp_path):
     assert all(r["us"] > 0 for r in rows)
 
 
-def test_prefill_smoke_reports_unavailable_impl_in_one_line(capsys):
+def test_prefill_smoke_times_the_chunked_prefill_kernel(tmp_path, capsys):
+    """impl="pallas" for T > 1 is the chunked prefill kernel (interpret mode in --smoke); an impl
+    that cannot run would be reported in one line, never a traceback (one run checks both)."""
     from gdn_jax.bench import prefill
-    assert prefill.main(["--smoke", "--no-varlen", "--impls", "chunked,pallas"]) == 0
+    path = tmp_path / "p.json"
+    assert prefill.main(["--smoke", "--no-varlen", "--impls", "chunked,pallas", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "Traceback" not in out
     lines = [ln for ln in out.splitlines() if ln.startswith("[bench prefill] impl='pallas'")]
     assert len(lines) <= 1
-
-
-def test_prefill_smoke_times_the_chunked_prefill_kernel(tmp_path):
-    """impl="pallas" for T > 1 is the chunked prefill kernel (interpret mode in --smoke)."""
-    from gdn_jax.bench import prefill
-    path = tmp_path / "p.json"
-    assert prefill.main(["--smoke", "--no-varlen", "--impls", "chunked,pallas", "--json", str(path)]) == 0
     who = [r["who"] for r in json.loads(path.read_text())["rows"]]
     assert "ours impl=pallas" in who and "ours impl=chunked" in who
 

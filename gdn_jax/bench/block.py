@@ -159,9 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "xla_force_host_platform_device_count" not in flags:
             os.environ["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count="
                                        f"{args.mesh}").strip()
-    why = common.missing_gpu(args.smoke)
-    if why:
-        print(f"gdn-jax bench block: {why}")
+    if not common.runs_here("block", args):
         return 2
     if args.mesh > 1:
         return mesh_main(args)

@@ -262,13 +262,21 @@ def make_parser(name: str, description: str | None, **shared) -> argparse.Argume
 
 
 def parse_here(name: str, parser: argparse.ArgumentParser, argv) -> argparse.Namespace | None:
-    """`argv` parsed, or None after one line saying why `gdn-jax bench <name>` cannot run here."""
+    """`argv` parsed, or None after one line saying why `gdn-jax bench <name>` cannot run here
+    (`parser.parse_args`, then `runs_here`)."""
     args = parser.parse_args(argv)
+    return args if runs_here(name, args) else None
+
+
+def runs_here(name: str, args: argparse.Namespace) -> bool:
+    """Whether `gdn-jax bench <name>` with the parsed `args` can run here; if not, one line says
+    why. It starts JAX (`missing_gpu`): a benchmark that sets XLA flags from its arguments (bench
+    block --mesh: the host device count) parses, sets them, then calls this."""
     why = missing_gpu(args.smoke)
     if why:
         print(f"gdn-jax bench {name}: {why}")
-        return None
-    return args
+        return False
+    return True
 
 
 def usable_peers(args, rep: "Report", *, supported=tuple(PEERS), why_not: str = "") -> list[str]:
