@@ -238,15 +238,8 @@ def _pool_rows(s: Shapes, dtype: str, seed: int, on_gpu: bool, progress):
     from gdn_jax import decode as dec
     q, k, v, g, beta, h0 = _inputs(seed, s, 1, dtype, per_channel=False)
     b = s.batch
-    pool = 0.1 * jax.random.normal(jax.random.PRNGKey(seed + 7),
-                                   (b + 2, s.num_v_heads, s.head_k_dim, s.head_v_dim))
-    slots = np.arange(b, dtype=np.int32)[::-1] + 2
-    slots[-1] = -1
-    live = slots >= 0
+    pool, slots, live, o_want, pool_want = _pool_case(s, seed + 7, q, k, v, g, beta)
     qkv = jnp.concatenate([q[:, 0].reshape(b, -1), k[:, 0].reshape(b, -1), v[:, 0].reshape(b, -1)], 1)
-    o_want, states = oracle_delta_rule(q, k, v, g, beta, np.asarray(pool)[np.maximum(slots, 0)])
-    pool_want = np.asarray(pool, np.float64).copy()
-    pool_want[slots[live]] = states[live, 0]
     rows = []
     for impl in ("reference", "pallas"):
         def run(impl=impl):
@@ -264,6 +257,23 @@ def _pool_rows(s: Shapes, dtype: str, seed: int, on_gpu: bool, progress):
     return rows
 
 
+def _pool_case(s: Shapes, seed: int, q, k, v, g, beta):
+    """A random state pool of B + 2 slots, the batch's slot table (reversed slots, the last row
+    padding, slot -1) and the float64 oracle's outputs and updated pool for it: (pool, slots,
+    live rows, outputs [B, T, HV, V], pool after)."""
+    import jax
+    b = s.batch
+    pool = 0.1 * jax.random.normal(jax.random.PRNGKey(seed),
+                                   (b + 2, s.num_v_heads, s.head_k_dim, s.head_v_dim))
+    slots = np.arange(b, dtype=np.int32)[::-1] + 2
+    slots[-1] = -1
+    live = slots >= 0
+    o_want, states = oracle_delta_rule(q, k, v, g, beta, np.asarray(pool)[np.maximum(slots, 0)])
+    pool_want = np.asarray(pool, np.float64).copy()
+    pool_want[slots[live]] = states[live, -1]
+    return pool, slots, live, o_want, pool_want
+
+
 def _prefill_pool_rows(s: Shapes, dtype: str, seed: int, on_gpu: bool, progress):
     """The prefill kernel landing in a state pool (B + 2 slots, the last row padding, slot -1)
     against `reference_prefill_pool` and the float64 oracle."""
@@ -272,14 +282,7 @@ def _prefill_pool_rows(s: Shapes, dtype: str, seed: int, on_gpu: bool, progress)
     from gdn_jax import prefill as pf
     q, k, v, g, beta, _ = _inputs(seed, s, s.seq_len, dtype, per_channel=False)
     b = s.batch
-    pool = 0.1 * jax.random.normal(jax.random.PRNGKey(seed + 9),
-                                   (b + 2, s.num_v_heads, s.head_k_dim, s.head_v_dim))
-    slots = np.arange(b, dtype=np.int32)[::-1] + 2
-    slots[-1] = -1
-    live = slots >= 0
-    o_want, states = oracle_delta_rule(q, k, v, g, beta, np.asarray(pool)[np.maximum(slots, 0)])
-    pool_want = np.asarray(pool, np.float64).copy()
-    pool_want[slots[live]] = states[live, -1]
+    pool, slots, live, o_want, pool_want = _pool_case(s, seed + 9, q, k, v, g, beta)
     rows = []
     for impl in ("reference", "pallas"):
         def run(impl=impl):
