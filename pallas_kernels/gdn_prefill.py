@@ -425,14 +425,19 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             beta = jnp.where(rows, jax.nn.sigmoid(beta), 0.0)
 
         if spec.per_channel_gate:
-            where = dict(hk=hk, tok=tok, rows2=rows2, spec=spec, block_k=block_k)
-            rk, rq = _kda_norms(q_ref, k_ref, **where)
-            kk, qk = _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, decay_ref, gate, rk, rq,
-                                        s=s, h=h, dot=dot, **where)
+            # [C, block_k] tiles of the chunk's rows in the key channels cols: q, k read as fp32
+            # (key head hk), the prep's outputs written (value head h).
+            key_rows = lambda ref, cols: load(ref.at[tok, hk, cols], rows2)
+            put_rows = lambda ref, cols, x: store(ref.at[tok, h, cols], x, rows2)
+            steps = dict(spec=spec, block_k=block_k)
+            rk, rq = _kda_norms(q_ref, k_ref, key_rows, **steps)
+            kk, qk = _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, decay_ref, gate, key_rows,
+                                        put_rows, rk, rq, s=s, h=h, dot=dot, **steps)
             store(aqk_ref.at[tok, h, :], qk, rows2)
             A = jnp.where(i > j, beta[:, None] * kk, 0.0)
             T = _invert_unit_lower(A, spec.precise, interpret)
-            _kda_store_w(k_ref, w_ref, gate, rk, T * beta[None, :], h=h, dot=dot, **where)
+            _kda_store_w(k_ref, w_ref, gate, key_rows, put_rows, rk, T * beta[None, :], dot=dot,
+                         **steps)
         else:
             # GDN: q and k stay raw; their L2 norms and the decays are per-row factors applied
             # to the products (for 16-bit inputs the raw rows are exact tensor-core operands).
@@ -466,7 +471,7 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
               rows2)
 
 
-def _kda_norms(q_ref, k_ref, *, hk, tok, rows2, spec, block_k):
+def _kda_norms(q_ref, k_ref, key_rows, *, spec, block_k):
     """The q and k row factors (L2 norm; q's also the scale), [C] each, summed block by block."""
     C = CHUNK
     if not spec.use_qk_l2norm:
@@ -474,8 +479,7 @@ def _kda_norms(q_ref, k_ref, *, hk, tok, rows2, spec, block_k):
 
     def add(b, sums):
         cols = pl.ds(b * block_k, block_k)
-        k = plgpu.load(k_ref.at[tok, hk, cols], mask=rows2, other=0).astype(F32)
-        q = plgpu.load(q_ref.at[tok, hk, cols], mask=rows2, other=0).astype(F32)
+        k, q = key_rows(k_ref, cols), key_rows(q_ref, cols)
         return sums[0] + jnp.sum(k * k, axis=1), sums[1] + jnp.sum(q * q, axis=1)
 
     zero = jnp.zeros((C,), F32)
@@ -484,8 +488,8 @@ def _kda_norms(q_ref, k_ref, *, hk, tok, rows2, spec, block_k):
             lax.rsqrt(sq + L2NORM_EPS) * jnp.float32(spec.scale))
 
 
-def _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, decay_ref, gate, rk, rq, *, s, h, hk, tok,
-                       rows2, spec, block_k, dot):
+def _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, decay_ref, gate, key_rows, put_rows, rk, rq,
+                       *, s, h, spec, block_k, dot):
     """KDA's per-channel part of the prep, block_k key channels at a time: the decayed rows the
     scan takes (q e^G, k e^{G_C - G}), the chunk's total decay per channel, and the intra-chunk
     products kk, qk [C, C] (`_kda_intra_chunk`), which are sums over channels and so add up
@@ -496,14 +500,12 @@ def _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, decay_ref, gate, rk, rq, *,
 
     def channels(b, acc):
         cols = pl.ds(b * block_k, block_k)
-        kn = plgpu.load(k_ref.at[tok, hk, cols], mask=rows2, other=0).astype(F32) * rk[:, None]
-        qn = plgpu.load(q_ref.at[tok, hk, cols], mask=rows2, other=0).astype(F32) * rq[:, None]
+        kn, qn = key_rows(k_ref, cols) * rk[:, None], key_rows(q_ref, cols) * rq[:, None]
         G_hi, G_lo = _split_cumsum(gate(cols))
         last_hi, last_lo = _nth_row(G_hi, C - 1), _nth_row(G_lo, C - 1)  # [1, block_k]
         decay_ref[s, h, cols] = jnp.exp(last_hi + last_lo)[0]
-        plgpu.store(fq_ref.at[tok, h, cols], qn * jnp.exp(G_hi + G_lo), mask=rows2)
-        plgpu.store(fk_ref.at[tok, h, cols], kn * jnp.exp((last_hi - G_hi) + (last_lo - G_lo)),
-                    mask=rows2)
+        put_rows(fq_ref, cols, qn * jnp.exp(G_hi + G_lo))
+        put_rows(fk_ref, cols, kn * jnp.exp((last_hi - G_hi) + (last_lo - G_lo)))
         kk, qk = _kda_intra_chunk(kn, qn, G_hi, G_lo, dot=dot, factored_diagonal=factored)
         return acc[0] + kk, acc[1] + qk
 
@@ -511,15 +513,14 @@ def _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, decay_ref, gate, rk, rq, *,
     return lax.fori_loop(0, spec.head_k_dim // block_k, channels, (zero, zero))
 
 
-def _kda_store_w(k_ref, w_ref, gate, rk, t_beta, *, h, hk, tok, rows2, spec, block_k, dot):
+def _kda_store_w(k_ref, w_ref, gate, key_rows, put_rows, rk, t_beta, *, spec, block_k, dot):
     """W = T beta (e^G k), block_k key channels at a time (t_beta = T * beta, [C, C])."""
 
     def channels(b, carry):
         cols = pl.ds(b * block_k, block_k)
-        kn = plgpu.load(k_ref.at[tok, hk, cols], mask=rows2, other=0).astype(F32) * rk[:, None]
+        kn = key_rows(k_ref, cols) * rk[:, None]
         G_hi, G_lo = _split_cumsum(gate(cols))
-        plgpu.store(w_ref.at[tok, h, cols],
-                    dot(t_beta, jnp.exp(G_hi + G_lo) * kn).astype(w_ref.dtype), mask=rows2)
+        put_rows(w_ref, cols, dot(t_beta, jnp.exp(G_hi + G_lo) * kn))
         return carry
 
     lax.fori_loop(0, spec.head_k_dim // block_k, channels, 0)
