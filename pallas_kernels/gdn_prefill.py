@@ -48,7 +48,8 @@ it is and splits the fp32 side (state, deltas, the inverse's rows) into two bf16
 (`_dot_bf16x2`: ~16 significand bits, twice the tensor-core rate of TF32, half the registers);
 products between fp32 matrices (the block inverse, the intra-chunk matrix times the deltas) are
 one-pass TF32. fp16 inputs take one-pass TF32 throughout (fp16 halves cannot hold a state's
-range). Between the kernels W is stored in the input dtype, U and the intra-chunk matrix in fp32:
+range). Between the kernels W and KDA's decayed q rows are stored in the input dtype; KDA's
+decayed k rows, which build the state, in fp32; U and the intra-chunk matrix in fp32 too:
 when a chunk repeats keys with beta near 1 and gates near 0, (I + A) is near singular, U's rows
 are large and cancel against W S, and the output sums large intra-chunk terms that cancel, so
 16-bit copies of U and of that matrix cost the state and the output several times bf16's
@@ -119,9 +120,9 @@ class PrefillBlockSizes:
         # Few (sequence, head) pairs: narrower column blocks give the scan enough programs, and
         # software pipelining of the next chunk's loads pays; with many pairs the GPU is full
         # and wider blocks read each chunk's rows fewer times (BENCHMARKS.md, prefill sweep).
-        # Pipelined stages hold the chunk's rows in shared memory once per stage: KDA's fp32
-        # decayed q and k rows, or K = 256, leave room for one stage only on an H200.
-        one_stage = spec.per_channel_gate or spec.head_k_dim > 128
+        # Pipelined stages hold the chunk's rows in shared memory once per stage: K = 256
+        # leaves room for one stage only on an H200.
+        one_stage = spec.head_k_dim > 128
         block_k = min(16, spec.head_k_dim)  # narrowest: least register pressure (BENCHMARKS.md)
         if num_sequences * spec.num_v_heads < 128:
             return PrefillBlockSizes(block_v=min(32, spec.head_v_dim),
@@ -566,9 +567,9 @@ def _scan_kernel(cu_ref, first_ref, slots_ref, q_ref, k_ref, w_ref, u_ref, aqk_r
         w = load(w_ref.at[tok, h, :], rows2)
         u, aqk = load32(u_ref.at[tok, h, cols], rows2), load32(aqk_ref.at[tok, h, :], rows2)
         delta = u - row_dot(w, S)
-        if spec.per_channel_gate:  # decayed, normalised fp32 q and k rows come from the prep
-            q, k = load32(fq_ref.at[tok, h, :], rows2), load32(fk_ref.at[tok, h, :], rows2)
-            o = dot(q, S) + dot(aqk, delta)
+        if spec.per_channel_gate:  # decayed, normalised q and k rows come from the prep
+            q, k = load(fq_ref.at[tok, h, :], rows2), load32(fk_ref.at[tok, h, :], rows2)
+            o = row_dot(q, S) + dot(aqk, delta)
             S = S * decay_ref[first + c, h, :][:, None] + dot(k, delta, trans_a=True)
         else:  # raw q and k rows with per-row factors
             q, k = load(q_ref.at[tok, hk, :], rows2), load(k_ref.at[tok, hk, :], rows2)
@@ -598,15 +599,20 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
     # W goes through memory in the input dtype; U and the intra-chunk matrix in fp32 (see the
     # module docstring: with 16-bit copies a near-singular chunk loses the output's digits).
     mid = v.dtype
-    # Row factors (GDN) or whole decayed rows, kept in fp32 (KDA); per-channel total decays.
+    # Row factors (GDN, fp32) or whole decayed rows (KDA); per-channel total decays. KDA's
+    # decayed q rows only feed the output, so for bf16 inputs they are stored in bf16 (exact
+    # tensor-core operands, half the scan's reads of them; the output is rounded to bf16
+    # anyway). The decayed k rows build the state and stay fp32: in bf16 they cost the final
+    # state ~5x its error against float64 (BENCHMARKS.md, KDA prefill).
     rows = (T_total, HV, K) if spec.per_channel_gate else (T_total, HV)
+    q_rows_dtype = mid if spec.per_channel_gate and mid == jnp.bfloat16 else F32
     chunk = (start.shape[0], HV, K) if spec.per_channel_gate else (start.shape[0], HV)
     return pl.pallas_call(
         functools.partial(_prep_kernel, spec=spec, block_k=block.block_k, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((T_total, HV, K), mid),      # W
                    jax.ShapeDtypeStruct((T_total, HV, V), F32),      # U
                    jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),  # q k^T e^{G_i - G_j}, j <= i
-                   jax.ShapeDtypeStruct(rows, F32),                  # q: norm * scale * e^G
+                   jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
                    jax.ShapeDtypeStruct(rows, F32),                  # k: norm * e^{G_C - G}
                    jax.ShapeDtypeStruct(chunk, F32)),                # e^{G_C}
         grid=(start.shape[0], HV),

@@ -368,7 +368,9 @@ def test_kda_raw_gates_bf16_against_float64(mode, lower_bound):
     g = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=lower_bound)
     ro, rs = _oracle(q, k, v, g, ref.gdn_beta(b), h0, cu)
     assert rel_err(o, ro) <= 5e-3
-    assert rel_err(hT, rs) <= 5e-3
+    # The decayed k rows that build the state stay fp32 between the kernels (bf16 copies give
+    # the state ~1.5e-3 here).
+    assert rel_err(hT, rs) <= 5e-4
 
 
 def _diag_spans(g, cu):
