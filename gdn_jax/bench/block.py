@@ -11,7 +11,7 @@ through the serving path (`decode` on a pool of B slots, slot table 0..B-1, noth
 fold of pending verify rows is skipped by its gate), serving state donated. Beside them, the sum
 of its parts timed the same way: the recurrence kernel alone (`gdn_jax.decode.gdn_decode` on
 prepared q, k, v, g, beta, state donated) and the projections alone (input and output
-projections of the block, nothing else). The block's output is checked against the unfused
+projections of the block, nothing else, `--unroll` steps chained through the output gate). The block's output is checked against the unfused
 chain (impl="reference") in the run.
 
 Prefill (--seq-lens, default 4096, 32768; B = 1): the block's `__call__` from a fresh state, one
@@ -216,6 +216,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             blk = nnx.merge(graphdef, params)
             return blk._raw_inputs(x, dtype), blk._project_out(o, dtype)
 
+        @jax.jit
+        def projection_steps(params, x):
+            # Chained like the block's steps: each step's output projection (of the output
+            # gate z, which has o's shape) is the next step's input, so no step can be skipped.
+            blk = nnx.merge(graphdef, params)
+            for _ in range(unroll):
+                x = blk._project_out(blk._raw_inputs(x, dtype)[3], dtype)
+            return x
+
         @functools.partial(jax.jit, donate_argnums=5)
         def kernel_steps(q, k, v, g, beta, s):
             for _ in range(unroll):
@@ -250,8 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             toks += [jnp.asarray(t["g"][:, 0]), jnp.asarray(t["beta"][:, 0]), jnp.asarray(t["h0"])]
             us_kernel = timed(kernel_steps, *toks, chain=lambda out, a: tuple(a[:5]) + (out[1],),
                               per=unroll)
-            o = jnp.zeros((b, 1, hv, vd), dtype)
-            us_proj = timed(projections, params, x, o)
+            us_proj = timed(projection_steps, params, x, chain=lambda out, a: (a[0], out),
+                            per=unroll)
             nbytes = 2 * b * hv * kd * vd * 4
             rep.add(case=label, mode="decode", block=name, B=b, T=1, who=f"block __call__ T=1 ({path})",
                     us=us_block, GBps=nbytes / us_block / 1e3, chained=True,
