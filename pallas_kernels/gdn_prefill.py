@@ -1,4 +1,4 @@
-"""Chunked Gated DeltaNet / KDA prefill on tensor cores: two Pallas kernels over packed sequences.
+"""Chunked Gated DeltaNet / KDA prefill on tensor cores: Pallas kernels over packed sequences.
 
 Every call is packed: the sequences of a batch lie one after another along the token axis
 (q, k [T_total, HK, K]; v [T_total, HV, V]; g, beta [T_total, HV]) and `cu_seqlens` [N + 1]
@@ -34,7 +34,9 @@ each block's middle row when the chunk's gates allow it (exponents within +-DIAG
 formed exactly in SUB elementwise steps (`_kda_intra_chunk`). These are sums over key channels:
 the prep forms them block_k channels at a time and adds them up (`_kda_prep_channels`), so its
 [C, block_k] gate and decayed-row tiles stay in registers. The prep hands the scan the decayed
-rows q e^G and k e^{G_C - G} instead of row factors. The rest of both kernels is shared.
+rows q e^G and k e^{G_C - G} instead of row factors. W = T beta (e^G k) needs T, which needs
+every channel's products first, so the prep stores e^G k and T beta and a third small kernel
+(`_kda_w_kernel`) forms W. The rest of the kernels is shared.
 
 Numerics. Gates are clamped at GATE_FLOOR (e^-88 is below fp32's smallest normal number, so a
 clamped decay is still a full reset) so every cumulative sum is finite and a -inf gate cannot
@@ -385,8 +387,8 @@ def _kda_intra_chunk(kn, qn, G_hi, G_lo, *, dot, factored_diagonal):
 # --------------------------------------------------------------------------- kernel 1: chunk prep
 
 def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log_ref, dt_ref,
-                 w_ref, u_ref, aqk_ref, fq_ref, fk_ref, decay_ref, *, spec: PrefillSpec,
-                 block_k: int, interpret: bool):
+                 w_ref, u_ref, aqk_ref, fq_ref, fk_ref, decay_ref, ek_ref, tb_ref, *,
+                 spec: PrefillSpec, block_k: int, interpret: bool):
     s, h = pl.program_id(0), pl.program_id(1)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
@@ -432,13 +434,15 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             put_rows = lambda ref, cols, x: store(ref.at[tok, h, cols], x, rows2)
             steps = dict(spec=spec, block_k=block_k)
             rk, rq = _kda_norms(q_ref, k_ref, key_rows, **steps)
-            kk, qk = _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, decay_ref, gate, key_rows,
-                                        put_rows, rk, rq, s=s, h=h, dot=dot, **steps)
+            kk, qk = _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, ek_ref, decay_ref, gate,
+                                        key_rows, put_rows, rk, rq, s=s, h=h, dot=dot, **steps)
             store(aqk_ref.at[tok, h, :], qk, rows2)
             A = jnp.where(i > j, beta[:, None] * kk, 0.0)
             T = _invert_unit_lower(A, spec.precise, interpret)
-            _kda_store_w(k_ref, w_ref, gate, key_rows, put_rows, rk, T * beta[None, :], dot=dot,
-                         **steps)
+            # W = T beta (e^G k) needs T, so all channels' products first: rather than a second
+            # pass over the channels (reloading k and g, redoing the gates), the prep stores
+            # e^G k and T beta, and `_kda_w_kernel` forms W.
+            store(tb_ref.at[tok, h, :], T * beta[None, :], rows2)
         else:
             # GDN: q and k stay raw; their L2 norms and the decays are per-row factors applied
             # to the products (for 16-bit inputs the raw rows are exact tensor-core operands).
@@ -489,10 +493,11 @@ def _kda_norms(q_ref, k_ref, key_rows, *, spec, block_k):
             lax.rsqrt(sq + L2NORM_EPS) * jnp.float32(spec.scale))
 
 
-def _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, decay_ref, gate, key_rows, put_rows, rk, rq,
-                       *, s, h, spec, block_k, dot):
+def _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, ek_ref, decay_ref, gate, key_rows, put_rows,
+                       rk, rq, *, s, h, spec, block_k, dot):
     """KDA's per-channel part of the prep, block_k key channels at a time: the decayed rows the
-    scan takes (q e^G, k e^{G_C - G}), the chunk's total decay per channel, and the intra-chunk
+    scan takes (q e^G, k e^{G_C - G}), the rows e^G k that W is made of, the chunk's total
+    decay per channel, and the intra-chunk
     products kk, qk [C, C] (`_kda_intra_chunk`), which are sums over channels and so add up
     block by block. Working on [C, block_k] tiles keeps the gates, their exponentials and the
     decayed copies of q and k in registers; whole [C, K] fp32 tiles of each do not fit."""
@@ -505,7 +510,9 @@ def _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, decay_ref, gate, key_rows, 
         G_hi, G_lo = _split_cumsum(gate(cols))
         last_hi, last_lo = _nth_row(G_hi, C - 1), _nth_row(G_lo, C - 1)  # [1, block_k]
         decay_ref[s, h, cols] = jnp.exp(last_hi + last_lo)[0]
-        put_rows(fq_ref, cols, qn * jnp.exp(G_hi + G_lo))
+        eG = jnp.exp(G_hi + G_lo)
+        put_rows(fq_ref, cols, qn * eG)
+        put_rows(ek_ref, cols, kn * eG)
         put_rows(fk_ref, cols, kn * jnp.exp((last_hi - G_hi) + (last_lo - G_lo)))
         kk, qk = _kda_intra_chunk(kn, qn, G_hi, G_lo, dot=dot, factored_diagonal=factored)
         return acc[0] + kk, acc[1] + qk
@@ -514,17 +521,23 @@ def _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, decay_ref, gate, key_rows, 
     return lax.fori_loop(0, spec.head_k_dim // block_k, channels, (zero, zero))
 
 
-def _kda_store_w(k_ref, w_ref, gate, key_rows, put_rows, rk, t_beta, *, spec, block_k, dot):
-    """W = T beta (e^G k), block_k key channels at a time (t_beta = T * beta, [C, C])."""
+def _kda_w_kernel(start_ref, len_ref, ek_ref, tb_ref, w_ref, *, spec: PrefillSpec,
+                  interpret: bool):
+    """KDA: W = (T beta) (e^G k) for one chunk and value head, from the rows the prep stored."""
+    s, h = pl.program_id(0), pl.program_id(1)
+    t0, n = start_ref[s], len_ref[s]
 
-    def channels(b, carry):
-        cols = pl.ds(b * block_k, block_k)
-        kn = key_rows(k_ref, cols) * rk[:, None]
-        G_hi, G_lo = _split_cumsum(gate(cols))
-        put_rows(w_ref, cols, dot(t_beta, jnp.exp(G_hi + G_lo) * kn))
-        return carry
-
-    lax.fori_loop(0, spec.head_k_dim // block_k, channels, 0)
+    @pl.when(n > 0)
+    def _():
+        rows2 = (lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n)[:, None]
+        tok = pl.ds(t0, CHUNK)
+        tb = plgpu.load(tb_ref.at[tok, h, :], mask=rows2, other=0)
+        ek = plgpu.load(ek_ref.at[tok, h, :], mask=rows2, other=0)
+        if _bf16_rows(ek_ref):
+            w = _dot_bf16x2(tb, ek)
+        else:
+            w = _dot(tb, ek.astype(F32), spec.precise, interpret=interpret)
+        plgpu.store(w_ref.at[tok, h, :], w.astype(w_ref.dtype), mask=rows2)
 
 
 # --------------------------------------------------------------------------- kernel 2: state scan
@@ -607,19 +620,37 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
     rows = (T_total, HV, K) if spec.per_channel_gate else (T_total, HV)
     q_rows_dtype = mid if spec.per_channel_gate and mid == jnp.bfloat16 else F32
     chunk = (start.shape[0], HV, K) if spec.per_channel_gate else (start.shape[0], HV)
-    return pl.pallas_call(
+    # KDA only (GDN writes W itself): e^G k (in the input dtype, like W) and T beta (fp32)
+    # for W. bf16 e^G k times the split T beta rounds about as much as the one-pass TF32
+    # product of fp32 ones did: the state's error against float64 did not move on the H200.
+    kda = lambda shape, dtype: jax.ShapeDtypeStruct(shape if spec.per_channel_gate else (1, 1, 1),
+                                                    dtype)
+    grid = (start.shape[0], HV)
+    w, u, aqk, fq, fk, decay, ek, tb = pl.pallas_call(
         functools.partial(_prep_kernel, spec=spec, block_k=block.block_k, interpret=interpret),
-        out_shape=(jax.ShapeDtypeStruct((T_total, HV, K), mid),      # W
+        out_shape=(jax.ShapeDtypeStruct((T_total, HV, K), mid),      # W (GDN)
                    jax.ShapeDtypeStruct((T_total, HV, V), F32),      # U
                    jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),  # q k^T e^{G_i - G_j}, j <= i
                    jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
                    jax.ShapeDtypeStruct(rows, F32),                  # k: norm * e^{G_C - G}
-                   jax.ShapeDtypeStruct(chunk, F32)),                # e^{G_C}
-        grid=(start.shape[0], HV),
+                   jax.ShapeDtypeStruct(chunk, F32),                 # e^{G_C}
+                   kda((T_total, HV, K), mid),                       # KDA: e^G k
+                   kda((T_total, HV, CHUNK), F32)),                  # KDA: T beta
+        grid=grid,
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
         interpret=interpret,
         name="gdn_prefill_prep",
     )(start, length, q, k, v, g, beta, A_log, dt_bias)
+    if spec.per_channel_gate:
+        w = pl.pallas_call(
+            functools.partial(_kda_w_kernel, spec=spec, interpret=interpret),
+            out_shape=jax.ShapeDtypeStruct((T_total, HV, K), mid),
+            grid=grid,
+            compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
+            interpret=interpret,
+            name="kda_prefill_w",
+        )(start, length, ek, tb)
+    return w, u, aqk, fq, fk, decay
 
 
 def _scan(cu, first, slots, q, k, w, u, aqk, fq, fk, decay, h0, *, spec, block, state_dtype,
