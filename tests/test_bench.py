@@ -113,6 +113,9 @@ def test_block_smoke(tmp_path):
     assert [r["B"] for r in steps] == [1, 3]
     assert all(r["path"] == "one launch" and r["rel_err_vs_unfused"] < 2e-2 for r in steps)
     assert [r["B"] for r in rows if r["who"].startswith("block serving decode")] == [1]
+    decode_parts = {r["who"] for r in rows if r["mode"] == "decode" and r["B"] == 3}
+    assert {"recurrence kernel alone", "one-launch kernel alone",
+            "projections alone"} <= decode_parts
     assert {r["who"] for r in rows if r["mode"] == "prefill"} == {
         "block __call__", "prefill kernel alone", "projections alone"}
     assert all(r["us"] > 0 for r in rows)

@@ -10,8 +10,9 @@ the call), `--unroll` chained steps per jitted call with the state donated; and 
 through the serving path (`decode` on a pool of B slots, slot table 0..B-1, nothing pending: the
 fold of pending verify rows is skipped by its gate), serving state donated. Beside them, the sum
 of its parts timed the same way: the recurrence kernel alone (`gdn_jax.decode.gdn_decode` on
-prepared q, k, v, g, beta, state donated) and the projections alone (input and output
-projections of the block, nothing else, `--unroll` steps chained through the output gate). The block's output is checked against the unfused
+prepared q, k, v, g, beta, state donated), the one-launch kernel alone (on the block's
+prepared projection rows, state and conv windows donated) and the projections alone (input and
+output projections of the block, nothing else, `--unroll` steps chained through the output gate). The block's output is checked against the unfused
 chain (impl="reference") in the run.
 
 Prefill (--seq-lens, default 4096, 32768; B = 1): the block's `__call__` from a fresh state, one
@@ -261,6 +262,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                               per=unroll)
             us_proj = timed(projection_steps, params, x, chain=lambda out, a: (a[0], out),
                             per=unroll)
+            us_fused = None
+            if path == "one launch":
+                with ctx():
+                    call, rows, _ = block._one_launch(x, state.recurrent, state.conv, None, "auto")
+                us_fused = timed(one_launch_steps(graphdef, call, unroll), params,
+                                 jax.tree.map(jnp.copy, state), rows,
+                                 chain=lambda out, a: (a[0], out, a[2]), per=unroll)
             nbytes = 2 * b * hv * kd * vd * 4
             rep.add(case=label, mode="decode", block=name, B=b, T=1, who=f"block __call__ T=1 ({path})",
                     us=us_block, GBps=nbytes / us_block / 1e3, chained=True,
@@ -273,8 +281,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         x_kernel=us_serving / us_kernel, x_call=us_serving / us_block)
             rep.add(case=label, mode="decode", block=name, B=b, T=1, who="recurrence kernel alone",
                     us=us_kernel, GBps=nbytes / us_kernel / 1e3, chained=True)
+            if us_fused is not None:
+                rep.add(case=label, mode="decode", block=name, B=b, T=1,
+                        who="one-launch kernel alone", us=us_fused,
+                        GBps=nbytes / us_fused / 1e3, chained=True, x_kernel=us_fused / us_kernel)
             rep.add(case=label, mode="decode", block=name, B=b, T=1, who="projections alone",
-                    us=us_proj, chained=False)
+                    us=us_proj, chained=True)
             rep.progress(f"{label}: block {us_block:.1f} us = {us_block / us_kernel:.2f}x the "
                          f"kernel alone ({us_kernel:.1f} us), projections {us_proj:.1f} us; output "
                          f"vs unfused chain {err:.1e}")
@@ -343,6 +355,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --------------------------------------------------------------------------- heads over a mesh
 
 MESH_OPS = ("serving decode", "call T=1", "prefill")
+
+
+def one_launch_steps(graphdef, call, unroll: int):
+    """`unroll` chained one-launch decode kernels on fixed projection rows (mixed, a, b, z), the
+    block state (recurrent, conv) donated: the block's decode step without its projections."""
+    import jax
+    from flax import nnx
+
+    from gdn_jax import conv_decode, dispatch
+
+    def steps(params, state, rows):
+        blk = nnx.merge(graphdef, params)
+        p = blk._core_params()
+        weight, bias = blk._conv_params()
+        rec, conv = state.recurrent, state.conv
+        for _ in range(unroll):
+            _, rec, conv = conv_decode.conv_decode_run(
+                call, "pallas", *rows, rec, conv, None, weight, bias, p["A_log"], p["dt_bias"],
+                p["norm_weight"], interpret=dispatch.interpret_enabled())
+        return dataclasses.replace(state, recurrent=rec, conv=conv)
+    return jax.jit(steps, donate_argnums=1)
 
 
 def step_program(graphdef, op: str, unroll: int):
