@@ -287,9 +287,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         GBps=nbytes / us_fused / 1e3, chained=True, x_kernel=us_fused / us_kernel)
             rep.add(case=label, mode="decode", block=name, B=b, T=1, who="projections alone",
                     us=us_proj, chained=True)
+            fused_note = "" if us_fused is None else f", one-launch kernel {us_fused:.1f} us"
             rep.progress(f"{label}: block {us_block:.1f} us = {us_block / us_kernel:.2f}x the "
-                         f"kernel alone ({us_kernel:.1f} us), projections {us_proj:.1f} us; output "
-                         f"vs unfused chain {err:.1e}")
+                         f"kernel alone ({us_kernel:.1f} us){fused_note}, projections "
+                         f"{us_proj:.1f} us; output vs unfused chain {err:.1e}")
 
         for T in seq_lens:
             label = f"{name} prefill B=1 T={T}"
@@ -380,7 +381,9 @@ def one_launch_steps(graphdef, call, unroll: int):
 
 def step_program(graphdef, op: str, unroll: int):
     """The jitted program one timed call of `op` (one of MESH_OPS) runs, with or without a mesh:
-    `unroll` chained steps for the decode forms, the state donated."""
+    `unroll` chained steps for the decode forms, the state donated. Each step's output is the
+    next step's input, as from one layer to the next: with the same input every step, XLA
+    would compute the input projections once and drop all but the last output projection."""
     import jax
     from flax import nnx
 
@@ -388,15 +391,15 @@ def step_program(graphdef, op: str, unroll: int):
         def steps(params, x, serving, slots):
             blk = nnx.merge(graphdef, params)
             for _ in range(unroll):
-                y, serving = blk.decode(x, serving, slots)
-            return y, serving
+                x, serving = blk.decode(x, serving, slots)
+            return x, serving
         return jax.jit(steps, donate_argnums=2)
     if op == "call T=1":
         def steps(params, x, state):
             blk = nnx.merge(graphdef, params)
             for _ in range(unroll):
-                y, state = blk(x, state)
-            return y, state
+                x, state = blk(x, state)
+            return x, state
         return jax.jit(steps, donate_argnums=2)
     return jax.jit(lambda params, x: nnx.merge(graphdef, params)(x))
 
