@@ -164,7 +164,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.mesh > 1:
         return mesh_main(args)
-    import contextlib
 
     import jax
     import jax.numpy as jnp
@@ -183,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.smoke:
         batches, seq_lens, args.unroll = list(SMOKE_B), ([] if args.no_prefill else [SMOKE_T]), 2
     interp = jax.default_backend() != "gpu"
-    ctx = lambda: gdn_jax.interpret() if interp else contextlib.nullcontext()
+    ctx = common.kernel_context
     dtype = jnp.dtype(args.dtype)
 
     peers = common.usable_peers(args, rep, supported=("fla",),
@@ -438,12 +437,8 @@ def mesh_case(block, op: str, size: int, *, unroll: int, seed: int = 1):
 
 def mesh_main(args) -> int:
     """`bench block --mesh N`: each block on one device against its heads over N devices."""
-    import contextlib
-
     import jax
     from jax.sharding import Mesh
-
-    import gdn_jax
 
     n = args.mesh
     if len(jax.devices()) < n:
@@ -464,7 +459,7 @@ def mesh_main(args) -> int:
         calls, repeats, unroll = 1, 1, 1
     mesh = Mesh(np.array(jax.devices()[:n]), ("tp",))
     rep.meta.update(mesh=n, dtype=args.dtype, unroll=unroll)
-    interp = (gdn_jax.interpret() if jax.default_backend() != "gpu" else contextlib.nullcontext())
+    interp = common.kernel_context()
 
     lines = [f"| block | op | size | 1 device us | {n} devices us | 1 device tok/s | "
              f"{n} devices tok/s | ratio | {n} vs 1 device |", "|---|---|---|---|---|---|---|---|---|"]

@@ -144,6 +144,40 @@ def time_jax(fn: Callable, *args, calls: int = 40, repeats: int = 5,
     return float(np.median(times))
 
 
+def kernel_context():
+    """A fresh context for one use: `gdn_jax.interpret()` (Pallas kernels in interpret mode)
+    off a GPU, else a null context. (A generator-based context manager cannot be entered twice.)"""
+    import contextlib
+
+    import jax
+
+    import gdn_jax
+    return gdn_jax.interpret() if jax.default_backend() != "gpu" else contextlib.nullcontext()
+
+
+def time_impl(rep: "Report", impl: str, label: str, fn: Callable, *args, calls: int,
+              repeats: int, first=None, on_decline: Callable[[], None] | None = None):
+    """Run an impl's `fn(*args)` -> (o, state) once and time it (`time_jax`), kernels in
+    interpret mode off a GPU. Returns (output, seconds per call, relative L2 error against
+    `first`, the first impl's output, or None), or None after one note line: the impl declined
+    the call (a ValueError: `on_decline` is told) or failed (any other error), so the other
+    impls of a bench still run."""
+    import jax
+    try:
+        with kernel_context():
+            out = jax.block_until_ready(fn(*args))
+            sec = time_jax(fn, *args, calls=calls, repeats=repeats)
+        err = None if first is None else max(rel_err(out[0], first[0]), rel_err(out[1], first[1]))
+        return out, sec, err
+    except ValueError as e:
+        rep.note(f"impl={impl!r} unavailable: {str(e).split(':', 1)[-1].strip()[:200]}")
+        if on_decline is not None:
+            on_decline()
+    except Exception as e:  # noqa: BLE001 - a failing impl is one line, the others still run
+        rep.note(f"impl={impl!r} failed on {label}: {type(e).__name__}: {str(e)[:200]}")
+    return None
+
+
 def measure_copy_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Device copy bandwidth measured now, GB/s of bytes read + written: a jitted elementwise
     `x + 1` over `nbytes` of fp32 (one read and one write per element)."""

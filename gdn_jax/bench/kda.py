@@ -77,7 +77,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = common.parse_here("kda", build_parser(), argv)
     if args is None:
         return 2
-    import contextlib
 
     import jax
     import jax.numpy as jnp
@@ -119,9 +118,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         rep.progress(f"{label}: FLA {us if us is not None else float('nan'):.1f} us, output vs ours "
                      f"{common.peer_verdict(err)}" + (f" ({r['error']})" if "error" in r else ""))
 
-    switch = getattr(gdn_jax, "interpret", None)
-    # a fresh context per use: a generator-based context manager cannot be entered twice
-    ctx = lambda: switch() if (callable(switch) and interp) else contextlib.nullcontext()
     impls = [x.strip() for x in args.impls.split(",") if x.strip()]
     for c in cases:
         x = common.np_inputs(c["seed"], c["B"], c["T"], h, h, kd, vd, per_channel=True,
@@ -135,19 +131,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for impl in impls:
                 fn = jax.jit(functools.partial(gdn_jax.kda, output_final_state=True,
                                                use_qk_l2norm=True, impl=impl))
-                try:
-                    with ctx():
-                        out = jax.block_until_ready(fn(q, k, v, g, beta))
-                        sec = common.time_jax(fn, q, k, v, g, beta, calls=1 if args.smoke else 5,
-                                              repeats=1 if args.smoke else args.repeats)
-                except ValueError as e:
-                    rep.note(f"impl={impl!r} unavailable: {str(e).split(':', 1)[-1].strip()[:200]}")
+                timed = common.time_impl(rep, impl, label, fn, q, k, v, g, beta,
+                                         calls=1 if args.smoke else 5,
+                                         repeats=1 if args.smoke else args.repeats, first=ours)
+                if timed is None:
                     continue
-                except Exception as e:  # noqa: BLE001 - a failing impl is one line, the others still run
-                    rep.note(f"impl={impl!r} failed on {label}: {type(e).__name__}: {str(e)[:200]}")
-                    continue
-                err = None if ours is None else max(common.rel_err(out[0], ours[0]),
-                                                    common.rel_err(out[1], ours[1]))
+                out, sec, err = timed
                 ours = ours or out
                 rep.add(case=label, mode="prefill", B=1, T=c["T"], who=f"ours impl={impl}",
                         us=sec * 1e6, TFLOPs=flops / sec / 1e12, rel_err_vs_first=err, chained=False)

@@ -188,7 +188,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.short:
         import sys
         return _short(args, sys.argv[1:] if argv is None else argv)
-    import contextlib
 
     import jax
     import jax.numpy as jnp
@@ -218,10 +217,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                  cu=None if cu is None else cu.tolist()) for i, (_, b, t, cu) in enumerate(cases)],
             progress=rep.progress)
 
-    interpret = getattr(gdn_jax, "interpret", None)
-    # a fresh context per use: a generator-based context manager cannot be entered twice
-    ctx = lambda: (interpret() if (callable(interpret) and jax.default_backend() != "gpu")
-                   else contextlib.nullcontext())
     unavailable: set[tuple[str, bool]] = set()
     calls = 1 if args.smoke else 5
     for i, (label, b, t, cu) in enumerate(cases):
@@ -236,20 +231,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             fn = jax.jit(functools.partial(gdn_jax.gated_delta_rule, output_final_state=True,
                                            use_qk_l2norm=True, impl=impl,
                                            cu_seqlens=None if cu is None else jnp.asarray(cu)))
-            try:
-                with ctx():
-                    out = jax.block_until_ready(fn(q, k, v, g, beta))
-                    sec = common.time_jax(fn, q, k, v, g, beta, calls=calls if impl != "reference" else 1,
-                                          repeats=1 if args.smoke else args.repeats)
-            except ValueError as e:
-                rep.note(f"impl={impl!r} unavailable: {str(e).split(':', 1)[-1].strip()[:200]}")
-                unavailable.add((impl, cu is None))
+            timed = common.time_impl(rep, impl, label, fn, q, k, v, g, beta,
+                                     calls=calls if impl != "reference" else 1,
+                                     repeats=1 if args.smoke else args.repeats, first=ours,
+                                     on_decline=lambda: unavailable.add((impl, cu is None)))
+            if timed is None:
                 continue
-            except Exception as e:  # noqa: BLE001 - a failing impl is one line, the others still run
-                rep.note(f"impl={impl!r} failed on {label}: {type(e).__name__}: {str(e)[:200]}")
-                continue
-            err = None if ours is None else max(common.rel_err(out[0], ours[0]),
-                                                common.rel_err(out[1], ours[1]))
+            out, sec, err = timed
             ours = ours or out
             row = rep.add(case=label, B=b, T=t, who=f"ours impl={impl}", us=sec * 1e6,
                           TFLOPs=flops / sec / 1e12, pct_roofline=100 * flops / sec / 1e12 / common.H200_BF16_TFLOPS,
