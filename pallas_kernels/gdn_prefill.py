@@ -497,9 +497,8 @@ def _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, ek_ref, decay_ref, gate, ke
                        rk, rq, *, s, h, spec, block_k, dot):
     """KDA's per-channel part of the prep, block_k key channels at a time: the decayed rows the
     scan takes (q e^G, k e^{G_C - G}), the rows e^G k that W is made of, the chunk's total
-    decay per channel, and the intra-chunk
-    products kk, qk [C, C] (`_kda_intra_chunk`), which are sums over channels and so add up
-    block by block. Working on [C, block_k] tiles keeps the gates, their exponentials and the
+    decay per channel, and the intra-chunk products kk, qk [C, C] (`_kda_intra_chunk`), which
+    are sums over channels and so add up block by block. Working on [C, block_k] tiles keeps the gates, their exponentials and the
     decayed copies of q and k in registers; whole [C, K] fp32 tiles of each do not fit."""
     C = CHUNK
     factored = _factored_diagonal_always_safe(spec)
