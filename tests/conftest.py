@@ -38,6 +38,20 @@ def interpret_flag(mode) -> bool:
     return mode == "interpret"
 
 
+@pytest.fixture
+def lower_for_h200(monkeypatch):
+    """Lets a test lower Pallas kernels to Triton IR for an H200 (sm_90) without a GPU: the
+    Pallas -> Triton lowering runs in Python and only asks the device for its compute
+    capability; only the PTX compile would need the device. Skips on a jax without that
+    lowering module."""
+    try:
+        from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
+    except ImportError:
+        pytest.skip("this jax has no Pallas Triton lowering module")
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+
+
 # The longest CPU tests (a child pytest process each, over a minute): run first, so that under
 # `-n 2` the other worker balances the rest of the suite against them instead of one worker
 # starting them when the rest is done.

@@ -562,15 +562,9 @@ LOWER_CASES = [  # raw gates, per-channel gate, l2, pooled, fused norm, state dt
 
 
 @pytest.mark.parametrize("raw,pc,l2,pooled,norm,sdt,sr", LOWER_CASES)
-def test_variants_lower_to_triton_ir(monkeypatch, raw, pc, l2, pooled, norm, sdt, sr):
+def test_variants_lower_to_triton_ir(lower_for_h200, raw, pc, l2, pooled, norm, sdt, sr):
     """Every variant lowers to Triton IR for an H200 (sm_90), checked here without a GPU: the
     Pallas -> Triton lowering runs in Python; only the PTX compile needs the device."""
-    try:
-        from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
-    except ImportError:
-        pytest.skip("this jax has no Pallas Triton lowering module")
-    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
     B, HK, HV, K = 4, 2, 4, 128
     spec = kern.DecodeSpec(num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=K, scale=0.1,
                            k_col=HK * K, v_col=2 * HK * K, raw_gates=raw, per_channel_gate=pc,

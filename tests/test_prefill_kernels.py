@@ -239,15 +239,9 @@ def test_chunk_table_packs_sequences_without_padding():
                                                            (True, True, True, F32, False),
                                                            (True, False, True, BF16, True),
                                                            (False, True, False, BF16, True)])
-def test_variants_lower_to_triton_ir(monkeypatch, raw, pooled, boundary, dtype, kda):
+def test_variants_lower_to_triton_ir(lower_for_h200, raw, pooled, boundary, dtype, kda):
     """Every kernel lowers to Triton IR for an H200 without a GPU (only PTX needs the device):
     prep and scan, and KDA's W kernel."""
-    try:
-        from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
-    except ImportError:
-        pytest.skip("this jax has no Pallas Triton lowering module")
-    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
     T, HK, HV, K = 256, 2, 4, 128
     spec = _spec(HK, HV, K, K, raw_gates=raw, pooled=pooled, boundary_states=boundary,
                  precise=dtype == F32, per_channel_gate=kda,

@@ -371,14 +371,8 @@ def test_states_after_bad_values_name_the_argument():
                                      dict(reads_state=False, per_channel_gate=True,
                                           raw_gates=True, gate_lower_bound=-5.0),
                                      dict(token_outputs=False)])
-def test_serial_variants_lower_to_triton_ir(monkeypatch, variant):
+def test_serial_variants_lower_to_triton_ir(lower_for_h200, variant):
     """The token-serial variants lower to Triton IR for an H200 without a GPU."""
-    try:
-        from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
-    except ImportError:
-        pytest.skip("this jax has no Pallas Triton lowering module")
-    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
     T, HK, HV, K = 40, 2, 4, 128
     spec = dk.DecodeSpec(num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=K, scale=0.1,
                          use_qk_l2norm=True, tokens=True, **variant)
