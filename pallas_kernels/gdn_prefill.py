@@ -50,8 +50,8 @@ it is and splits the fp32 side (state, deltas, the inverse's rows) into two bf16
 (`_dot_bf16x2`: ~16 significand bits, twice the tensor-core rate of TF32, half the registers);
 products between fp32 matrices (the block inverse, the intra-chunk matrix times the deltas) are
 one-pass TF32. fp16 inputs take one-pass TF32 throughout (fp16 halves cannot hold a state's
-range). Between the kernels W and KDA's decayed q rows are stored in the input dtype; KDA's
-decayed k rows, which build the state, in fp32; U and the intra-chunk matrix in fp32 too:
+range). Between the kernels W and KDA's decayed q rows and e^G k are stored in the input dtype;
+KDA's decayed k rows, which build the state, in fp32; U and the intra-chunk matrix in fp32 too:
 when a chunk repeats keys with beta near 1 and gates near 0, (I + A) is near singular, U's rows
 are large and cancel against W S, and the output sums large intra-chunk terms that cancel, so
 16-bit copies of U and of that matrix cost the state and the output several times bf16's
@@ -619,22 +619,23 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
     rows = (T_total, HV, K) if spec.per_channel_gate else (T_total, HV)
     q_rows_dtype = mid if spec.per_channel_gate and mid == jnp.bfloat16 else F32
     chunk = (start.shape[0], HV, K) if spec.per_channel_gate else (start.shape[0], HV)
-    # KDA only (GDN writes W itself): e^G k (in the input dtype, like W) and T beta (fp32)
-    # for W. bf16 e^G k times the split T beta rounds about as much as the one-pass TF32
-    # product of fp32 ones did: the state's error against float64 did not move on the H200.
-    kda = lambda shape, dtype: jax.ShapeDtypeStruct(shape if spec.per_channel_gate else (1, 1, 1),
-                                                    dtype)
+    # GDN writes W itself; for KDA the prep writes e^G k (in the input dtype, like W) and
+    # T beta (fp32) instead, and `_kda_w_kernel` forms W. bf16 e^G k times the split T beta
+    # rounds about as much as the one-pass TF32 product of fp32 ones did: the state's error
+    # against float64 did not move on the H200. Outputs a kind does not write are (1, 1, 1).
+    used = lambda kda_only, shape, dtype: jax.ShapeDtypeStruct(
+        shape if kda_only == spec.per_channel_gate else (1, 1, 1), dtype)
     grid = (start.shape[0], HV)
     w, u, aqk, fq, fk, decay, ek, tb = pl.pallas_call(
         functools.partial(_prep_kernel, spec=spec, block_k=block.block_k, interpret=interpret),
-        out_shape=(jax.ShapeDtypeStruct((T_total, HV, K), mid),      # W (GDN)
+        out_shape=(used(False, (T_total, HV, K), mid),               # W (GDN)
                    jax.ShapeDtypeStruct((T_total, HV, V), F32),      # U
                    jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),  # q k^T e^{G_i - G_j}, j <= i
                    jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
                    jax.ShapeDtypeStruct(rows, F32),                  # k: norm * e^{G_C - G}
                    jax.ShapeDtypeStruct(chunk, F32),                 # e^{G_C}
-                   kda((T_total, HV, K), mid),                       # KDA: e^G k
-                   kda((T_total, HV, CHUNK), F32)),                  # KDA: T beta
+                   used(True, (T_total, HV, K), mid),                # KDA: e^G k
+                   used(True, (T_total, HV, CHUNK), F32)),           # KDA: T beta
         grid=grid,
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
         interpret=interpret,

@@ -12,8 +12,8 @@ fold of pending verify rows is skipped by its gate), serving state donated. Besi
 of its parts timed the same way: the recurrence kernel alone (`gdn_jax.decode.gdn_decode` on
 prepared q, k, v, g, beta, state donated), the one-launch kernel alone (on the block's
 prepared projection rows, state and conv windows donated) and the projections alone (input and
-output projections of the block, nothing else, `--unroll` steps chained through the output gate). The block's output is checked against the unfused
-chain (impl="reference") in the run.
+output projections of the block, nothing else, `--unroll` steps chained through the output
+gate). The block's output is checked against the unfused chain (impl="reference") in the run.
 
 Prefill (--seq-lens, default 4096, 32768; B = 1): the block's `__call__` from a fresh state, one
 call per jitted program, against the sequence kernel alone (`gated_delta_rule` / `kda` with
