@@ -167,16 +167,22 @@ def chunk_table(cu_seqlens: jax.Array, total_tokens: int):
     Returns (chunk_start [S], chunk_len [S], first_chunk [N]) for S = ceil(T_total / C) + N chunk
     slots, an upper bound of the number of chunks: slot s holds tokens
     [chunk_start[s], chunk_start[s] + chunk_len[s]) of one sequence; unused slots have length 0.
-    Sequence n's chunks are slots first_chunk[n], first_chunk[n] + 1, ... in order."""
+    Sequence n's chunks are slots first_chunk[n], first_chunk[n] + 1, ... in order.
+
+    Loop-free (a scatter and two log-depth prefix sums): `jnp.searchsorted` lowers to a while
+    loop, whose trip count an XLA GPU program reads back to the host every iteration."""
     cu = cu_seqlens.astype(jnp.int32)
     n = cu.shape[0] - 1
     num_slots = pl.cdiv(total_tokens, CHUNK) + n
+    prefix_sum = lambda x: lax.associative_scan(jnp.add, x)
     lens = cu[1:] - cu[:-1]
     nch = (lens + CHUNK - 1) // CHUNK
-    ends = jnp.cumsum(nch)
+    ends = prefix_sum(nch)
     first = ends - nch
     s = jnp.arange(num_slots, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, s, side="right"), n - 1).astype(jnp.int32)
+    # seq[s] = #{n : ends[n] <= s}, the sequence slot s belongs to (ends[n] = S lies past every s)
+    ends_at = jnp.zeros((num_slots,), jnp.int32).at[ends].add(1, mode="drop")
+    seq = jnp.minimum(prefix_sum(ends_at), n - 1)
     start = cu[seq] + (s - first[seq]) * CHUNK
     length = jnp.where(s < ends[-1], jnp.clip(cu[seq + 1] - start, 0, CHUNK), 0)
     return start, length.astype(jnp.int32), first.astype(jnp.int32)
@@ -541,10 +547,16 @@ def _kda_w_kernel(start_ref, len_ref, ek_ref, tb_ref, w_ref, *, spec: PrefillSpe
 
 # --------------------------------------------------------------------------- kernel 2: state scan
 
-def _scan_kernel(cu_ref, first_ref, slots_ref, q_ref, k_ref, w_ref, u_ref, aqk_ref, fq_ref,
-                 fk_ref, decay_ref, h0_ref, o_ref, hT_ref, hb_ref, *, spec: PrefillSpec,
+def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, w_ref, u_ref, aqk_ref,
+                 fq_ref, fk_ref, decay_ref, h0_ref, o_ref, hT_ref, hb_ref, *, spec: PrefillSpec,
                  block_v: int, interpret: bool):
-    n, h, jv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # One program per (sequence, value head, column block), launched column blocks fastest, then
+    # heads, then sequences longest first (`order_ref`): the GPU starts programs in launch order,
+    # so a packed batch's longest walks start in the first wave rather than wait for a late one
+    # and run on alone after the rest.
+    p, nv = pl.program_id(0), spec.head_v_dim // block_v
+    jv, h = p % nv, (p // nv) % spec.num_v_heads
+    n = order_ref[p // (nv * spec.num_v_heads)]
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     C, K = CHUNK, spec.head_k_dim
     cols = pl.ds(jv * block_v, block_v)
@@ -653,6 +665,14 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
     return w, u, aqk, fq, fk, decay
 
 
+def _longest_first(cu):
+    """Sequence indices [N] int32 by decreasing length (ties in index order)."""
+    lens = cu[1:] - cu[:-1]
+    if lens.shape[0] == 1:
+        return jnp.zeros((1,), jnp.int32)
+    return jnp.argsort(-lens, stable=True).astype(jnp.int32)
+
+
 def _scan(cu, first, slots, q, k, w, u, aqk, fq, fk, decay, h0, *, spec, block, state_dtype,
           num_boundary, interpret):
     v_dtype = q.dtype
@@ -668,13 +688,13 @@ def _scan(cu, first, slots, q, k, w, u, aqk, fq, fk, decay, h0, *, spec, block, 
         out_shape=(jax.ShapeDtypeStruct((T_total, HV, V), v_dtype),
                    jax.ShapeDtypeStruct(final_shape, final_dtype),
                    jax.ShapeDtypeStruct(bshape, F32)),  # fp32: a prefix continues from it
-        grid=(N, HV, V // block.block_v),
-        input_output_aliases={11: 1} if spec.pooled else {},
+        grid=(N * HV * (V // block.block_v),),
+        input_output_aliases={12: 1} if spec.pooled else {},
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_scan,
                                              num_stages=block.num_stages_scan),
         interpret=interpret,
         name="gdn_prefill_scan",
-    )(cu, first, slots, q, k, w, u, aqk, fq, fk, decay, h0)
+    )(cu, _longest_first(cu), first, slots, q, k, w, u, aqk, fq, fk, decay, h0)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "block", "state_dtype", "interpret"),
