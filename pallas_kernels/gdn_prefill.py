@@ -24,7 +24,8 @@ form of the delta rule):
    chunks of its sequence in order with the [K, block_v] state slab in registers: four matrix
    products per chunk on the tensor cores (the raw q and k rows, the row factors applied to the
    products), the outputs written as it goes, optionally the state after every chunk, and
-   finally the final state (or the pool slot it came from, in place).
+   finally the final state (or the pool slot it came from, in place). The programs launch
+   sequences longest first, so in a packed batch of mixed lengths the longest walks start first.
 
 KDA (`per_channel_gate`): the decay is per key channel, e^{G_ic - G_jc}, so A and the intra-chunk
 attention matrix cannot be row-scaled products. The prep cuts the chunk into blocks of SUB = 16
