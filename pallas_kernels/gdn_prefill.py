@@ -70,7 +70,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gdn_decode import tame_huge_rows
+from pallas_kernels.gdn_decode import L2NORM_RESCALE_ABOVE, TAMED_ROW_EXPONENT
 
 F32 = jnp.float32
 CHUNK = 64
@@ -82,7 +82,7 @@ L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 
 __all__ = ["PrefillSpec", "PrefillBlockSizes", "unsupported_reason", "chunk_table",
-           "chunk_prefill", "split_gate"]
+           "chunk_prefill", "split_gate", "tame_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -674,6 +674,44 @@ def _longest_first(cu):
     return jnp.argsort(-lens, stable=True).astype(jnp.int32)
 
 
+TAME_BLOCK_ROWS = 64
+
+
+def _tame_rows_kernel(x_ref, o_ref, *, num_rows: int):
+    """`gdn_decode.tame_huge_rows` for TAME_BLOCK_ROWS rows of x [R, K], in one read and one
+    write (XLA makes it two reads of x: a reduction, then a select)."""
+    r0 = pl.program_id(0) * TAME_BLOCK_ROWS
+    rows = (r0 + lax.broadcasted_iota(jnp.int32, (TAME_BLOCK_ROWS,), 0) < num_rows)[:, None]
+    block = pl.ds(r0, TAME_BLOCK_ROWS)
+    x = plgpu.load(x_ref.at[block, :], mask=rows, other=0)
+    m = jnp.max(jnp.abs(x.astype(F32)), axis=1)
+    # m in [2^(e-1), 2^e) from its fp32 exponent bits (frexp's e; frexp gives e = 0 for inf);
+    # huge rows are multiplied by 2^(TAMED_ROW_EXPONENT + 1 - e), the others kept as they are
+    # (not multiplied by 1: a flush-to-zero multiply would lose subnormals)
+    biased = (lax.bitcast_convert_type(m, jnp.int32) >> 23) & 0xFF
+    e = jnp.where(biased == 0xFF, 0, biased - 126)
+    huge = m > L2NORM_RESCALE_ABOVE
+    factor = lax.bitcast_convert_type((jnp.where(huge, TAMED_ROW_EXPONENT + 1 - e, 0) + 127) << 23,
+                                      F32)
+    x = jnp.where(huge[:, None], x * factor[:, None].astype(x.dtype), x)
+    plgpu.store(o_ref.at[block, :], x, mask=rows)
+
+
+def tame_rows(x, *, interpret: bool = False):
+    """x [..., K] with its huge rows tamed as `gdn_decode.tame_huge_rows` does (same bits), as
+    one Pallas kernel over the rows."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = pl.pallas_call(
+        functools.partial(_tame_rows_kernel, num_rows=rows.shape[0]),
+        out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
+        grid=(pl.cdiv(rows.shape[0], TAME_BLOCK_ROWS),),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="tame_huge_rows",
+    )(rows)
+    return out.reshape(x.shape)
+
+
 def _scan(cu, first, slots, q, k, w, u, aqk, fq, fk, decay, h0, *, spec, block, state_dtype,
           num_boundary, interpret):
     v_dtype = q.dtype
@@ -715,7 +753,7 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
     N = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
     if spec.use_qk_l2norm:  # raw q, k rows go into dot products and are normalised afterwards
-        q, k = tame_huge_rows(q), tame_huge_rows(k)
+        q, k = tame_rows(q, interpret=interpret), tame_rows(k, interpret=interpret)
     start, length, first = chunk_table(cu, q.shape[0])
     A_log = jnp.zeros((HV,), F32) if A_log is None else A_log
     dt_bias = jnp.zeros((HV,), F32) if dt_bias is None else dt_bias
