@@ -76,7 +76,7 @@ __all__ = [
     "DecodeBlockSizes", "DecodeSpec", "TUNING_TABLE", "default_block_sizes", "unsupported_reason",
     "index_overflow_reason", "SERIAL_TUNING_TABLE", "default_serial_block_sizes",
     "token_update", "l2_normalize", "softplus_value", "gdn_gate_value", "kda_gate_value",
-    "tame_huge_rows", "counter_bits", "stochastic_round_value", "gdn_decode", "serial_prefill",
+    "tame_huge_rows", "huge_row_factor", "counter_bits", "stochastic_round_value", "gdn_decode", "serial_prefill",
 ]
 
 
@@ -125,13 +125,22 @@ def tame_huge_rows(x: jax.Array) -> jax.Array:
     come back unchanged, bit for bit. For launchers whose kernels normalise q/k without a guard
     (`l2_normalize(guard=False)`) or form raw dot products of rows normalised afterwards; one
     elementwise XLA pass."""
-    m = jnp.max(jnp.abs(x.astype(F32)), axis=-1, keepdims=True)
-    huge = m > L2NORM_RESCALE_ABOVE
-    # m in [2**(e-1), 2**e) with e >= 51: the factor 2**(TAMED_ROW_EXPONENT + 1 - e) lies in
-    # [2**-104, 2**-26], a normal number in fp32 and bf16, so the product is exact
-    e = jnp.frexp(m)[1]
-    factor = jnp.ldexp(jnp.ones_like(m), jnp.where(huge, TAMED_ROW_EXPONENT + 1 - e, 0))
+    huge, factor = huge_row_factor(jnp.max(jnp.abs(x.astype(F32)), axis=-1, keepdims=True))
     return jnp.where(huge, x * factor.astype(x.dtype), x)
+
+
+def huge_row_factor(m: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """For rows' max |x| m (fp32, any shape): (huge, factor), huge = m > L2NORM_RESCALE_ABOVE
+    and factor the exact power of two `tame_huge_rows` scales a huge row by (1 elsewhere).
+    Plain jnp on the fp32 exponent bits (no frexp), so a Pallas kernel can call it too."""
+    huge = m > L2NORM_RESCALE_ABOVE
+    # m in [2**(e-1), 2**e) (frexp's e, which is 0 for inf); for e >= 51 the factor
+    # 2**(TAMED_ROW_EXPONENT + 1 - e) lies in [2**-104, 2**-26], a normal number in fp32 and
+    # bf16, so the product is exact
+    biased = (lax.bitcast_convert_type(m, jnp.int32) >> 23) & 0xFF
+    e = jnp.where(biased == 0xFF, 0, biased - 126)
+    exponent = jnp.where(huge, TAMED_ROW_EXPONENT + 1 - e, 0)
+    return huge, lax.bitcast_convert_type((exponent + 127) << 23, F32)
 
 
 def softplus_value(x: jax.Array) -> jax.Array:

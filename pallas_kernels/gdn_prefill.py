@@ -70,7 +70,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gdn_decode import L2NORM_RESCALE_ABOVE, TAMED_ROW_EXPONENT
+from pallas_kernels.gdn_decode import huge_row_factor
 
 F32 = jnp.float32
 CHUNK = 64
@@ -505,8 +505,9 @@ def _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, ek_ref, decay_ref, gate, ke
     """KDA's per-channel part of the prep, block_k key channels at a time: the decayed rows the
     scan takes (q e^G, k e^{G_C - G}), the rows e^G k that W is made of, the chunk's total
     decay per channel, and the intra-chunk products kk, qk [C, C] (`_kda_intra_chunk`), which
-    are sums over channels and so add up block by block. Working on [C, block_k] tiles keeps the gates, their exponentials and the
-    decayed copies of q and k in registers; whole [C, K] fp32 tiles of each do not fit."""
+    are sums over channels and so add up block by block. Working on [C, block_k] tiles keeps
+    the gates, their exponentials and the decayed copies of q and k in registers; whole [C, K]
+    fp32 tiles of each do not fit."""
     C = CHUNK
     factored = _factored_diagonal_always_safe(spec)
 
@@ -684,15 +685,9 @@ def _tame_rows_kernel(x_ref, o_ref, *, num_rows: int):
     rows = (r0 + lax.broadcasted_iota(jnp.int32, (TAME_BLOCK_ROWS,), 0) < num_rows)[:, None]
     block = pl.ds(r0, TAME_BLOCK_ROWS)
     x = plgpu.load(x_ref.at[block, :], mask=rows, other=0)
-    m = jnp.max(jnp.abs(x.astype(F32)), axis=1)
-    # m in [2^(e-1), 2^e) from its fp32 exponent bits (frexp's e; frexp gives e = 0 for inf);
-    # huge rows are multiplied by 2^(TAMED_ROW_EXPONENT + 1 - e), the others kept as they are
-    # (not multiplied by 1: a flush-to-zero multiply would lose subnormals)
-    biased = (lax.bitcast_convert_type(m, jnp.int32) >> 23) & 0xFF
-    e = jnp.where(biased == 0xFF, 0, biased - 126)
-    huge = m > L2NORM_RESCALE_ABOVE
-    factor = lax.bitcast_convert_type((jnp.where(huge, TAMED_ROW_EXPONENT + 1 - e, 0) + 127) << 23,
-                                      F32)
+    huge, factor = huge_row_factor(jnp.max(jnp.abs(x.astype(F32)), axis=1))
+    # the other rows kept as they are, not multiplied by 1: a flush-to-zero multiply would lose
+    # subnormals
     x = jnp.where(huge[:, None], x * factor[:, None].astype(x.dtype), x)
     plgpu.store(o_ref.at[block, :], x, mask=rows)
 
