@@ -442,6 +442,84 @@ def test_kda_factored_and_exact_diagonal_blocks(mode, exact_only, monkeypatch):
     assert rel_err(hT, rs) <= 1e-5
 
 
+def _kda_intra_oracle(q, k, g, cu, HV, scale):
+    """float64 intra-chunk products and decayed rows, chunk by chunk: kk (j < i), aqk (j <= i)
+    [T, HV, C], q e^G, k e^{G_C - G}, e^G k [T, HV, K] (q, k L2-normalised, q scaled) and the
+    total decay e^{G_C} of every chunk, [chunks, HV, K] in chunk order."""
+    q, k, g = (np.asarray(jnp.asarray(x, F32), np.float64) for x in (q, k, g))
+    g = np.maximum(g, kern.GATE_FLOOR)
+    rep = HV // q.shape[1]
+    norm = lambda x: np.repeat(x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6), rep, axis=1)
+    qn, kn = norm(q) * scale, norm(k)
+    T, K, C = q.shape[0], q.shape[2], kern.CHUNK
+    kk, aqk = np.zeros((T, HV, C)), np.zeros((T, HV, C))
+    fq, fk, ek, decays = np.zeros((T, HV, K)), np.zeros((T, HV, K)), np.zeros((T, HV, K)), []
+    cu = np.asarray(cu)
+    for a, b in zip(cu[:-1], cu[1:]):
+        for t0 in range(a, b, C):
+            rows = slice(t0, min(t0 + C, b))
+            n = rows.stop - t0
+            G = np.cumsum(g[rows], axis=0)                                     # [n, HV, K]
+            e = np.exp(np.where(np.tril(np.ones((n, n)))[:, :, None, None] > 0,
+                                G[:, None] - G[None, :], -np.inf))            # [i, j, HV, K]
+            kk[rows, :, :n] = np.einsum("ihc,jhc,ijhc->ihj", kn[rows], kn[rows], e)
+            kk[rows, :, :n] *= np.tril(np.ones((n, n)), -1)[:, None, :]
+            aqk[rows, :, :n] = np.einsum("ihc,jhc,ijhc->ihj", qn[rows], kn[rows], e)
+            fq[rows], ek[rows] = qn[rows] * np.exp(G), kn[rows] * np.exp(G)
+            fk[rows] = kn[rows] * np.exp(G[-1] - G)
+            decays.append(np.exp(G[-1]))
+    return kk, aqk, fq, fk, ek, np.stack(decays)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lens,HK,HV,K,block_k,raw", [([100], 1, 2, 256, 64, False),
+                                                      ([37, 5, 70], 1, 2, 32, 16, True)],
+                         ids=["K256", "ragged_lower_bound"])
+def test_kda_intra_kernel_against_float64(mode, lens, HK, HV, K, block_k, raw):
+    """The intra-chunk kernel alone: kk, aqk, the decayed rows and the chunk decays equal a
+    float64 einsum over every chunk, ragged ones (T not a multiple of 64) included. K = 256:
+    head 0's gates are mild (factored diagonal blocks), head 1's span 1e-7..1e3 with resets in
+    the first chunk (exact diagonal blocks there) and are mild after; the raw lower-bound gate
+    takes the factored blocks statically."""
+    q, k, _, g, _, _, cu = _kda_inputs(41, lens, HK=HK, HV=HV, K=K)
+    rng = np.random.default_rng(42)
+    A_log = dt_bias = None
+    if raw:
+        a = jnp.asarray(2 * rng.standard_normal(g.shape), F32)
+        A_log = jnp.asarray(rng.standard_normal(HV), F32)
+        dt_bias = jnp.asarray(rng.standard_normal(HV * K), F32)
+        g_in, g = a, ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=-5.0)
+    else:
+        g = np.asarray(g).copy()
+        g[:64, 1] = -(10.0 ** rng.uniform(-7, 3, (64, K)))
+        g[20, 1, ::5] = -np.inf
+        g_in = g = jnp.asarray(g)
+        spans = _diag_spans(g, cu).reshape(-1, HV)
+        assert spans[:, 0].max() <= kern.DIAG_EXP_LIMIT < spans[0, 1]
+    spec = _spec(HK, HV, K, K, per_channel_gate=True, raw_gates=raw,
+                 gate_lower_bound=-5.0 if raw else None)
+    start, length, _ = kern.chunk_table(cu, q.shape[0])
+    A_log = jnp.zeros((HV,), F32) if A_log is None else A_log
+    dt_bias = jnp.zeros((HV,), F32) if dt_bias is None else dt_bias
+    got = kern._kda_intra(q, k, g_in, start, length, A_log, dt_bias, rows_dtype=F32, spec=spec,
+                          block=kern.PrefillBlockSizes(block_k=block_k),
+                          interpret=mode == "interpret")
+    kk, aqk, fq, fk, ek, decay = (np.asarray(x) for x in got)
+    want = _kda_intra_oracle(q, k, g, cu, HV, spec.scale)
+    decay = decay[np.asarray(length) > 0]  # chunk slots in order; unused slots are not written
+    for name, x, y in zip(("kk", "aqk", "fq", "fk", "ek", "decay"),
+                          (kk, aqk, fq, fk, ek, decay), want):
+        for h in range(HV):
+            assert rel_err(x[..., h, :], y[..., h, :]) <= 1e-5, (name, h)
+    # the masks are exact zeros: kk strictly below the diagonal, aqk on and below it
+    i = np.arange(q.shape[0]) - np.repeat(np.asarray(start)[np.asarray(length) > 0],
+                                          np.asarray(length)[np.asarray(length) > 0])
+    above = np.arange(kern.CHUNK)[None, :] >= i[:, None]
+    assert np.all(kk[:, :, :][above[:, None, :].repeat(HV, 1)] == 0)
+    assert np.all(aqk[(above & (np.arange(kern.CHUNK)[None, :] > i[:, None]))[:, None, :]
+                      .repeat(HV, 1)] == 0)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_kda_prefill_pool_lower_bound_gate(mode):
     """KDA (GLM-5.3-Flash form: lower-bound raw gate) through gdn_prefill_pool."""
