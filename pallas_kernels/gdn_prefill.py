@@ -27,16 +27,19 @@ form of the delta rule):
    finally the final state (or the pool slot it came from, in place).
 
 KDA (`per_channel_gate`): the decay is per key channel, e^{G_ic - G_jc}, so A and the intra-chunk
-attention matrix cannot be row-scaled products. The prep cuts the chunk into blocks of SUB = 16
-rows: every block below the diagonal is a tensor-core product of rows decayed towards a reference
-row between the two blocks (no exponent above 0); the diagonal blocks are one more product through
-each block's middle row when the chunk's gates allow it (exponents within +-DIAG_EXP_LIMIT), else
-formed exactly in SUB elementwise steps (`_kda_intra_chunk`). These are sums over key channels:
-the prep forms them block_k channels at a time and adds them up (`_kda_prep_channels`), so its
-[C, block_k] gate and decayed-row tiles stay in registers. The prep hands the scan the decayed
-rows q e^G and k e^{G_C - G} instead of row factors. W = T beta (e^G k) needs T, which needs
-every channel's products first, so the prep stores e^G k and T beta and a third small kernel
-(`_kda_w_kernel`) forms W. The rest of the kernels is shared.
+attention matrix cannot be row-scaled products, and the per-channel work runs first in a kernel
+of its own, `_kda_intra_kernel`, with four programs per chunk and value head: the chunk is cut
+into blocks of SUB = 16 rows and each program owns one block row, all key channels. Every block
+below the diagonal is a tensor-core product of rows decayed towards a reference row between the
+two blocks (no exponent above 0); the diagonal block is one more product through the block's
+middle row when its gates allow it (exponents within +-DIAG_EXP_LIMIT), else formed exactly in
+SUB elementwise steps. The products are sums over key channels, formed block_k channels at a
+time ([16, block_k] x [block_k, 64] products) so the [64, block_k] gate tiles stay in registers,
+from the raw q and k rows, with the L2-norm row factors applied to the sums. The same program
+writes its rows' decayed q e^G and k e^{G_C - G} (the scan takes them instead of row factors),
+e^G k (for W), the masked k k^T and q k^T rows (k k^T without beta) and, from the block that
+holds the chunk's last row, the chunk's total decay per channel. The prep then only loads
+k k^T, forms A, T, U and W = (T beta) (e^G k); the scan is shared.
 
 Numerics. Gates are clamped at GATE_FLOOR (e^-88 is below fp32's smallest normal number, so a
 clamped decay is still a full reset) so every cumulative sum is finite and a -inf gate cannot
@@ -45,17 +48,18 @@ of 1/16 and lo = g - hi: the hi sums are exact in fp32 (|sum| <= 64 * 88 * 16 < 
 pairwise differences G_i - G_j lose no precision however negative the gates before j were.
 
 Dots: fp32 inputs use three-pass TF32 (fp32 accuracy on tensor cores). With bf16 inputs every
-product with a bf16 row operand (raw q and k, v, and the W the prep stores) takes that operand as
-it is and splits the fp32 side (state, deltas, the inverse's rows) into two bf16 halves
+product with a bf16 row operand (raw q and k, v, and the W the prep stores) takes that operand
+as it is and splits the fp32 side (state, deltas, the inverse's rows) into two bf16 halves
 (`_dot_bf16x2`: ~16 significand bits, twice the tensor-core rate of TF32, half the registers);
-products between fp32 matrices (the block inverse, the intra-chunk matrix times the deltas) are
-one-pass TF32. fp16 inputs take one-pass TF32 throughout (fp16 halves cannot hold a state's
-range). Between the kernels W and KDA's decayed q rows and e^G k are stored in the input dtype;
-KDA's decayed k rows, which build the state, in fp32; U and the intra-chunk matrix in fp32 too:
-when a chunk repeats keys with beta near 1 and gates near 0, (I + A) is near singular, U's rows
-are large and cancel against W S, and the output sums large intra-chunk terms that cancel, so
-16-bit copies of U and of that matrix cost the state and the output several times bf16's
-rounding (tests/test_prefill_kernels.py, repeated keys).
+products between fp32 matrices (the block inverse, KDA's products of decayed rows, the
+intra-chunk matrix times the deltas) are one-pass TF32. fp16 inputs take one-pass TF32
+throughout (fp16 halves cannot hold a state's range). Between the kernels W and KDA's decayed q
+rows and e^G k are stored in the input dtype; KDA's decayed k rows, which build the state, in
+fp32; U, the intra-chunk matrix and KDA's k k^T in fp32 too: when a chunk repeats keys with beta
+near 1 and gates near 0, (I + A) is near singular, U's rows are large and cancel against W S,
+and the output sums large intra-chunk terms that cancel, so 16-bit copies of U and of that
+matrix cost the state and the output several times bf16's rounding
+(tests/test_prefill_kernels.py, repeated keys).
 """
 
 from __future__ import annotations
@@ -410,7 +414,7 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
               rows2)
 
 
-# --------------------------------------------------------------------------- KDA: intra-chunk products
+# ---------------------------------------------------------------- KDA: intra-chunk products
 
 def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, kk_ref,
                       aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, *, spec: PrefillSpec,
@@ -612,8 +616,9 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
     # (exact tensor-core operands, half the scan's reads of them; the output is rounded to bf16
     # anyway). The decayed k rows build the state and stay fp32: in bf16 they cost the final
     # state ~5x its error against float64 (BENCHMARKS.md, KDA prefill). e^G k (for W) is stored
-    # in the input dtype: its product with the split T beta rounds about as much as a one-pass
-    # TF32 product of fp32 rows.
+    # in the input dtype: bf16 e^G k times the split T beta rounds about as much as a one-pass
+    # TF32 product of fp32 rows would (the state's error against float64 is the same on the
+    # H200, BENCHMARKS.md).
     q_rows_dtype = rows_dtype if rows_dtype == jnp.bfloat16 else F32
     rows = (T_total, HV, K)
     return pl.pallas_call(

@@ -49,7 +49,8 @@ def _spec(HK, HV, K, V, **kw):
 
 
 def _run(mode, q, k, v, g, beta, cu, spec, *, block_v=16, **kw):
-    # block_k = 16: the KDA prep's channel loop takes several steps at every tested K
+    # block_k = 16: the KDA intra kernel's channel loop takes several steps at every tested K
+    # (but K = 16)
     block = kern.PrefillBlockSizes(block_v=min(block_v, spec.head_v_dim), block_k=16)
     return kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
                               interpret=mode == "interpret", **kw)
@@ -241,7 +242,7 @@ def test_chunk_table_packs_sequences_without_padding():
                                                            (False, True, False, BF16, True)])
 def test_variants_lower_to_triton_ir(lower_for_h200, raw, pooled, boundary, dtype, kda):
     """Every kernel lowers to Triton IR for an H200 without a GPU (only PTX needs the device):
-    prep and scan, and KDA's W kernel."""
+    prep and scan, and KDA's intra-chunk kernel before them."""
     T, HK, HV, K = 256, 2, 4, 128
     spec = _spec(HK, HV, K, K, raw_gates=raw, pooled=pooled, boundary_states=boundary,
                  precise=dtype == F32, per_channel_gate=kda,
@@ -256,6 +257,22 @@ def test_variants_lower_to_triton_ir(lower_for_h200, raw, pooled, boundary, dtyp
                                    spec=spec, block=kern.PrefillBlockSizes(), interpret=False,
                                    **kw).lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count("__gpu$xla.gpu.triton") == (3 if kda else 2)
+
+
+@pytest.mark.parametrize("K,block_k", [(64, 64), (256, 32), (256, 64)])
+def test_kda_intra_kernel_lowers_at_every_block_k(lower_for_h200, K, block_k):
+    """The KDA intra kernel lowers to Triton IR for the channel steps a tuning sweep tries, at
+    the head dims models use (the whole call at the default blocks is the test above)."""
+    T, HV = 200, 2
+    spec = _spec(1, HV, K, K, per_channel_gate=True, precise=False)
+    start, length, _ = kern.chunk_table(jnp.array([0, 70, T], jnp.int32), T)
+    x = jnp.ones((T, 1, K), BF16)
+    hlo = jax.jit(lambda q, k, g, start, length: kern._kda_intra(
+        q, k, g, start, length, jnp.zeros(HV), jnp.zeros(HV), rows_dtype=BF16, spec=spec,
+        block=kern.PrefillBlockSizes(block_k=block_k), interpret=False)).trace(
+            x, x, jnp.ones((T, HV, K)), start, length).lower(
+                lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("__gpu$xla.gpu.triton") == 1
 
 
 # --------------------------------------------------------------------------- public entry points
