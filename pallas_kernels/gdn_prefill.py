@@ -121,7 +121,7 @@ class PrefillBlockSizes:
     num_stages_scan: int = 2
     block_k: int = 32        # KDA intra kernel: key channels per step of the per-channel products
     num_warps_intra: int = 4
-    num_stages_intra: int = 1
+    num_stages_intra: int = 1  # KDA intra kernel: pipelined stages of its channel loop's loads
 
     @staticmethod
     def get_default(spec: PrefillSpec, num_sequences: int) -> "PrefillBlockSizes":
@@ -163,7 +163,7 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
         if spec.per_channel_gate and (not _pow2(block.block_k) or spec.head_k_dim % block.block_k):
             return (f"block_k={block.block_k} must be a power of two >= 16 dividing "
                     f"K={spec.head_k_dim}")
-        for w in (block.num_warps_prep, block.num_warps_scan):
+        for w in (block.num_warps_prep, block.num_warps_scan, block.num_warps_intra):
             if w not in (1, 2, 4, 8):
                 return f"num_warps={w} must be 1, 2, 4 or 8"
     return None
@@ -434,10 +434,11 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
     ~1e-38 of the unit-size diagonal; one [SUB, block_k] x [block_k, C] product covers every
     b < a. The diagonal block has pairs on both sides of any reference row; through its middle
     row m the factors are e^{+-(G_i - G_m)}: when |G_ic - G_mc| <= DIAG_EXP_LIMIT for every row
-    of the block and channel of the step, they and the discarded upper-triangle products stay far
-    inside fp32's range and the block is one more product (the lower-bound gate guarantees it
-    statically, `_factored_diagonal_always_safe`; otherwise each block and channel step checks at
-    run time). A block whose gates span more (resets, huge decays) is formed exactly in SUB
+    of the block and channel of the step, they stay far inside fp32's range and the block is one
+    more product. The lower-bound gate guarantees that bound statically
+    (`_factored_diagonal_always_safe`); otherwise each block and channel step checks it at run
+    time. An entry above the diagonal (up to e^80 times the raw rows' product) may overflow: a
+    select discards it, nothing multiplies it. A block whose gates span more (resets, huge decays) is formed exactly in SUB
     elementwise steps (`_exact_diagonal_block`). Both kinds of block share one column operand,
     k_j e^{G_r - G_j} (j in blocks before a) or k_j e^{G_m - G_j} (j in block a), zero after a.
     Every exponent is a difference of the split (hi, lo) cumulative sums, so it keeps full

@@ -459,6 +459,27 @@ def test_kda_factored_and_exact_diagonal_blocks(mode, exact_only, monkeypatch):
     assert rel_err(hT, rs) <= 1e-5
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_kda_large_rows_factored_diagonal(mode):
+    """q, k rows of norm ~6e4 with every gate at the lower bound -5: the factored diagonal
+    blocks (exponents up to +-40) of the raw rows overflow above the diagonal (e^75 x 3e9),
+    which must stay out of the kept entries; the result equals float64."""
+    lens, HK, HV, K = [100, 40], 1, 2, 32
+    q, k, v, _, b, h0, cu = _kda_inputs(33, lens, HK=HK, HV=HV, K=K)
+    q, k = 1e4 * q, 1e4 * k
+    a = jnp.full((sum(lens), HV, K), 40.0, F32)  # sigmoid(e^A_log (a + dt)) = 1: g = -5
+    A_log, dt_bias = jnp.zeros(HV, F32), jnp.zeros(HV * K, F32)
+    spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True, raw_gates=True,
+                 gate_lower_bound=-5.0)
+    o, hT, _, _ = _run(mode, q, k, v, a, b, cu, spec, initial_state=h0, A_log=A_log,
+                       dt_bias=dt_bias)
+    g = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=-5.0)
+    assert np.all(np.asarray(g) == -5.0)
+    ro, rs = _oracle(q, k, v, g, ref.gdn_beta(b), h0, cu)
+    assert rel_err(o, ro) <= 1e-5
+    assert rel_err(hT, rs) <= 1e-5
+
+
 def _kda_intra_oracle(q, k, g, cu, HV, scale):
     """float64 intra-chunk products and decayed rows, chunk by chunk: kk (j < i), aqk (j <= i)
     [T, HV, C], q e^G, k e^{G_C - G}, e^G k [T, HV, K] (q, k L2-normalised, q scaled) and the
