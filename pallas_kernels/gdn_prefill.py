@@ -24,7 +24,8 @@ form of the delta rule):
    chunks of its sequence in order with the [K, block_v] state slab in registers: four matrix
    products per chunk on the tensor cores (the raw q and k rows, the row factors applied to the
    products), the outputs written as it goes, optionally the state after every chunk, and
-   finally the final state (or the pool slot it came from, in place).
+   finally the final state (or the pool slot it came from, in place). The programs launch
+   sequences longest first, so in a packed batch of mixed lengths the longest walks start first.
 
 KDA (`per_channel_gate`): the decay is per key channel, e^{G_ic - G_jc}, so A and the intra-chunk
 attention matrix cannot be row-scaled products, and the per-channel work runs first in a kernel
@@ -73,7 +74,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gdn_decode import tame_huge_rows
+from pallas_kernels.gdn_decode import L2NORM_RESCALE_ABOVE, TAMED_ROW_EXPONENT
 
 F32 = jnp.float32
 CHUNK = 64
@@ -85,7 +86,7 @@ L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 
 __all__ = ["PrefillSpec", "PrefillBlockSizes", "unsupported_reason", "chunk_table",
-           "chunk_prefill", "split_gate"]
+           "chunk_prefill", "split_gate", "tame_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,16 +178,22 @@ def chunk_table(cu_seqlens: jax.Array, total_tokens: int):
     Returns (chunk_start [S], chunk_len [S], first_chunk [N]) for S = ceil(T_total / C) + N chunk
     slots, an upper bound of the number of chunks: slot s holds tokens
     [chunk_start[s], chunk_start[s] + chunk_len[s]) of one sequence; unused slots have length 0.
-    Sequence n's chunks are slots first_chunk[n], first_chunk[n] + 1, ... in order."""
+    Sequence n's chunks are slots first_chunk[n], first_chunk[n] + 1, ... in order.
+
+    Loop-free (a scatter and two log-depth prefix sums): `jnp.searchsorted` lowers to a while
+    loop, whose trip count an XLA GPU program reads back to the host every iteration."""
     cu = cu_seqlens.astype(jnp.int32)
     n = cu.shape[0] - 1
     num_slots = pl.cdiv(total_tokens, CHUNK) + n
+    prefix_sum = lambda x: lax.associative_scan(jnp.add, x)
     lens = cu[1:] - cu[:-1]
     nch = (lens + CHUNK - 1) // CHUNK
-    ends = jnp.cumsum(nch)
+    ends = prefix_sum(nch)
     first = ends - nch
     s = jnp.arange(num_slots, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, s, side="right"), n - 1).astype(jnp.int32)
+    # seq[s] = #{n : ends[n] <= s}, the sequence slot s belongs to (ends[n] = S lies past every s)
+    ends_at = jnp.zeros((num_slots,), jnp.int32).at[ends].add(1, mode="drop")
+    seq = jnp.minimum(prefix_sum(ends_at), n - 1)
     start = cu[seq] + (s - first[seq]) * CHUNK
     length = jnp.where(s < ends[-1], jnp.clip(cu[seq + 1] - start, 0, CHUNK), 0)
     return start, length.astype(jnp.int32), first.astype(jnp.int32)
@@ -545,10 +552,16 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
 
 # --------------------------------------------------------------------------- kernel 2: state scan
 
-def _scan_kernel(cu_ref, first_ref, slots_ref, q_ref, k_ref, w_ref, u_ref, aqk_ref, fq_ref,
-                 fk_ref, decay_ref, h0_ref, o_ref, hT_ref, hb_ref, *, spec: PrefillSpec,
+def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, w_ref, u_ref, aqk_ref,
+                 fq_ref, fk_ref, decay_ref, h0_ref, o_ref, hT_ref, hb_ref, *, spec: PrefillSpec,
                  block_v: int, interpret: bool):
-    n, h, jv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # One program per (sequence, value head, column block), launched column blocks fastest, then
+    # heads, then sequences longest first (`order_ref`): the GPU starts programs in launch order,
+    # so a packed batch's longest walks start in the first wave rather than wait for a late one
+    # and run on alone after the rest.
+    p, nv = pl.program_id(0), spec.head_v_dim // block_v
+    jv, h = p % nv, (p // nv) % spec.num_v_heads
+    n = order_ref[p // (nv * spec.num_v_heads)]
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     C, K = CHUNK, spec.head_k_dim
     cols = pl.ds(jv * block_v, block_v)
@@ -674,6 +687,52 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
     return w, u, aqk, fq, fk, decay
 
 
+def _longest_first(cu):
+    """Sequence indices [N] int32 by decreasing length (ties in index order)."""
+    lens = cu[1:] - cu[:-1]
+    if lens.shape[0] == 1:
+        return jnp.zeros((1,), jnp.int32)
+    return jnp.argsort(-lens, stable=True).astype(jnp.int32)
+
+
+TAME_BLOCK_ROWS = 64
+
+
+def _tame_rows_kernel(x_ref, o_ref, *, num_rows: int):
+    """`gdn_decode.tame_huge_rows` for TAME_BLOCK_ROWS rows of x [R, K], in one read and one
+    write (XLA makes it two reads of x: a reduction, then a select)."""
+    r0 = pl.program_id(0) * TAME_BLOCK_ROWS
+    rows = (r0 + lax.broadcasted_iota(jnp.int32, (TAME_BLOCK_ROWS,), 0) < num_rows)[:, None]
+    block = pl.ds(r0, TAME_BLOCK_ROWS)
+    x = plgpu.load(x_ref.at[block, :], mask=rows, other=0)
+    m = jnp.max(jnp.abs(x.astype(F32)), axis=1)
+    # m in [2^(e-1), 2^e) from its fp32 exponent bits (frexp's e; frexp gives e = 0 for inf);
+    # huge rows are multiplied by 2^(TAMED_ROW_EXPONENT + 1 - e), the others kept as they are
+    # (not multiplied by 1: a flush-to-zero multiply would lose subnormals)
+    biased = (lax.bitcast_convert_type(m, jnp.int32) >> 23) & 0xFF
+    e = jnp.where(biased == 0xFF, 0, biased - 126)
+    huge = m > L2NORM_RESCALE_ABOVE
+    factor = lax.bitcast_convert_type((jnp.where(huge, TAMED_ROW_EXPONENT + 1 - e, 0) + 127) << 23,
+                                      F32)
+    x = jnp.where(huge[:, None], x * factor[:, None].astype(x.dtype), x)
+    plgpu.store(o_ref.at[block, :], x, mask=rows)
+
+
+def tame_rows(x, *, interpret: bool = False):
+    """x [..., K] with its huge rows tamed as `gdn_decode.tame_huge_rows` does (same bits), as
+    one Pallas kernel over the rows."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = pl.pallas_call(
+        functools.partial(_tame_rows_kernel, num_rows=rows.shape[0]),
+        out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
+        grid=(pl.cdiv(rows.shape[0], TAME_BLOCK_ROWS),),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="tame_huge_rows",
+    )(rows)
+    return out.reshape(x.shape)
+
+
 def _scan(cu, first, slots, q, k, w, u, aqk, fq, fk, decay, h0, *, spec, block, state_dtype,
           num_boundary, interpret):
     v_dtype = q.dtype
@@ -689,13 +748,13 @@ def _scan(cu, first, slots, q, k, w, u, aqk, fq, fk, decay, h0, *, spec, block, 
         out_shape=(jax.ShapeDtypeStruct((T_total, HV, V), v_dtype),
                    jax.ShapeDtypeStruct(final_shape, final_dtype),
                    jax.ShapeDtypeStruct(bshape, F32)),  # fp32: a prefix continues from it
-        grid=(N, HV, V // block.block_v),
-        input_output_aliases={11: 1} if spec.pooled else {},
+        grid=(N * HV * (V // block.block_v),),
+        input_output_aliases={12: 1} if spec.pooled else {},
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_scan,
                                              num_stages=block.num_stages_scan),
         interpret=interpret,
         name="gdn_prefill_scan",
-    )(cu, first, slots, q, k, w, u, aqk, fq, fk, decay, h0)
+    )(cu, _longest_first(cu), first, slots, q, k, w, u, aqk, fq, fk, decay, h0)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "block", "state_dtype", "interpret"),
@@ -716,7 +775,7 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
     N = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
     if spec.use_qk_l2norm:  # raw q, k rows go into dot products and are normalised afterwards
-        q, k = tame_huge_rows(q), tame_huge_rows(k)
+        q, k = tame_rows(q, interpret=interpret), tame_rows(k, interpret=interpret)
     start, length, first = chunk_table(cu, q.shape[0])
     A_log = jnp.zeros((HV,), F32) if A_log is None else A_log
     dt_bias = jnp.zeros((HV,), F32) if dt_bias is None else dt_bias

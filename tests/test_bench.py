@@ -238,3 +238,28 @@ def test_block_mesh_needs_devices(capsys):
     assert out.count("\n") == 1 and "--mesh 2 needs 2 devices" in out
     with pytest.raises(SystemExit, match="--mesh must be at least 1"):
         block.main(["--mesh", "0"])
+
+
+@pytest.mark.parametrize("name", _bench_names())
+def test_every_global_name_a_bench_uses_is_defined(name):
+    """Peer branches run only where the peer is installed (a GPU machine), so a name a refactor
+    removed would fail there first: every global a bench module's functions read must be a
+    module-level name, an import, or a builtin."""
+    import builtins
+    import symtable
+    path = pathlib.Path(importlib.import_module(f"gdn_jax.bench.{name}").__file__)
+    source = path.read_text()
+    module = symtable.symtable(source, str(path), "exec")
+    defined = set(dir(builtins)) | {s.get_name() for s in module.get_symbols()
+                                    if s.is_assigned() or s.is_imported()}
+    missing = set()
+
+    def walk(table):
+        for sym in table.get_symbols():
+            if sym.is_global() and sym.is_referenced() and sym.get_name() not in defined:
+                missing.add(sym.get_name())
+        for child in table.get_children():
+            walk(child)
+
+    walk(module)
+    assert not missing, f"{path.name} reads undefined names: {sorted(missing)}"

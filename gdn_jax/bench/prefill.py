@@ -61,6 +61,14 @@ def _cases(args, pieces: int, total: int, seed: int = 0):
 
 # --------------------------------------------------------------------------- peers
 
+def _jla_call(q, k, v, g, beta):
+    """jax-linear-attention's Mosaic GPU Gated DeltaNet (it has no in-kernel q/k norm: the
+    caller passes normalised q and k)."""
+    from jla.ops import linear_attention
+    return linear_attention("gated_deltanet", q, k, v, g=g, beta=beta, impl="mosaic_gpu",
+                            output_final_state=True)
+
+
 def _fla_peer(cases: list[dict], out_dir: str) -> None:
     """Runs in a subprocess: FLA's chunked GDN on the same inputs; times and output samples."""
     import torch
