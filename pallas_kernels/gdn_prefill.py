@@ -29,18 +29,17 @@ form of the delta rule):
 
 KDA (`per_channel_gate`): the decay is per key channel, e^{G_ic - G_jc}, so A and the intra-chunk
 attention matrix cannot be row-scaled products, and the per-channel work runs first in a kernel
-of its own, `_kda_intra_kernel`, with four programs per chunk and value head: the chunk is cut
-into blocks of SUB = 16 rows and each program owns one block row, all key channels. Every block
-below the diagonal is a tensor-core product of rows decayed towards a reference row between the
-two blocks (no exponent above 0); the diagonal block is one more product through the block's
+of its own, `_kda_intra_kernel`, one program per chunk and value head. It cuts the chunk into
+blocks of SUB = 16 rows and forms k k^T and q k^T as [SUB, SUB] blocks, block_k key channels
+at a time: every block below the diagonal is a tensor-core product of rows decayed towards rows
+between the two blocks (no exponent above 0); a diagonal block is one more product through its
 middle row when its gates allow it (exponents within +-DIAG_EXP_LIMIT), else formed exactly in
-SUB elementwise steps. The products are sums over key channels, formed block_k channels at a
-time ([16, block_k] x [block_k, 64] products) so the [64, block_k] gate tiles stay in registers,
-from the raw q and k rows, with the L2-norm row factors applied to the sums. The same program
-writes its rows' decayed q e^G and k e^{G_C - G} (the scan takes them instead of row factors),
-e^G k (for W), the masked k k^T and q k^T rows (k k^T without beta) and, from the block that
-holds the chunk's last row, the chunk's total decay per channel. The prep then only loads
-k k^T, forms A, T, U and W = (T beta) (e^G k); the scan is shared.
+SUB elementwise steps. Each channel step walks the block rows in order, so the cumulative gates,
+their exponentials and the decayed rows are made once per chunk, in [SUB, block_k] tiles. The
+same program writes the decayed q e^G and k e^{G_C - G} (the scan takes them instead of row
+factors), e^G k (for W), the masked k k^T and q k^T (k k^T without beta) and the chunk's total
+decay per channel. The prep then only loads k k^T, forms A, T, U and W = (T beta) (e^G k); the
+scan is shared.
 
 Numerics. Gates are clamped at GATE_FLOOR (e^-88 is below fp32's smallest normal number, so a
 clamped decay is still a full reset) so every cumulative sum is finite and a -inf gate cannot
@@ -132,10 +131,9 @@ class PrefillBlockSizes:
         # Pipelined stages hold the chunk's rows in shared memory once per stage: K = 256
         # leaves room for one stage only on an H200.
         one_stage = spec.head_k_dim > 128
-        # KDA's intra kernel holds about six [C, block_k] fp32 tiles per step (the gates, their
-        # two cumulative sums, k, the decayed column rows), block_k / 2 registers per thread
-        # each at 4 warps: 32 channels keep them near 100 registers, 64 would need about 200.
-        # A register estimate, not a measurement: BENCHMARKS.md has the timings when measured.
+        # KDA's intra kernel keeps 20 [SUB, SUB] fp32 accumulators and a few [SUB, block_k]
+        # tiles per block row; 32 channels per step is a register estimate, not a
+        # measurement (BENCHMARKS.md has the timings when measured).
         block_k = min(32, spec.head_k_dim)
         if num_sequences * spec.num_v_heads < 128:
             return PrefillBlockSizes(block_v=min(32, spec.head_v_dim),
@@ -286,15 +284,6 @@ def _invert_unit_lower(A, precise, interpret):
     return D
 
 
-def _block_of(x, a):
-    """Rows SUB * a .. SUB * a + SUB - 1 of x [C, n] (a may be traced), as [SUB, n]: a masked sum
-    over the C // SUB blocks, exact (the other blocks add zeros)."""
-    c, n = x.shape
-    x3 = x.reshape(c // SUB, SUB, n)
-    which = lax.broadcasted_iota(jnp.int32, x3.shape, 0) == a
-    return jnp.sum(jnp.where(which, x3, 0.0), axis=0)
-
-
 def _nth_row(b, a):
     """Row a (static) of b [n, K], as [1, K]."""
     rows = lax.broadcasted_iota(jnp.int32, b.shape, 0)
@@ -426,128 +415,139 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
 def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, kk_ref,
                       aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, *, spec: PrefillSpec,
                       block_k: int, interpret: bool):
-    """KDA's per-channel work for the SUB rows of block row a of chunk slot s, value head h.
+    """KDA's per-channel work for chunk slot s, value head h, as [SUB, SUB] blocks.
 
-    Writes, for those rows i: kk_ij = sum_c kn_ic kn_jc e^{G_ic - G_jc} (j < i, zero elsewhere,
-    without beta), aqk_ij = sum_c qn_ic kn_jc e^{G_ic - G_jc} (j <= i), the decayed rows the scan
-    and W take (qn e^G, kn e^{G_C - G}, e^G kn), and, from the block that holds the chunk's last
-    row, the chunk's total decay e^{G_C} per channel (kn, qn: the normalised rows, qn also
-    scaled).
+    Writes kk_ij = sum_c kn_ic kn_jc e^{G_ic - G_jc} (j < i, zero elsewhere, without beta) and
+    aqk_ij = sum_c qn_ic kn_jc e^{G_ic - G_jc} (j <= i, zero above), the decayed rows the scan and
+    W take (qn e^G, kn e^{G_C - G}, e^G kn) and the chunk's total decay e^{G_C} per channel (kn,
+    qn: the L2-normalised rows, qn also scaled).
 
-    Products (all sums over key channels, formed block_k channels at a time): a block below the
-    diagonal (columns in block b < a) factors every decay through the first row r of block a,
-    which lies between i and j: e^{G_i - G_j} = e^{G_i - G_r} e^{G_r - G_j}, both exponents <= 0,
-    so nothing can overflow and a factor that underflows to zero drops only a term already below
-    ~1e-38 of the unit-size diagonal; one [SUB, block_k] x [block_k, C] product covers every
-    b < a. The diagonal block has pairs on both sides of any reference row; through its middle
-    row m the factors are e^{+-(G_i - G_m)}: when |G_ic - G_mc| <= DIAG_EXP_LIMIT for every row
-    of the block and channel of the step, they stay far inside fp32's range and the block is one
-    more product. The lower-bound gate guarantees that bound statically
-    (`_factored_diagonal_always_safe`); otherwise each block and channel step checks it at run
-    time. An entry above the diagonal (up to e^80 times the raw rows' product) may overflow: a
-    select discards it, nothing multiplies it. A block whose gates span more (resets, huge decays) is formed exactly in SUB
-    elementwise steps (`_exact_diagonal_block`). Both kinds of block share one column operand,
-    k_j e^{G_r - G_j} (j in blocks before a) or k_j e^{G_m - G_j} (j in block a), zero after a.
-    Every exponent is a difference of the split (hi, lo) cumulative sums, so it keeps full
-    precision. The products take the raw q and k rows; the L2-norm row factors (their sums of
-    squares gathered in the same channel loop) scale the [SUB, C] sums at the end."""
-    a, s, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    The chunk is C // SUB block rows of SUB rows. Every block and the gates' cumulative sums are
+    formed once: the channel loop (block_k channels per step) walks the block rows in order,
+    carrying the cumulative gate past each block (G of a block = the carry + its own running
+    sum, split hi/lo as everywhere). For rows i in block a and j in block b < a the decay
+    factors through r, the first row of block a, and through the last row l_b of block b:
+        e^{G_i - G_j} = e^{G_i - G_r} e^{G_r - G_lb} e^{G_lb - G_j},
+    all three exponents <= 0 (nothing overflows; a factor that underflows drops only a term
+    already below ~1e-38 of the unit diagonal). The block is one [SUB, block_k] x [block_k, SUB]
+    product of (kn_a e^{G_a - G_r}) e^{G_r - G_lb} and kt_b = kn_b e^{G_lb - G_b}, the latter
+    made once when block b was walked. A diagonal block has pairs on both sides of any reference
+    row: through its middle row m the factors are e^{+-(G_i - G_m)}, one more product when
+    |G_ic - G_mc| <= DIAG_EXP_LIMIT for the block's rows and the step's channels (static for the
+    lower-bound gate, `_factored_diagonal_always_safe`; else checked per block and step), and
+    formed exactly in SUB elementwise steps (`_exact_diagonal_block`) otherwise."""
+    s, h = pl.program_id(0), pl.program_id(1)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
     C, K = CHUNK, spec.head_k_dim
-    r0 = a * SUB                                   # the block's first row in the chunk
+    nb = C // SUB
 
-    @pl.when(r0 < n)
+    @pl.when(n > 0)
     def _():
-        rows2 = (lax.broadcasted_iota(jnp.int32, (C,), 0) < n)[:, None]
-        own2 = (lax.broadcasted_iota(jnp.int32, (SUB,), 0) < n - r0)[:, None]
-        tok, own = pl.ds(t0, C), pl.ds(t0 + r0, SUB)
+        sub = lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+        own = [(SUB * a + sub < n)[:, None] for a in range(nb)]          # rows of block a
+        tok = [pl.ds(t0 + SUB * a, SUB) for a in range(nb)]
         load = lambda ref, mask: plgpu.load(ref, mask=mask, other=0).astype(F32)
-        put_rows = lambda ref, cols, x: plgpu.store(ref.at[own, h, cols], x.astype(ref.dtype),
-                                                    mask=own2)
         dot = functools.partial(_dot, precise=spec.precise, interpret=interpret, trans_b=True)
         factored_always = _factored_diagonal_always_safe(spec)
-        block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) // SUB            # of row j
-        col_block = lax.broadcasted_iota(jnp.int32, (SUB, C), 1) // SUB      # of column j
         rel = lambda x, y: (x[0] - y[0]) + (x[1] - y[1])  # G_x - G_y from (hi, lo) pairs
 
-        def gate(cols):
-            """The chunk's log decays in the channels cols, [C, block_k]."""
-            g = load(g_ref.at[tok, h, cols], rows2)
+        def gate(a, cols):
+            """Block a's log decays in the channels cols, [SUB, block_k] (0 past the chunk)."""
+            g = load(g_ref.at[tok[a], h, cols], own[a])
             if not spec.raw_gates:
                 return g
             dt = dt_ref[pl.ds(h * K + cols.start, cols.size)][None, :].astype(F32)
-            return jnp.where(rows2, _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec), 0.0)
+            return jnp.where(own[a], _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec), 0.0)
 
-        # Row factors of the block's rows, needed before the loop writes decayed rows.
+        # Row factors first: the decayed rows are written inside the channel loop.
         if spec.use_qk_l2norm:
-            def squares(b, sums):
-                cols = pl.ds(b * block_k, block_k)
-                k, q = load(k_ref.at[own, hk, cols], own2), load(q_ref.at[own, hk, cols], own2)
-                return sums[0] + jnp.sum(k * k, axis=1), sums[1] + jnp.sum(q * q, axis=1)
+            def squares(c, sums):
+                cols = pl.ds(c * block_k, block_k)
+                out = []
+                for a in range(nb):
+                    k, q = load(k_ref.at[tok[a], hk, cols], own[a]), load(q_ref.at[tok[a], hk, cols], own[a])
+                    out += [sums[2 * a] + jnp.sum(k * k, axis=1), sums[2 * a + 1] + jnp.sum(q * q, axis=1)]
+                return tuple(out)
 
-            zero = jnp.zeros((SUB,), F32)
-            sk, sq = lax.fori_loop(0, K // block_k, squares, (zero, zero))
-            rk_own = lax.rsqrt(sk + L2NORM_EPS)
-            rq_own = lax.rsqrt(sq + L2NORM_EPS) * jnp.float32(spec.scale)
+            sums = lax.fori_loop(0, K // block_k, squares,
+                                 tuple(jnp.zeros((SUB,), F32) for _ in range(2 * nb)))
+            rk = [lax.rsqrt(sums[2 * a] + L2NORM_EPS) for a in range(nb)]
+            rq = [lax.rsqrt(sums[2 * a + 1] + L2NORM_EPS) * jnp.float32(spec.scale)
+                  for a in range(nb)]
         else:
-            rk_own = jnp.ones((SUB,), F32)
-            rq_own = jnp.full((SUB,), spec.scale, F32)
+            rk = [jnp.ones((SUB,), F32)] * nb
+            rq = [jnp.full((SUB,), spec.scale, F32)] * nb
 
-        def channels(b, acc):
-            kk, qk, k_squares = acc
-            cols = pl.ds(b * block_k, block_k)
-            G = _split_cumsum(gate(cols))                                   # [C, block_k] x 2
-            G_own = (_block_of(G[0], a), _block_of(G[1], a))                # [SUB, block_k]
-            last = (_nth_row(G[0], C - 1), _nth_row(G[1], C - 1))           # [1, block_k]
-            k = load(k_ref.at[tok, hk, cols], rows2)
-            k_own, q_own = load(k_ref.at[own, hk, cols], own2), load(q_ref.at[own, hk, cols], own2)
+        pairs = [(a, b) for a in range(nb) for b in range(a + 1)]         # blocks on and below
 
-            kn = k_own * rk_own[:, None]
-            eG = jnp.exp(G_own[0] + G_own[1])
-            put_rows(fq_ref, cols, q_own * rq_own[:, None] * eG)
-            put_rows(ek_ref, cols, kn * eG)
-            put_rows(fk_ref, cols, kn * jnp.exp(rel(last, G_own)))
-            plgpu.store(decay_ref.at[s, h, cols], jnp.exp(last[0] + last[1])[0],
-                        mask=jnp.full((block_k,), (n - 1) // SUB == a))
+        def channels(c, acc):
+            kk, qk = list(acc[0]), list(acc[1])
+            cols = pl.ds(c * block_k, block_k)
+            put = lambda ref, a, x: plgpu.store(ref.at[tok[a], h, cols], x.astype(ref.dtype),
+                                                mask=own[a])
+            carry = (jnp.zeros((1, block_k), F32), jnp.zeros((1, block_k), F32))
+            kt, lasts = [], []
+            for a in range(nb):
+                hi, lo = split_gate(gate(a, cols))
+                G = (carry[0] + jnp.cumsum(hi, axis=0), carry[1] + jnp.cumsum(lo, axis=0))
+                kn = load(k_ref.at[tok[a], hk, cols], own[a]) * rk[a][:, None]
+                qn = load(q_ref.at[tok[a], hk, cols], own[a]) * rq[a][:, None]
+                first = (_nth_row(G[0], 0), _nth_row(G[1], 0))
+                left = jnp.exp(rel(G, first))                                 # <= 1
+                kl, ql = kn * left, qn * left
+                for b in range(a):
+                    bridge = jnp.exp(rel(first, lasts[b]))                   # [1, block_k], <= 1
+                    at = pairs.index((a, b))
+                    kk[at] = kk[at] + dot(kl * bridge, kt[b])
+                    qk[at] = qk[at] + dot(ql * bridge, kt[b])
+                mid = rel(G, (_nth_row(G[0], SUB // 2), _nth_row(G[1], SUB // 2)))
 
-            ref_row = (_nth_row(G_own[0], 0), _nth_row(G_own[1], 0))
-            mid_row = (_nth_row(G_own[0], SUB // 2), _nth_row(G_own[1], SUB // 2))
-            col_exp = jnp.where(block < a, rel(ref_row, G),
-                                jnp.where(block == a, rel(mid_row, G), -jnp.inf))
-            k_col = k * jnp.exp(col_exp)
-            left = jnp.exp(rel(G_own, ref_row))                             # <= 1
-            kk_off, qk_off = dot(k_own * left, k_col), dot(q_own * left, k_col)
-            mid = rel(G_own, mid_row)
+                def factored(kn=kn, qn=qn, mid=mid):
+                    down = kn * jnp.exp(-mid)
+                    up = jnp.exp(mid)
+                    return dot(kn * up, down), dot(qn * up, down)
 
-            def factored():
-                up = jnp.exp(mid)
-                return dot(k_own * up, k_col), dot(q_own * up, k_col)
+                if factored_always:
+                    kk_d, qk_d = factored()
+                else:
+                    kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT, factored,
+                                          functools.partial(_exact_diagonal_block, kn, qn,
+                                                            G[0], G[1], SUB))
+                at = pairs.index((a, a))
+                # entries above the diagonal may be huge (e^80 x the rows' product): the final
+                # masks select them away, nothing multiplies them
+                kk[at] = kk[at] + kk_d
+                qk[at] = qk[at] + qk_d
+                last = (_nth_row(G[0], SUB - 1), _nth_row(G[1], SUB - 1))  # rows past n add 0
+                eG = jnp.exp(G[0] + G[1])
+                put(fq_ref, a, qn * eG)
+                put(ek_ref, a, kn * eG)
+                kt.append(kn * jnp.exp(rel(last, G)))                          # <= 1
+                lasts.append(last)
+                carry = last
+            # carry is now G_C, the whole chunk's (its rows past n hold gates of 0)
+            decay_ref[s, h, cols] = jnp.exp(carry[0] + carry[1])[0]
+            for a in range(nb):
+                put(fk_ref, a, kt[a] * jnp.exp(rel(carry, lasts[a])))
+            return tuple(kk), tuple(qk)
 
-            if factored_always:
-                kk_d, qk_d = factored()
-            else:
-                # When the exact form is taken, k_col's block-a rows may hold inf (and the
-                # off-diagonal products NaN in those columns): only the selects below read them.
-                kk_d, qk_d = lax.cond(
-                    jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT, factored,
-                    lambda: _exact_diagonal_block(k_own, q_own, G_own[0], G_own[1], C))
-            kk = kk + jnp.where(col_block < a, kk_off, kk_d)
-            qk = qk + jnp.where(col_block < a, qk_off, qk_d)
-            if spec.use_qk_l2norm:
-                k_squares = k_squares + jnp.sum(k * k, axis=1)
-            return kk, qk, k_squares
-
-        zero = jnp.zeros((SUB, C), F32)
-        kk, qk, k_squares = lax.fori_loop(0, K // block_k, channels,
-                                          (zero, zero, jnp.zeros((C,), F32)))
-        rk = lax.rsqrt(k_squares + L2NORM_EPS) if spec.use_qk_l2norm else jnp.ones((C,), F32)
-        i = r0 + lax.broadcasted_iota(jnp.int32, (SUB, C), 0)
-        j = lax.broadcasted_iota(jnp.int32, (SUB, C), 1)
-        kk = jnp.where(j < i, kk * (rk_own[:, None] * rk[None, :]), 0.0)
-        qk = jnp.where(j <= i, qk * (rq_own[:, None] * rk[None, :]), 0.0)
-        plgpu.store(kk_ref.at[own, h, :], kk, mask=own2)
-        plgpu.store(aqk_ref.at[own, h, :], qk, mask=own2)
+        zero = tuple(jnp.zeros((SUB, SUB), F32) for _ in pairs)
+        kk, qk = lax.fori_loop(0, K // block_k, channels, (zero, zero))
+        i = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+        j = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+        for a in range(nb):
+            for b in range(nb):
+                cols = pl.ds(SUB * b, SUB)
+                if b < a:
+                    kk_ab, qk_ab = kk[pairs.index((a, b))], qk[pairs.index((a, b))]
+                elif b == a:
+                    kk_ab = jnp.where(j < i, kk[pairs.index((a, a))], 0.0)
+                    qk_ab = jnp.where(j <= i, qk[pairs.index((a, a))], 0.0)
+                else:
+                    kk_ab = qk_ab = jnp.zeros((SUB, SUB), F32)
+                plgpu.store(kk_ref.at[tok[a], h, cols], kk_ab, mask=own[a])
+                plgpu.store(aqk_ref.at[tok[a], h, cols], qk_ab, mask=own[a])
 
 
 # --------------------------------------------------------------------------- kernel 2: state scan
@@ -644,9 +644,7 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
                    jax.ShapeDtypeStruct(rows, F32),                  # k: norm * e^{G_C - G}
                    jax.ShapeDtypeStruct(rows, rows_dtype),           # e^G k: norm * e^G
                    jax.ShapeDtypeStruct((start.shape[0], HV, K), F32)),  # e^{G_C}
-        # The block row is the fastest grid axis, so a chunk's four programs run side by side
-        # and three of them read the chunk's gates and keys from L2.
-        grid=(CHUNK // SUB, start.shape[0], HV),
+        grid=(start.shape[0], HV),
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_intra,
                                              num_stages=block.num_stages_intra),
         interpret=interpret,
