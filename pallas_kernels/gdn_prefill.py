@@ -28,16 +28,18 @@ form of the delta rule):
    sequences longest first, so in a packed batch of mixed lengths the longest walks start first.
 
 KDA (`per_channel_gate`): the decay is per key channel, e^{G_ic - G_jc}, so A and the intra-chunk
-attention matrix cannot be row-scaled products. The prep cuts the chunk into blocks of SUB = 16
-rows: every block below the diagonal is a tensor-core product of rows decayed towards a reference
-row between the two blocks (no exponent above 0); the diagonal blocks are one more product through
-each block's middle row when the chunk's gates allow it (exponents within +-DIAG_EXP_LIMIT), else
-formed exactly in SUB elementwise steps (`_kda_intra_chunk`). These are sums over key channels:
-the prep forms them block_k channels at a time and adds them up (`_kda_prep_channels`), so its
-[C, block_k] gate and decayed-row tiles stay in registers. The prep hands the scan the decayed
-rows q e^G and k e^{G_C - G} instead of row factors. W = T beta (e^G k) needs T, which needs
-every channel's products first, so the prep stores e^G k and T beta and a third small kernel
-(`_kda_w_kernel`) forms W. The rest of the kernels is shared.
+attention matrix cannot be row-scaled products, and the per-channel work runs first in a kernel
+of its own, `_kda_intra_kernel`, one program per chunk and value head. It cuts the chunk into
+blocks of SUB = 16 rows and forms k k^T and q k^T as [SUB, SUB] blocks, block_k key channels
+at a time: every block below the diagonal is a tensor-core product of rows decayed towards rows
+between the two blocks (no exponent above 0); a diagonal block is one more product through its
+middle row when its gates allow it (exponents within +-DIAG_EXP_LIMIT), else formed exactly in
+SUB elementwise steps. Each channel step walks the block rows in order, so the cumulative gates,
+their exponentials and the decayed rows are made once per chunk, in [SUB, block_k] tiles. The
+same program writes the decayed q e^G and k e^{G_C - G} (the scan takes them instead of row
+factors), e^G k (for W), the masked k k^T and q k^T (k k^T without beta) and the chunk's total
+decay per channel. The prep then only loads k k^T, forms A, T, U and W = (T beta) (e^G k); the
+scan is shared.
 
 Numerics. Gates are clamped at GATE_FLOOR (e^-88 is below fp32's smallest normal number, so a
 clamped decay is still a full reset) so every cumulative sum is finite and a -inf gate cannot
@@ -46,17 +48,18 @@ of 1/16 and lo = g - hi: the hi sums are exact in fp32 (|sum| <= 64 * 88 * 16 < 
 pairwise differences G_i - G_j lose no precision however negative the gates before j were.
 
 Dots: fp32 inputs use three-pass TF32 (fp32 accuracy on tensor cores). With bf16 inputs every
-product with a bf16 row operand (raw q and k, v, and the W the prep stores) takes that operand as
-it is and splits the fp32 side (state, deltas, the inverse's rows) into two bf16 halves
+product with a bf16 row operand (raw q and k, v, and the W the prep stores) takes that operand
+as it is and splits the fp32 side (state, deltas, the inverse's rows) into two bf16 halves
 (`_dot_bf16x2`: ~16 significand bits, twice the tensor-core rate of TF32, half the registers);
-products between fp32 matrices (the block inverse, the intra-chunk matrix times the deltas) are
-one-pass TF32. fp16 inputs take one-pass TF32 throughout (fp16 halves cannot hold a state's
-range). Between the kernels W and KDA's decayed q rows and e^G k are stored in the input dtype;
-KDA's decayed k rows, which build the state, in fp32; U and the intra-chunk matrix in fp32 too:
-when a chunk repeats keys with beta near 1 and gates near 0, (I + A) is near singular, U's rows
-are large and cancel against W S, and the output sums large intra-chunk terms that cancel, so
-16-bit copies of U and of that matrix cost the state and the output several times bf16's
-rounding (tests/test_prefill_kernels.py, repeated keys).
+products between fp32 matrices (the block inverse, KDA's products of decayed rows, the
+intra-chunk matrix times the deltas) are one-pass TF32. fp16 inputs take one-pass TF32
+throughout (fp16 halves cannot hold a state's range). Between the kernels W and KDA's decayed q
+rows and e^G k are stored in the input dtype; KDA's decayed k rows, which build the state, in
+fp32; U, the intra-chunk matrix and KDA's k k^T in fp32 too: when a chunk repeats keys with beta
+near 1 and gates near 0, (I + A) is near singular, U's rows are large and cancel against W S,
+and the output sums large intra-chunk terms that cancel, so 16-bit copies of U and of that
+matrix cost the state and the output several times bf16's rounding
+(tests/test_prefill_kernels.py, repeated keys).
 """
 
 from __future__ import annotations
@@ -116,7 +119,9 @@ class PrefillBlockSizes:
     num_warps_prep: int = 4
     num_warps_scan: int = 4
     num_stages_scan: int = 2
-    block_k: int = 16        # KDA prep: key channels per step of the per-channel products
+    block_k: int = 32        # KDA intra kernel: key channels per step of the per-channel products
+    num_warps_intra: int = 4
+    num_stages_intra: int = 1  # KDA intra kernel: pipelined stages of its channel loop's loads
 
     @staticmethod
     def get_default(spec: PrefillSpec, num_sequences: int) -> "PrefillBlockSizes":
@@ -126,7 +131,10 @@ class PrefillBlockSizes:
         # Pipelined stages hold the chunk's rows in shared memory once per stage: K = 256
         # leaves room for one stage only on an H200.
         one_stage = spec.head_k_dim > 128
-        block_k = min(16, spec.head_k_dim)  # narrowest: least register pressure (BENCHMARKS.md)
+        # KDA's intra kernel keeps 20 [SUB, SUB] fp32 accumulators and a few [SUB, block_k]
+        # tiles per block row; 32 channels per step is a register estimate, not a
+        # measurement (BENCHMARKS.md has the timings when measured).
+        block_k = min(32, spec.head_k_dim)
         if num_sequences * spec.num_v_heads < 128:
             return PrefillBlockSizes(block_v=min(32, spec.head_v_dim),
                                      num_stages_scan=1 if one_stage else 3, block_k=block_k)
@@ -154,7 +162,7 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
         if spec.per_channel_gate and (not _pow2(block.block_k) or spec.head_k_dim % block.block_k):
             return (f"block_k={block.block_k} must be a power of two >= 16 dividing "
                     f"K={spec.head_k_dim}")
-        for w in (block.num_warps_prep, block.num_warps_scan):
+        for w in (block.num_warps_prep, block.num_warps_scan, block.num_warps_intra):
             if w not in (1, 2, 4, 8):
                 return f"num_warps={w} must be 1, 2, 4 or 8"
     return None
@@ -276,20 +284,6 @@ def _invert_unit_lower(A, precise, interpret):
     return D
 
 
-def _block_rows(x, r):
-    """Row r of every SUB-row block of x [C, K], as [C // SUB, K]."""
-    c, k = x.shape
-    x3 = x.reshape(c // SUB, SUB, k)
-    w = lax.broadcasted_iota(jnp.int32, x3.shape, 1)
-    return jnp.sum(jnp.where(w == r, x3, 0.0), axis=1)
-
-
-def _spread_rows(b):
-    """[C // SUB, K] -> [C, K]: row a of b repeated over the SUB rows of block a."""
-    nb, k = b.shape
-    return jnp.broadcast_to(b[:, None, :], (nb, SUB, k)).reshape(nb * SUB, k)
-
-
 def _nth_row(b, a):
     """Row a (static) of b [n, K], as [1, K]."""
     rows = lax.broadcasted_iota(jnp.int32, b.shape, 0)
@@ -304,104 +298,49 @@ def _factored_diagonal_always_safe(spec: PrefillSpec) -> bool:
             and -spec.gate_lower_bound * (SUB // 2) <= DIAG_EXP_LIMIT)
 
 
-def _exact_diagonal_blocks(kn, qn, G_hi, G_lo):
-    """The diagonal SUB x SUB blocks of k k^T and q k^T with every decay e^{G_ic - G_jc} (j <= i,
-    zero above) formed exactly, column j of every block in one elementwise step. As [C, C]:
-    entry (i, j) holds the value for row i and column SUB * (i // SUB) + j % SUB, which is the
-    right one wherever j lies in i's block (the caller keeps only those)."""
-    c, k = kn.shape
-    nb = c // SUB
-    kn3, qn3, hi3, lo3 = (x.reshape(nb, SUB, k) for x in (kn, qn, G_hi, G_lo))
-    w = lax.broadcasted_iota(jnp.int32, (nb, SUB, k), 1)
-    col = lax.broadcasted_iota(jnp.int32, (nb, SUB, SUB), 2)
+def _exact_diagonal_block(k_own, q_own, G_hi, G_lo, num_cols):
+    """One diagonal SUB x SUB block of k k^T and q k^T with every decay e^{G_ic - G_jc} (j <= i,
+    zero above) formed exactly, from the block's rows k_own, q_own, G [SUB, n]: column j of the
+    block in one elementwise step. Returned as [SUB, num_cols], the block repeated in every
+    block column (the caller keeps the block's own)."""
+    sub, n = k_own.shape
+    w = lax.broadcasted_iota(jnp.int32, (sub, n), 0)
+    col = lax.broadcasted_iota(jnp.int32, (sub, sub), 1)
 
     def column(s, mats):
         kk, qk = mats
-        pick = lambda x: jnp.sum(jnp.where(w == s, x, 0.0), axis=1, keepdims=True)  # row s
-        e = jnp.exp(jnp.where(w >= s, (hi3 - pick(hi3)) + (lo3 - pick(lo3)), -jnp.inf))
-        kc = pick(kn3) * e
-        return (jnp.where(col == s, jnp.sum(kn3 * kc, axis=2, keepdims=True), kk),
-                jnp.where(col == s, jnp.sum(qn3 * kc, axis=2, keepdims=True), qk))
+        pick = lambda x: jnp.sum(jnp.where(w == s, x, 0.0), axis=0, keepdims=True)  # row s
+        e = jnp.exp(jnp.where(w >= s, (G_hi - pick(G_hi)) + (G_lo - pick(G_lo)), -jnp.inf))
+        kc = pick(k_own) * e
+        return (jnp.where(col == s, jnp.sum(k_own * kc, axis=1, keepdims=True), kk),
+                jnp.where(col == s, jnp.sum(q_own * kc, axis=1, keepdims=True), qk))
 
-    zero = jnp.zeros((nb, SUB, SUB), F32)
-    kk, qk = lax.fori_loop(0, SUB, column, (zero, zero))
-    # [nb, SUB, SUB] -> [C, C]: row i holds its block's row in every block column
-    tile = lambda m: jnp.broadcast_to(m.reshape(c, 1, SUB), (c, nb, SUB)).reshape(c, c)
+    zero = jnp.zeros((sub, sub), F32)
+    kk, qk = lax.fori_loop(0, sub, column, (zero, zero))
+    nb = num_cols // sub
+    tile = lambda m: jnp.broadcast_to(m[:, None, :], (sub, nb, sub)).reshape(sub, num_cols)
     return tile(kk), tile(qk)
 
 
-def _kda_intra_chunk(kn, qn, G_hi, G_lo, *, dot, factored_diagonal):
-    """KDA's intra-chunk products with per-channel decays, mostly on the tensor cores.
-
-    Returns (kk, qk) [C, C]: kk_ij = sum_c kn_ic kn_jc e^{G_ic - G_jc} for j < i (the caller
-    masks the rest) and qk_ij = sum_c qn_ic kn_jc e^{G_ic - G_jc} for j <= i, zero above.
-
-    The chunk is cut into C / SUB blocks of SUB rows. For an off-diagonal block (a > b), every
-    pairwise decay factors through the first row r of block a, which lies between i and j:
-    e^{G_i - G_j} = e^{G_i - G_r} e^{G_r - G_j}, both exponents <= 0, so the block is the tensor-
-    core product of (k_a e^{G_a - G_r}) and (k_b e^{G_r - G_b})^T with nothing that can overflow;
-    a factor that underflows to zero only drops a term already below ~1e-38 of the unit-size
-    diagonal. One product per block row a covers all its blocks b < a.
-
-    A diagonal block has pairs on both sides of any reference row, so one factor has a positive
-    exponent. Through the block's middle row m the factors are e^{+-(G_i - G_m)}: when
-    |G_ic - G_mc| <= DIAG_EXP_LIMIT for every row and channel of the chunk, the factors and even
-    the discarded upper-triangle products stay far inside fp32's range and the diagonal blocks
-    are one more product (the lower-bound gate guarantees it statically, see
-    _factored_diagonal_always_safe; otherwise the chunk checks at run time). A chunk whose gates
-    span more (resets, huge decays) forms the diagonal blocks exactly, SUB elementwise steps.
-
-    Every exponent is a difference of the split (hi, lo) sums, so it keeps full precision."""
-    c = kn.shape[0]
-    nb = c // SUB
-    i = lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    j = lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    block = lax.broadcasted_iota(jnp.int32, (c, 1), 0) // SUB
-    rel = lambda hi_r, lo_r: (G_hi - hi_r) + (G_lo - lo_r)  # G - G_r, per row and channel
-
-    # off-diagonal blocks: reference = first row of the row's block
-    first_hi, first_lo = _block_rows(G_hi, 0), _block_rows(G_lo, 0)
-    left = jnp.exp(rel(_spread_rows(first_hi), _spread_rows(first_lo)))      # <= 1
-    k_left, q_left = kn * left, qn * left
-    kk = qk = jnp.zeros((c, c), F32)
-    for a in range(1, nb):
-        right = jnp.exp(jnp.where(block < a, -rel(_nth_row(first_hi, a), _nth_row(first_lo, a)),
-                                  -jnp.inf))                                # <= 1, rows before a
-        k_right = kn * right
-        here = (i // SUB == a) & (j // SUB < a)
-        kk = jnp.where(here, dot(k_left, k_right, trans_b=True), kk)
-        qk = jnp.where(here, dot(q_left, k_right, trans_b=True), qk)
-
-    # diagonal blocks
-    mid = rel(_spread_rows(_block_rows(G_hi, SUB // 2)), _spread_rows(_block_rows(G_lo, SUB // 2)))
-
-    def factored():
-        up, down = jnp.exp(mid), jnp.exp(-mid)
-        k_down = kn * down
-        return dot(kn * up, k_down, trans_b=True), dot(qn * up, k_down, trans_b=True)
-
-    if factored_diagonal:
-        kk_d, qk_d = factored()
-    else:
-        kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT, factored,
-                              lambda: _exact_diagonal_blocks(kn, qn, G_hi, G_lo))
-    same = (i // SUB) == (j // SUB)
-    kk = jnp.where(same, kk_d, kk)
-    qk = jnp.where(same, qk_d, qk)
-    return kk, jnp.where(i >= j, qk, 0.0)
+def _raw_log_decay(x, A_log, dt, spec: PrefillSpec):
+    """The log decay from the raw gate projection x (fp32): -e^A_log softplus(x + dt), or with a
+    lower bound lb * sigmoid(e^A_log (x + dt))."""
+    if spec.gate_lower_bound is None:
+        return -jnp.exp(A_log) * _softplus(x + dt)
+    return jnp.float32(spec.gate_lower_bound) * jax.nn.sigmoid(jnp.exp(A_log) * (x + dt))
 
 
 # --------------------------------------------------------------------------- kernel 1: chunk prep
 
 def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log_ref, dt_ref,
-                 w_ref, u_ref, aqk_ref, fq_ref, fk_ref, decay_ref, ek_ref, tb_ref, *,
-                 spec: PrefillSpec, block_k: int, interpret: bool):
+                 kk_ref, ek_ref, w_ref, u_ref, aqk_ref, fq_ref, fk_ref, decay_ref, *,
+                 spec: PrefillSpec, interpret: bool):
     s, h = pl.program_id(0), pl.program_id(1)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
     # bf16 k and v rows enter the W and U products as they are (`_dot_bf16x2`).
     bf16_rows = _bf16_rows(q_ref, k_ref, v_ref)
-    C, K = CHUNK, spec.head_k_dim
+    C = CHUNK
 
     @pl.when(n > 0)
     def _():
@@ -415,41 +354,29 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
         i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
         j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
 
-        def gate(cols=None):
-            """The chunk's log decays: [C] (GDN) or [C, len(cols)] for the channels cols (KDA)."""
-            mask = rows2 if spec.per_channel_gate else rows
-            g = load(g_ref.at[tok, h, cols] if spec.per_channel_gate else g_ref.at[tok, h], mask)
+        def gate():
+            """The chunk's log decays [C]."""
+            g = load(g_ref.at[tok, h], rows)
             if not spec.raw_gates:
                 return g
-            A_log = A_log_ref[h].astype(F32)
-            dt = (dt_ref[pl.ds(h * K + cols.start, cols.size)][None, :] if spec.per_channel_gate
-                  else dt_ref[h]).astype(F32)
-            if spec.gate_lower_bound is None:
-                g = -jnp.exp(A_log) * _softplus(g + dt)
-            else:
-                g = jnp.float32(spec.gate_lower_bound) * jax.nn.sigmoid(jnp.exp(A_log) * (g + dt))
-            return jnp.where(mask, g, 0.0)
+            g = _raw_log_decay(g, A_log_ref[h].astype(F32), dt_ref[h].astype(F32), spec)
+            return jnp.where(rows, g, 0.0)
 
         beta = load(beta_ref.at[tok, h], rows)
         if spec.raw_gates:
             beta = jnp.where(rows, jax.nn.sigmoid(beta), 0.0)
 
         if spec.per_channel_gate:
-            # [C, block_k] tiles of the chunk's rows in the key channels cols: q, k read as fp32
-            # (key head hk), the prep's outputs written (value head h).
-            key_rows = lambda ref, cols: load(ref.at[tok, hk, cols], rows2)
-            put_rows = lambda ref, cols, x: store(ref.at[tok, h, cols], x, rows2)
-            steps = dict(spec=spec, block_k=block_k)
-            rk, rq = _kda_norms(q_ref, k_ref, key_rows, **steps)
-            kk, qk = _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, ek_ref, decay_ref, gate,
-                                        key_rows, put_rows, rk, rq, s=s, h=h, dot=dot, **steps)
-            store(aqk_ref.at[tok, h, :], qk, rows2)
-            A = jnp.where(i > j, beta[:, None] * kk, 0.0)
-            T = _invert_unit_lower(A, spec.precise, interpret)
-            # W = T beta (e^G k) needs T, so all channels' products first: rather than a second
-            # pass over the channels (reloading k and g, redoing the gates), the prep stores
-            # e^G k and T beta, and `_kda_w_kernel` forms W.
-            store(tb_ref.at[tok, h, :], T * beta[None, :], rows2)
+            # `_kda_intra_kernel` formed k k^T with the per-channel decays (masked to j < i)
+            # and the rows e^G k; what is left is the solve and W = (T beta) (e^G k).
+            kk = load(kk_ref.at[tok, h, :], rows2)
+            T = _invert_unit_lower(beta[:, None] * kk, spec.precise, interpret)
+            ek = plgpu.load(ek_ref.at[tok, h, :], mask=rows2, other=0)
+            if _bf16_rows(ek_ref):
+                w = _dot_bf16x2(T * beta[None, :], ek)
+            else:
+                w = dot(T * beta[None, :], ek.astype(F32))
+            store(w_ref.at[tok, h, :], w, rows2)
         else:
             # GDN: q and k stay raw; their L2 norms and the decays are per-row factors applied
             # to the products (for 16-bit inputs the raw rows are exact tensor-core operands).
@@ -483,68 +410,144 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
               rows2)
 
 
-def _kda_norms(q_ref, k_ref, key_rows, *, spec, block_k):
-    """The q and k row factors (L2 norm; q's also the scale), [C] each, summed block by block."""
-    C = CHUNK
-    if not spec.use_qk_l2norm:
-        return jnp.ones((C,), F32), jnp.full((C,), spec.scale, F32)
+# ---------------------------------------------------------------- KDA: intra-chunk products
 
-    def add(b, sums):
-        cols = pl.ds(b * block_k, block_k)
-        k, q = key_rows(k_ref, cols), key_rows(q_ref, cols)
-        return sums[0] + jnp.sum(k * k, axis=1), sums[1] + jnp.sum(q * q, axis=1)
+def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, kk_ref,
+                      aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, *, spec: PrefillSpec,
+                      block_k: int, interpret: bool):
+    """KDA's per-channel work for chunk slot s, value head h, as [SUB, SUB] blocks.
 
-    zero = jnp.zeros((C,), F32)
-    sk, sq = lax.fori_loop(0, spec.head_k_dim // block_k, add, (zero, zero))
-    return (lax.rsqrt(sk + L2NORM_EPS),
-            lax.rsqrt(sq + L2NORM_EPS) * jnp.float32(spec.scale))
+    Writes kk_ij = sum_c kn_ic kn_jc e^{G_ic - G_jc} (j < i, zero elsewhere, without beta) and
+    aqk_ij = sum_c qn_ic kn_jc e^{G_ic - G_jc} (j <= i, zero above), the decayed rows the scan and
+    W take (qn e^G, kn e^{G_C - G}, e^G kn) and the chunk's total decay e^{G_C} per channel (kn,
+    qn: the L2-normalised rows, qn also scaled).
 
-
-def _kda_prep_channels(q_ref, k_ref, fq_ref, fk_ref, ek_ref, decay_ref, gate, key_rows, put_rows,
-                       rk, rq, *, s, h, spec, block_k, dot):
-    """KDA's per-channel part of the prep, block_k key channels at a time: the decayed rows the
-    scan takes (q e^G, k e^{G_C - G}), the rows e^G k that W is made of, the chunk's total
-    decay per channel, and the intra-chunk products kk, qk [C, C] (`_kda_intra_chunk`), which
-    are sums over channels and so add up block by block. Working on [C, block_k] tiles keeps
-    the gates, their exponentials and the decayed copies of q and k in registers; whole [C, K]
-    fp32 tiles of each do not fit."""
-    C = CHUNK
-    factored = _factored_diagonal_always_safe(spec)
-
-    def channels(b, acc):
-        cols = pl.ds(b * block_k, block_k)
-        kn, qn = key_rows(k_ref, cols) * rk[:, None], key_rows(q_ref, cols) * rq[:, None]
-        G_hi, G_lo = _split_cumsum(gate(cols))
-        last_hi, last_lo = _nth_row(G_hi, C - 1), _nth_row(G_lo, C - 1)  # [1, block_k]
-        decay_ref[s, h, cols] = jnp.exp(last_hi + last_lo)[0]
-        eG = jnp.exp(G_hi + G_lo)
-        put_rows(fq_ref, cols, qn * eG)
-        put_rows(ek_ref, cols, kn * eG)
-        put_rows(fk_ref, cols, kn * jnp.exp((last_hi - G_hi) + (last_lo - G_lo)))
-        kk, qk = _kda_intra_chunk(kn, qn, G_hi, G_lo, dot=dot, factored_diagonal=factored)
-        return acc[0] + kk, acc[1] + qk
-
-    zero = jnp.zeros((C, C), F32)
-    return lax.fori_loop(0, spec.head_k_dim // block_k, channels, (zero, zero))
-
-
-def _kda_w_kernel(start_ref, len_ref, ek_ref, tb_ref, w_ref, *, spec: PrefillSpec,
-                  interpret: bool):
-    """KDA: W = (T beta) (e^G k) for one chunk and value head, from the rows the prep stored."""
+    The chunk is C // SUB block rows of SUB rows. Every block and the gates' cumulative sums are
+    formed once: the channel loop (block_k channels per step) walks the block rows in order,
+    carrying the cumulative gate past each block (G of a block = the carry + its own running
+    sum, split hi/lo as everywhere). For rows i in block a and j in block b < a the decay
+    factors through r, the first row of block a, and through the last row l_b of block b:
+        e^{G_i - G_j} = e^{G_i - G_r} e^{G_r - G_lb} e^{G_lb - G_j},
+    all three exponents <= 0 (nothing overflows; a factor that underflows drops only a term
+    already below ~1e-38 of the unit diagonal). The block is one [SUB, block_k] x [block_k, SUB]
+    product of (kn_a e^{G_a - G_r}) e^{G_r - G_lb} and kt_b = kn_b e^{G_lb - G_b}, the latter
+    made once when block b was walked. A diagonal block has pairs on both sides of any reference
+    row: through its middle row m the factors are e^{+-(G_i - G_m)}, one more product when
+    |G_ic - G_mc| <= DIAG_EXP_LIMIT for the block's rows and the step's channels (static for the
+    lower-bound gate, `_factored_diagonal_always_safe`; else checked per block and step), and
+    formed exactly in SUB elementwise steps (`_exact_diagonal_block`) otherwise."""
     s, h = pl.program_id(0), pl.program_id(1)
+    hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
+    C, K = CHUNK, spec.head_k_dim
+    nb = C // SUB
 
     @pl.when(n > 0)
     def _():
-        rows2 = (lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n)[:, None]
-        tok = pl.ds(t0, CHUNK)
-        tb = plgpu.load(tb_ref.at[tok, h, :], mask=rows2, other=0)
-        ek = plgpu.load(ek_ref.at[tok, h, :], mask=rows2, other=0)
-        if _bf16_rows(ek_ref):
-            w = _dot_bf16x2(tb, ek)
+        sub = lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+        own = [(SUB * a + sub < n)[:, None] for a in range(nb)]          # rows of block a
+        tok = [pl.ds(t0 + SUB * a, SUB) for a in range(nb)]
+        load = lambda ref, mask: plgpu.load(ref, mask=mask, other=0).astype(F32)
+        dot = functools.partial(_dot, precise=spec.precise, interpret=interpret, trans_b=True)
+        factored_always = _factored_diagonal_always_safe(spec)
+        rel = lambda x, y: (x[0] - y[0]) + (x[1] - y[1])  # G_x - G_y from (hi, lo) pairs
+
+        def gate(a, cols):
+            """Block a's log decays in the channels cols, [SUB, block_k] (0 past the chunk)."""
+            g = load(g_ref.at[tok[a], h, cols], own[a])
+            if not spec.raw_gates:
+                return g
+            dt = dt_ref[pl.ds(h * K + cols.start, cols.size)][None, :].astype(F32)
+            return jnp.where(own[a], _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec), 0.0)
+
+        # Row factors first: the decayed rows are written inside the channel loop.
+        if spec.use_qk_l2norm:
+            def squares(c, sums):
+                cols = pl.ds(c * block_k, block_k)
+                out = []
+                for a in range(nb):
+                    k, q = load(k_ref.at[tok[a], hk, cols], own[a]), load(q_ref.at[tok[a], hk, cols], own[a])
+                    out += [sums[2 * a] + jnp.sum(k * k, axis=1), sums[2 * a + 1] + jnp.sum(q * q, axis=1)]
+                return tuple(out)
+
+            sums = lax.fori_loop(0, K // block_k, squares,
+                                 tuple(jnp.zeros((SUB,), F32) for _ in range(2 * nb)))
+            rk = [lax.rsqrt(sums[2 * a] + L2NORM_EPS) for a in range(nb)]
+            rq = [lax.rsqrt(sums[2 * a + 1] + L2NORM_EPS) * jnp.float32(spec.scale)
+                  for a in range(nb)]
         else:
-            w = _dot(tb, ek.astype(F32), spec.precise, interpret=interpret)
-        plgpu.store(w_ref.at[tok, h, :], w.astype(w_ref.dtype), mask=rows2)
+            rk = [jnp.ones((SUB,), F32)] * nb
+            rq = [jnp.full((SUB,), spec.scale, F32)] * nb
+
+        pairs = [(a, b) for a in range(nb) for b in range(a + 1)]         # blocks on and below
+
+        def channels(c, acc):
+            kk, qk = list(acc[0]), list(acc[1])
+            cols = pl.ds(c * block_k, block_k)
+            put = lambda ref, a, x: plgpu.store(ref.at[tok[a], h, cols], x.astype(ref.dtype),
+                                                mask=own[a])
+            carry = (jnp.zeros((1, block_k), F32), jnp.zeros((1, block_k), F32))
+            kt, lasts = [], []
+            for a in range(nb):
+                hi, lo = split_gate(gate(a, cols))
+                G = (carry[0] + jnp.cumsum(hi, axis=0), carry[1] + jnp.cumsum(lo, axis=0))
+                kn = load(k_ref.at[tok[a], hk, cols], own[a]) * rk[a][:, None]
+                qn = load(q_ref.at[tok[a], hk, cols], own[a]) * rq[a][:, None]
+                first = (_nth_row(G[0], 0), _nth_row(G[1], 0))
+                left = jnp.exp(rel(G, first))                                 # <= 1
+                kl, ql = kn * left, qn * left
+                for b in range(a):
+                    bridge = jnp.exp(rel(first, lasts[b]))                   # [1, block_k], <= 1
+                    at = pairs.index((a, b))
+                    kk[at] = kk[at] + dot(kl * bridge, kt[b])
+                    qk[at] = qk[at] + dot(ql * bridge, kt[b])
+                mid = rel(G, (_nth_row(G[0], SUB // 2), _nth_row(G[1], SUB // 2)))
+
+                def factored(kn=kn, qn=qn, mid=mid):
+                    down = kn * jnp.exp(-mid)
+                    up = jnp.exp(mid)
+                    return dot(kn * up, down), dot(qn * up, down)
+
+                if factored_always:
+                    kk_d, qk_d = factored()
+                else:
+                    kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT, factored,
+                                          functools.partial(_exact_diagonal_block, kn, qn,
+                                                            G[0], G[1], SUB))
+                at = pairs.index((a, a))
+                # entries above the diagonal may be huge (e^80 x the rows' product): the final
+                # masks select them away, nothing multiplies them
+                kk[at] = kk[at] + kk_d
+                qk[at] = qk[at] + qk_d
+                last = (_nth_row(G[0], SUB - 1), _nth_row(G[1], SUB - 1))  # rows past n add 0
+                eG = jnp.exp(G[0] + G[1])
+                put(fq_ref, a, qn * eG)
+                put(ek_ref, a, kn * eG)
+                kt.append(kn * jnp.exp(rel(last, G)))                          # <= 1
+                lasts.append(last)
+                carry = last
+            # carry is now G_C, the whole chunk's (its rows past n hold gates of 0)
+            decay_ref[s, h, cols] = jnp.exp(carry[0] + carry[1])[0]
+            for a in range(nb):
+                put(fk_ref, a, kt[a] * jnp.exp(rel(carry, lasts[a])))
+            return tuple(kk), tuple(qk)
+
+        zero = tuple(jnp.zeros((SUB, SUB), F32) for _ in pairs)
+        kk, qk = lax.fori_loop(0, K // block_k, channels, (zero, zero))
+        i = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+        j = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+        for a in range(nb):
+            for b in range(nb):
+                cols = pl.ds(SUB * b, SUB)
+                if b < a:
+                    kk_ab, qk_ab = kk[pairs.index((a, b))], qk[pairs.index((a, b))]
+                elif b == a:
+                    kk_ab = jnp.where(j < i, kk[pairs.index((a, a))], 0.0)
+                    qk_ab = jnp.where(j <= i, qk[pairs.index((a, a))], 0.0)
+                else:
+                    kk_ab = qk_ab = jnp.zeros((SUB, SUB), F32)
+                plgpu.store(kk_ref.at[tok[a], h, cols], kk_ab, mask=own[a])
+                plgpu.store(aqk_ref.at[tok[a], h, cols], qk_ab, mask=own[a])
 
 
 # --------------------------------------------------------------------------- kernel 2: state scan
@@ -620,50 +623,65 @@ def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, w_ref, u
 # --------------------------------------------------------------------------- launchers
 
 
+def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, block, interpret):
+    """KDA's intra-chunk products and decayed rows: (kk, aqk, fq, fk, ek, decay)."""
+    T_total, HV, K = g.shape
+    # KDA's decayed q rows only feed the output, so for bf16 inputs they are stored in bf16
+    # (exact tensor-core operands, half the scan's reads of them; the output is rounded to bf16
+    # anyway). The decayed k rows build the state and stay fp32: in bf16 they cost the final
+    # state ~5x its error against float64 (BENCHMARKS.md, KDA prefill). e^G k (for W) is stored
+    # in the input dtype: bf16 e^G k times the split T beta rounds about as much as a one-pass
+    # TF32 product of fp32 rows would (the state's error against float64 is the same on the
+    # H200, BENCHMARKS.md).
+    q_rows_dtype = rows_dtype if rows_dtype == jnp.bfloat16 else F32
+    rows = (T_total, HV, K)
+    return pl.pallas_call(
+        functools.partial(_kda_intra_kernel, spec=spec, block_k=block.block_k,
+                          interpret=interpret),
+        out_shape=(jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),  # k k^T e^{G_i - G_j}, j < i
+                   jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),  # q k^T e^{G_i - G_j}, j <= i
+                   jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
+                   jax.ShapeDtypeStruct(rows, F32),                  # k: norm * e^{G_C - G}
+                   jax.ShapeDtypeStruct(rows, rows_dtype),           # e^G k: norm * e^G
+                   jax.ShapeDtypeStruct((start.shape[0], HV, K), F32)),  # e^{G_C}
+        grid=(start.shape[0], HV),
+        compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_intra,
+                                             num_stages=block.num_stages_intra),
+        interpret=interpret,
+        name="kda_prefill_intra",
+    )(start, length, q, k, g, A_log, dt_bias)
+
+
 def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, interpret):
     T_total, HV, V, K = q.shape[0], v.shape[1], v.shape[2], q.shape[2]
     # W goes through memory in the input dtype; U and the intra-chunk matrix in fp32 (see the
     # module docstring: with 16-bit copies a near-singular chunk loses the output's digits).
     mid = v.dtype
-    # Row factors (GDN, fp32) or whole decayed rows (KDA); per-channel total decays. KDA's
-    # decayed q rows only feed the output, so for bf16 inputs they are stored in bf16 (exact
-    # tensor-core operands, half the scan's reads of them; the output is rounded to bf16
-    # anyway). The decayed k rows build the state and stay fp32: in bf16 they cost the final
-    # state ~5x its error against float64 (BENCHMARKS.md, KDA prefill).
-    rows = (T_total, HV, K) if spec.per_channel_gate else (T_total, HV)
-    q_rows_dtype = mid if spec.per_channel_gate and mid == jnp.bfloat16 else F32
-    chunk = (start.shape[0], HV, K) if spec.per_channel_gate else (start.shape[0], HV)
-    # GDN writes W itself; for KDA the prep writes e^G k (in the input dtype, like W) and
-    # T beta (fp32) instead, and `_kda_w_kernel` forms W. bf16 e^G k times the split T beta
-    # rounds about as much as the one-pass TF32 product of fp32 ones did: the state's error
-    # against float64 did not move on the H200. Outputs a kind does not write are (1, 1, 1).
-    used = lambda kda_only, shape, dtype: jax.ShapeDtypeStruct(
-        shape if kda_only == spec.per_channel_gate else (1, 1, 1), dtype)
-    grid = (start.shape[0], HV)
-    w, u, aqk, fq, fk, decay, ek, tb = pl.pallas_call(
-        functools.partial(_prep_kernel, spec=spec, block_k=block.block_k, interpret=interpret),
-        out_shape=(used(False, (T_total, HV, K), mid),               # W (GDN)
+    if spec.per_channel_gate:
+        kk, aqk, fq, fk, ek, decay = _kda_intra(q, k, g, start, length, A_log, dt_bias,
+                                                rows_dtype=mid, spec=spec, block=block,
+                                                interpret=interpret)
+    else:
+        kk = ek = jnp.zeros((1, 1, 1), F32)  # unused placeholders
+    # GDN's prep writes the row factors, the intra-chunk matrix and the chunk decays itself;
+    # for KDA the intra kernel wrote them and these outputs are (1, 1, 1) placeholders.
+    gdn_only = lambda shape, dtype: jax.ShapeDtypeStruct(
+        (1, 1, 1) if spec.per_channel_gate else shape, dtype)
+    w, u, *gdn_outputs = pl.pallas_call(
+        functools.partial(_prep_kernel, spec=spec, interpret=interpret),
+        out_shape=(jax.ShapeDtypeStruct((T_total, HV, K), mid),      # W
                    jax.ShapeDtypeStruct((T_total, HV, V), F32),      # U
-                   jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),  # q k^T e^{G_i - G_j}, j <= i
-                   jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
-                   jax.ShapeDtypeStruct(rows, F32),                  # k: norm * e^{G_C - G}
-                   jax.ShapeDtypeStruct(chunk, F32),                 # e^{G_C}
-                   used(True, (T_total, HV, K), mid),                # KDA: e^G k
-                   used(True, (T_total, HV, CHUNK), F32)),           # KDA: T beta
-        grid=grid,
+                   gdn_only((T_total, HV, CHUNK), F32),              # q k^T e^{G_i - G_j}, j <= i
+                   gdn_only((T_total, HV), F32),                     # q: norm * scale * e^G
+                   gdn_only((T_total, HV), F32),                     # k: norm * e^{G_C - G}
+                   gdn_only((start.shape[0], HV), F32)),             # e^{G_C}
+        grid=(start.shape[0], HV),
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
         interpret=interpret,
         name="gdn_prefill_prep",
-    )(start, length, q, k, v, g, beta, A_log, dt_bias)
-    if spec.per_channel_gate:
-        w = pl.pallas_call(
-            functools.partial(_kda_w_kernel, spec=spec, interpret=interpret),
-            out_shape=jax.ShapeDtypeStruct((T_total, HV, K), mid),
-            grid=grid,
-            compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
-            interpret=interpret,
-            name="kda_prefill_w",
-        )(start, length, ek, tb)
+    )(start, length, q, k, v, g, beta, A_log, dt_bias, kk, ek)
+    if not spec.per_channel_gate:
+        aqk, fq, fk, decay = gdn_outputs
     return w, u, aqk, fq, fk, decay
 
 
@@ -736,7 +754,8 @@ def _scan(cu, first, slots, q, k, w, u, aqk, fq, fk, decay, h0, *, spec, block, 
 def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: PrefillBlockSizes,
                   A_log=None, dt_bias=None, initial_state=None, pool=None, slots=None,
                   state_dtype=jnp.float32, interpret: bool = False):
-    """Run the two kernels on packed, validated inputs (the caller checks shapes; see module doc).
+    """Run the kernels (two; KDA three) on packed, validated inputs (the caller checks shapes;
+    see the module docstring).
 
     q, k [T, HK, K]; v [T, HV, V]; g [T, HV] (KDA: [T, HV, K]), beta [T, HV] (raw a, b with
     A_log [HV] and dt_bias [HV] (KDA: [HV * K]) when spec.raw_gates); cu_seqlens [N + 1] int32. Pooled: pool [P, HV, K, V] (donated, updated in

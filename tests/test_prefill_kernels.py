@@ -49,7 +49,8 @@ def _spec(HK, HV, K, V, **kw):
 
 
 def _run(mode, q, k, v, g, beta, cu, spec, *, block_v=16, **kw):
-    # block_k = 16: the KDA prep's channel loop takes several steps at every tested K
+    # block_k = 16: the KDA intra kernel's channel loop takes several steps at every tested K
+    # (but K = 16)
     block = kern.PrefillBlockSizes(block_v=min(block_v, spec.head_v_dim), block_k=16)
     return kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
                               interpret=mode == "interpret", **kw)
@@ -329,7 +330,7 @@ def test_chunk_table_matches_a_walk_over_the_sequences(seed):
                                                            (False, True, False, BF16, True)])
 def test_variants_lower_to_triton_ir(lower_for_h200, raw, pooled, boundary, dtype, kda):
     """Every kernel lowers to Triton IR for an H200 without a GPU (only PTX needs the device):
-    prep and scan, and KDA's W kernel."""
+    prep and scan, and KDA's intra-chunk kernel before them."""
     T, HK, HV, K = 256, 2, 4, 128
     spec = _spec(HK, HV, K, K, raw_gates=raw, pooled=pooled, boundary_states=boundary,
                  precise=dtype == F32, per_channel_gate=kda,
@@ -345,6 +346,22 @@ def test_variants_lower_to_triton_ir(lower_for_h200, raw, pooled, boundary, dtyp
                                    **kw).lower(lowering_platforms=("cuda",)).as_text()
     # prep, scan, KDA's W kernel, and the q/k tame ahead of an in-kernel L2 norm
     assert hlo.count("__gpu$xla.gpu.triton") == (3 if kda else 2) + 2 * spec.use_qk_l2norm
+
+
+@pytest.mark.parametrize("K,block_k", [(64, 64), (256, 32), (256, 64)])
+def test_kda_intra_kernel_lowers_at_every_block_k(lower_for_h200, K, block_k):
+    """The KDA intra kernel lowers to Triton IR for the channel steps a tuning sweep tries, at
+    the head dims models use (the whole call at the default blocks is the test above)."""
+    T, HV = 200, 2
+    spec = _spec(1, HV, K, K, per_channel_gate=True, precise=False)
+    start, length, _ = kern.chunk_table(jnp.array([0, 70, T], jnp.int32), T)
+    x = jnp.ones((T, 1, K), BF16)
+    hlo = jax.jit(lambda q, k, g, start, length: kern._kda_intra(
+        q, k, g, start, length, jnp.zeros(HV), jnp.zeros(HV), rows_dtype=BF16, spec=spec,
+        block=kern.PrefillBlockSizes(block_k=block_k), interpret=False)).trace(
+            x, x, jnp.ones((T, HV, K)), start, length).lower(
+                lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("__gpu$xla.gpu.triton") == 1
 
 
 # --------------------------------------------------------------------------- public entry points
@@ -459,8 +476,9 @@ def test_kda_raw_gates_bf16_against_float64(mode, lower_bound):
 
 def _diag_spans(g, cu):
     """Largest |G_ic - G_mc| per (chunk, head) between a row and the middle row m of its
-    16-row block (float64, gates clamped as the kernel does): the kernel forms a chunk's
-    diagonal blocks as products when this is <= DIAG_EXP_LIMIT, else exactly."""
+    16-row block (float64, gates clamped as the kernel does): the kernel forms all of a chunk's
+    diagonal blocks as products when this is <= DIAG_EXP_LIMIT; above, at least one of them
+    exactly (it decides per block and channel step)."""
     g = np.maximum(np.asarray(g, np.float64), kern.GATE_FLOOR)
     cu = np.asarray(cu)
     spans = []
@@ -507,7 +525,7 @@ def test_kda_raw_gates_spanning_orders_of_magnitude(mode, lower_bound):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("exact_only", [False, True])
 def test_kda_factored_and_exact_diagonal_blocks(mode, exact_only, monkeypatch):
-    """One call whose chunks take both diagonal-block forms (mild gates; a stretch of gates
+    """One call whose diagonal blocks take both forms (mild gates; a stretch of gates
     spanning 1e-7..1e3 with resets), and the same call with the exact form forced everywhere."""
     lens, HK, HV, K = [200, 64], 1, 2, 16
     q, k, v, g, beta, h0, cu = _kda_inputs(26, lens, HK=HK, HV=HV, K=K)
@@ -529,6 +547,105 @@ def test_kda_factored_and_exact_diagonal_blocks(mode, exact_only, monkeypatch):
     ro, rs = _oracle(q, k, v, g, beta, h0, cu)
     assert rel_err(o, ro) <= 1e-5
     assert rel_err(hT, rs) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kda_large_rows_factored_diagonal(mode):
+    """q, k rows of norm ~6e4 with every gate at the lower bound -5: the factored diagonal
+    blocks (exponents up to +-40) of the raw rows overflow above the diagonal (e^75 x 3e9),
+    which must stay out of the kept entries; the result equals float64."""
+    lens, HK, HV, K = [100, 40], 1, 2, 32
+    q, k, v, _, b, h0, cu = _kda_inputs(33, lens, HK=HK, HV=HV, K=K)
+    q, k = 1e4 * q, 1e4 * k
+    a = jnp.full((sum(lens), HV, K), 40.0, F32)  # sigmoid(e^A_log (a + dt)) = 1: g = -5
+    A_log, dt_bias = jnp.zeros(HV, F32), jnp.zeros(HV * K, F32)
+    spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True, raw_gates=True,
+                 gate_lower_bound=-5.0)
+    o, hT, _, _ = _run(mode, q, k, v, a, b, cu, spec, initial_state=h0, A_log=A_log,
+                       dt_bias=dt_bias)
+    g = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=-5.0)
+    assert np.all(np.asarray(g) == -5.0)
+    ro, rs = _oracle(q, k, v, g, ref.gdn_beta(b), h0, cu)
+    assert rel_err(o, ro) <= 1e-5
+    assert rel_err(hT, rs) <= 1e-5
+
+
+def _kda_intra_oracle(q, k, g, cu, HV, scale):
+    """float64 intra-chunk products and decayed rows, chunk by chunk: kk (j < i), aqk (j <= i)
+    [T, HV, C], q e^G, k e^{G_C - G}, e^G k [T, HV, K] (q, k L2-normalised, q scaled) and the
+    total decay e^{G_C} of every chunk, [chunks, HV, K] in chunk order."""
+    q, k, g = (np.asarray(jnp.asarray(x, F32), np.float64) for x in (q, k, g))
+    g = np.maximum(g, kern.GATE_FLOOR)
+    rep = HV // q.shape[1]
+    norm = lambda x: np.repeat(x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6), rep, axis=1)
+    qn, kn = norm(q) * scale, norm(k)
+    T, K, C = q.shape[0], q.shape[2], kern.CHUNK
+    kk, aqk = np.zeros((T, HV, C)), np.zeros((T, HV, C))
+    fq, fk, ek, decays = np.zeros((T, HV, K)), np.zeros((T, HV, K)), np.zeros((T, HV, K)), []
+    cu = np.asarray(cu)
+    for a, b in zip(cu[:-1], cu[1:]):
+        for t0 in range(a, b, C):
+            rows = slice(t0, min(t0 + C, b))
+            n = rows.stop - t0
+            G = np.cumsum(g[rows], axis=0)                                     # [n, HV, K]
+            e = np.exp(np.where(np.tril(np.ones((n, n)))[:, :, None, None] > 0,
+                                G[:, None] - G[None, :], -np.inf))            # [i, j, HV, K]
+            kk[rows, :, :n] = np.einsum("ihc,jhc,ijhc->ihj", kn[rows], kn[rows], e)
+            kk[rows, :, :n] *= np.tril(np.ones((n, n)), -1)[:, None, :]
+            aqk[rows, :, :n] = np.einsum("ihc,jhc,ijhc->ihj", qn[rows], kn[rows], e)
+            fq[rows], ek[rows] = qn[rows] * np.exp(G), kn[rows] * np.exp(G)
+            fk[rows] = kn[rows] * np.exp(G[-1] - G)
+            decays.append(np.exp(G[-1]))
+    return kk, aqk, fq, fk, ek, np.stack(decays)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lens,HK,HV,K,block_k,raw", [([100], 1, 2, 256, 64, False),
+                                                      ([37, 5, 70], 1, 2, 32, 16, True)],
+                         ids=["K256", "ragged_lower_bound"])
+def test_kda_intra_kernel_against_float64(mode, lens, HK, HV, K, block_k, raw):
+    """The intra-chunk kernel alone: kk, aqk, the decayed rows and the chunk decays equal a
+    float64 einsum over every chunk, ragged ones (T not a multiple of 64) included. K = 256:
+    head 0's gates are mild (factored diagonal blocks), head 1's span 1e-7..1e3 with resets in
+    the first chunk (exact diagonal blocks there) and are mild after; the raw lower-bound gate
+    takes the factored blocks statically."""
+    q, k, _, g, _, _, cu = _kda_inputs(41, lens, HK=HK, HV=HV, K=K)
+    rng = np.random.default_rng(42)
+    A_log = dt_bias = None
+    if raw:
+        a = jnp.asarray(2 * rng.standard_normal(g.shape), F32)
+        A_log = jnp.asarray(rng.standard_normal(HV), F32)
+        dt_bias = jnp.asarray(rng.standard_normal(HV * K), F32)
+        g_in, g = a, ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=-5.0)
+    else:
+        g = np.asarray(g).copy()
+        g[:64, 1] = -(10.0 ** rng.uniform(-7, 3, (64, K)))
+        g[20, 1, ::5] = -np.inf
+        g_in = g = jnp.asarray(g)
+        spans = _diag_spans(g, cu).reshape(-1, HV)
+        assert spans[:, 0].max() <= kern.DIAG_EXP_LIMIT < spans[0, 1]
+    spec = _spec(HK, HV, K, K, per_channel_gate=True, raw_gates=raw,
+                 gate_lower_bound=-5.0 if raw else None)
+    start, length, _ = kern.chunk_table(cu, q.shape[0])
+    A_log = jnp.zeros((HV,), F32) if A_log is None else A_log
+    dt_bias = jnp.zeros((HV,), F32) if dt_bias is None else dt_bias
+    got = kern._kda_intra(q, k, g_in, start, length, A_log, dt_bias, rows_dtype=F32, spec=spec,
+                          block=kern.PrefillBlockSizes(block_k=block_k),
+                          interpret=mode == "interpret")
+    kk, aqk, fq, fk, ek, decay = (np.asarray(x) for x in got)
+    want = _kda_intra_oracle(q, k, g, cu, HV, spec.scale)
+    decay = decay[np.asarray(length) > 0]  # chunk slots in order; unused slots are not written
+    for name, x, y in zip(("kk", "aqk", "fq", "fk", "ek", "decay"),
+                          (kk, aqk, fq, fk, ek, decay), want):
+        for h in range(HV):
+            assert rel_err(x[..., h, :], y[..., h, :]) <= 1e-5, (name, h)
+    # the masks are exact zeros: kk strictly below the diagonal, aqk on and below it
+    i = np.arange(q.shape[0]) - np.repeat(np.asarray(start)[np.asarray(length) > 0],
+                                          np.asarray(length)[np.asarray(length) > 0])
+    above = np.arange(kern.CHUNK)[None, :] >= i[:, None]
+    assert np.all(kk[:, :, :][above[:, None, :].repeat(HV, 1)] == 0)
+    assert np.all(aqk[(above & (np.arange(kern.CHUNK)[None, :] > i[:, None]))[:, None, :]
+                      .repeat(HV, 1)] == 0)
 
 
 @pytest.mark.parametrize("mode", MODES)
