@@ -344,7 +344,7 @@ def test_variants_lower_to_triton_ir(lower_for_h200, raw, pooled, boundary, dtyp
     hlo = kern.chunk_prefill.trace(x, x, y, jnp.ones((T, HV, K)) if kda else gate, gate, jnp.array([0, 100, T], jnp.int32),
                                    spec=spec, block=kern.PrefillBlockSizes(), interpret=False,
                                    **kw).lower(lowering_platforms=("cuda",)).as_text()
-    # prep, scan, KDA's W kernel, and the q/k tame ahead of an in-kernel L2 norm
+    # prep, scan, KDA's intra-chunk kernel, and the q/k tame ahead of an in-kernel L2 norm
     assert hlo.count("__gpu$xla.gpu.triton") == (3 if kda else 2) + 2 * spec.use_qk_l2norm
 
 
