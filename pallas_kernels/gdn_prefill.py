@@ -29,13 +29,12 @@ form of the delta rule):
 
 KDA (`per_channel_gate`): the decay is per key channel, e^{G_ic - G_jc}, so A and the intra-chunk
 attention matrix cannot be row-scaled products, and the per-channel work runs first in a kernel
-of its own, `_kda_intra_kernel`, one program per chunk and value head. It cuts the chunk into
-blocks of SUB = 16 rows and forms k k^T and q k^T as [SUB, SUB] blocks, block_k key channels
-at a time: every block below the diagonal is a tensor-core product of rows decayed towards rows
-between the two blocks (no exponent above 0); a diagonal block is one more product through its
-middle row when its gates allow it (exponents within +-DIAG_EXP_LIMIT), else formed exactly in
-SUB elementwise steps. Each channel step walks the block rows in order, so the cumulative gates,
-their exponentials and the decayed rows are made once per chunk, in [SUB, block_k] tiles. The
+of its own, `_kda_intra_kernel`, one program per chunk and value head, block_k key channels at
+a time on whole-chunk [C, block_k] tiles. Across a chunk e^{G_ic - G_jc} can exceed fp32, so the
+products factor through reference rows of 16-row blocks (SUB): the terms below the diagonal
+blocks are one tensor-core product per block b, of rows decayed towards the last row of block b
+(no exponent above 0); the diagonal blocks are one more product through their middle rows when
+the gates allow it (exponents within +-DIAG_EXP_LIMIT), else formed exactly, column by column. The
 same program writes the decayed q e^G and k e^{G_C - G} (the scan takes them instead of row
 factors), e^G k (for W), the masked k k^T and q k^T (k k^T without beta) and the chunk's total
 decay per channel. The prep then only loads k k^T, forms A, T, U and W = (T beta) (e^G k); the
@@ -131,9 +130,7 @@ class PrefillBlockSizes:
         # Pipelined stages hold the chunk's rows in shared memory once per stage: K = 256
         # leaves room for one stage only on an H200.
         one_stage = spec.head_k_dim > 128
-        # KDA's intra kernel keeps 20 [SUB, SUB] fp32 accumulators and a few [SUB, block_k]
-        # tiles per block row; 32 channels per step is a register estimate, not a
-        # measurement (BENCHMARKS.md has the timings when measured).
+        # KDA's intra kernel: 32 key channels per step (BENCHMARKS.md, KDA launch sweep).
         block_k = min(32, spec.head_k_dim)
         if num_sequences * spec.num_v_heads < 128:
             return PrefillBlockSizes(block_v=min(32, spec.head_v_dim),
@@ -298,30 +295,6 @@ def _factored_diagonal_always_safe(spec: PrefillSpec) -> bool:
             and -spec.gate_lower_bound * (SUB // 2) <= DIAG_EXP_LIMIT)
 
 
-def _exact_diagonal_block(k_own, q_own, G_hi, G_lo, num_cols):
-    """One diagonal SUB x SUB block of k k^T and q k^T with every decay e^{G_ic - G_jc} (j <= i,
-    zero above) formed exactly, from the block's rows k_own, q_own, G [SUB, n]: column j of the
-    block in one elementwise step. Returned as [SUB, num_cols], the block repeated in every
-    block column (the caller keeps the block's own)."""
-    sub, n = k_own.shape
-    w = lax.broadcasted_iota(jnp.int32, (sub, n), 0)
-    col = lax.broadcasted_iota(jnp.int32, (sub, sub), 1)
-
-    def column(s, mats):
-        kk, qk = mats
-        pick = lambda x: jnp.sum(jnp.where(w == s, x, 0.0), axis=0, keepdims=True)  # row s
-        e = jnp.exp(jnp.where(w >= s, (G_hi - pick(G_hi)) + (G_lo - pick(G_lo)), -jnp.inf))
-        kc = pick(k_own) * e
-        return (jnp.where(col == s, jnp.sum(k_own * kc, axis=1, keepdims=True), kk),
-                jnp.where(col == s, jnp.sum(q_own * kc, axis=1, keepdims=True), qk))
-
-    zero = jnp.zeros((sub, sub), F32)
-    kk, qk = lax.fori_loop(0, sub, column, (zero, zero))
-    nb = num_cols // sub
-    tile = lambda m: jnp.broadcast_to(m[:, None, :], (sub, nb, sub)).reshape(sub, num_cols)
-    return tile(kk), tile(qk)
-
-
 def _raw_log_decay(x, A_log, dt, spec: PrefillSpec):
     """The log decay from the raw gate projection x (fp32): -e^A_log softplus(x + dt), or with a
     lower bound lb * sigmoid(e^A_log (x + dt))."""
@@ -415,27 +388,29 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
 def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, kk_ref,
                       aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, *, spec: PrefillSpec,
                       block_k: int, interpret: bool):
-    """KDA's per-channel work for chunk slot s, value head h, as [SUB, SUB] blocks.
+    """KDA's per-channel work for chunk slot s, value head h, on whole-chunk [C, block_k] tiles.
 
     Writes kk_ij = sum_c kn_ic kn_jc e^{G_ic - G_jc} (j < i, zero elsewhere, without beta) and
     aqk_ij = sum_c qn_ic kn_jc e^{G_ic - G_jc} (j <= i, zero above), the decayed rows the scan and
     W take (qn e^G, kn e^{G_C - G}, e^G kn) and the chunk's total decay e^{G_C} per channel (kn,
     qn: the L2-normalised rows, qn also scaled).
 
-    The chunk is C // SUB block rows of SUB rows. Every block and the gates' cumulative sums are
-    formed once: the channel loop (block_k channels per step) walks the block rows in order,
-    carrying the cumulative gate past each block (G of a block = the carry + its own running
-    sum, split hi/lo as everywhere). For rows i in block a and j in block b < a the decay
-    factors through r, the first row of block a, and through the last row l_b of block b:
-        e^{G_i - G_j} = e^{G_i - G_r} e^{G_r - G_lb} e^{G_lb - G_j},
-    all three exponents <= 0 (nothing overflows; a factor that underflows drops only a term
-    already below ~1e-38 of the unit diagonal). The block is one [SUB, block_k] x [block_k, SUB]
-    product of (kn_a e^{G_a - G_r}) e^{G_r - G_lb} and kt_b = kn_b e^{G_lb - G_b}, the latter
-    made once when block b was walked. A diagonal block has pairs on both sides of any reference
-    row: through its middle row m the factors are e^{+-(G_i - G_m)}, one more product when
-    |G_ic - G_mc| <= DIAG_EXP_LIMIT for the block's rows and the step's channels (static for the
-    lower-bound gate, `_factored_diagonal_always_safe`; else checked per block and step), and
-    formed exactly in SUB elementwise steps (`_exact_diagonal_block`) otherwise."""
+    e^{G_i - G_j} across a whole chunk can exceed fp32 (a lower-bound gate of -5 spans up to
+    320), so the products factor through reference rows of the chunk's SUB-row blocks, with every
+    exponent bounded:
+    - j in block b, i in a later block: through l_b, the last row of block b,
+          e^{G_i - G_j} = e^{G_i - G_lb} e^{G_lb - G_j},   both exponents <= 0;
+      one [C, block_k] x [block_k, C] product per block b (the first factor masked to the rows
+      after block b, the second to block b's rows), all into one accumulator, where each entry
+      receives only its own block pair's term;
+    - i, j in one block: through the block's middle row m, e^{+-(G - G_m)} on the two sides, one
+      product for all blocks (its entries across blocks are not kept), when |G_ic - G_mc| <=
+      DIAG_EXP_LIMIT for the chunk's rows and the step's channels (always, for the lower-bound
+      gate: `_factored_diagonal_always_safe`), else exactly, column by column
+      (`_exact_diagonal_blocks`).
+    A factor that underflows drops only a term already below ~1e-38 of the unit diagonal.
+    Entries above the diagonal may be huge (e^80 x the rows' product): the final masks select
+    them away, nothing multiplies them."""
     s, h = pl.program_id(0), pl.program_id(1)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
@@ -444,110 +419,122 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
 
     @pl.when(n > 0)
     def _():
-        sub = lax.broadcasted_iota(jnp.int32, (SUB,), 0)
-        own = [(SUB * a + sub < n)[:, None] for a in range(nb)]          # rows of block a
-        tok = [pl.ds(t0 + SUB * a, SUB) for a in range(nb)]
-        load = lambda ref, mask: plgpu.load(ref, mask=mask, other=0).astype(F32)
+        live = (lax.broadcasted_iota(jnp.int32, (C,), 0) < n)[:, None]
+        tok = pl.ds(t0, C)
+        block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) // SUB      # each row's block
+        load = lambda ref: plgpu.load(ref, mask=live, other=0).astype(F32)
         dot = functools.partial(_dot, precise=spec.precise, interpret=interpret, trans_b=True)
         factored_always = _factored_diagonal_always_safe(spec)
         rel = lambda x, y: (x[0] - y[0]) + (x[1] - y[1])  # G_x - G_y from (hi, lo) pairs
 
-        def gate(a, cols):
-            """Block a's log decays in the channels cols, [SUB, block_k] (0 past the chunk)."""
-            g = load(g_ref.at[tok[a], h, cols], own[a])
+        def gate(cols):
+            """The chunk's log decays in the channels cols, [C, block_k] (0 past the chunk)."""
+            g = load(g_ref.at[tok, h, cols])
             if not spec.raw_gates:
                 return g
             dt = dt_ref[pl.ds(h * K + cols.start, cols.size)][None, :].astype(F32)
-            return jnp.where(own[a], _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec), 0.0)
+            return jnp.where(live, _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec), 0.0)
 
-        # Row factors first: the decayed rows are written inside the channel loop.
+        def per_block(rows):
+            """[C, block_k] (hi, lo) tiles whose rows hold their own block's entry of rows
+            (a list of (hi, lo) [1, block_k] pairs, one per block)."""
+            out = []
+            for part in range(2):
+                tile = rows[0][part]
+                for a in range(1, nb):
+                    tile = jnp.where(block == a, rows[a][part], tile)
+                out.append(tile)
+            return tuple(out)
+
         if spec.use_qk_l2norm:
             def squares(c, sums):
                 cols = pl.ds(c * block_k, block_k)
-                out = []
-                for a in range(nb):
-                    k, q = load(k_ref.at[tok[a], hk, cols], own[a]), load(q_ref.at[tok[a], hk, cols], own[a])
-                    out += [sums[2 * a] + jnp.sum(k * k, axis=1), sums[2 * a + 1] + jnp.sum(q * q, axis=1)]
-                return tuple(out)
+                k, q = load(k_ref.at[tok, hk, cols]), load(q_ref.at[tok, hk, cols])
+                return sums[0] + jnp.sum(k * k, axis=1), sums[1] + jnp.sum(q * q, axis=1)
 
-            sums = lax.fori_loop(0, K // block_k, squares,
-                                 tuple(jnp.zeros((SUB,), F32) for _ in range(2 * nb)))
-            rk = [lax.rsqrt(sums[2 * a] + L2NORM_EPS) for a in range(nb)]
-            rq = [lax.rsqrt(sums[2 * a + 1] + L2NORM_EPS) * jnp.float32(spec.scale)
-                  for a in range(nb)]
+            zero = jnp.zeros((C,), F32)
+            sk, sq = lax.fori_loop(0, K // block_k, squares, (zero, zero))
+            rk = lax.rsqrt(sk + L2NORM_EPS)
+            rq = lax.rsqrt(sq + L2NORM_EPS) * jnp.float32(spec.scale)
         else:
-            rk = [jnp.ones((SUB,), F32)] * nb
-            rq = [jnp.full((SUB,), spec.scale, F32)] * nb
+            rk, rq = jnp.ones((C,), F32), jnp.full((C,), spec.scale, F32)
 
-        pairs = [(a, b) for a in range(nb) for b in range(a + 1)]         # blocks on and below
+        i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
+        j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+        same_block = (i // SUB) == (j // SUB)
 
         def channels(c, acc):
-            kk, qk = list(acc[0]), list(acc[1])
+            kk, qk = acc
             cols = pl.ds(c * block_k, block_k)
-            put = lambda ref, a, x: plgpu.store(ref.at[tok[a], h, cols], x.astype(ref.dtype),
-                                                mask=own[a])
-            carry = (jnp.zeros((1, block_k), F32), jnp.zeros((1, block_k), F32))
-            kt, lasts = [], []
-            for a in range(nb):
-                hi, lo = split_gate(gate(a, cols))
-                G = (carry[0] + jnp.cumsum(hi, axis=0), carry[1] + jnp.cumsum(lo, axis=0))
-                kn = load(k_ref.at[tok[a], hk, cols], own[a]) * rk[a][:, None]
-                qn = load(q_ref.at[tok[a], hk, cols], own[a]) * rq[a][:, None]
-                first = (_nth_row(G[0], 0), _nth_row(G[1], 0))
-                left = jnp.exp(rel(G, first))                                 # <= 1
-                kl, ql = kn * left, qn * left
-                for b in range(a):
-                    bridge = jnp.exp(rel(first, lasts[b]))                   # [1, block_k], <= 1
-                    at = pairs.index((a, b))
-                    kk[at] = kk[at] + dot(kl * bridge, kt[b])
-                    qk[at] = qk[at] + dot(ql * bridge, kt[b])
-                mid = rel(G, (_nth_row(G[0], SUB // 2), _nth_row(G[1], SUB // 2)))
+            put = lambda ref, x: plgpu.store(ref.at[tok, h, cols], x.astype(ref.dtype), mask=live)
+            G = _split_cumsum(gate(cols))                                  # rows past n add 0
+            kn = load(k_ref.at[tok, hk, cols]) * rk[:, None]
+            qn = load(q_ref.at[tok, hk, cols]) * rq[:, None]
+            row = lambda r: (_nth_row(G[0], r), _nth_row(G[1], r))
+            lasts = [row(SUB * a + SUB - 1) for a in range(nb)]
+            kt = kn * jnp.exp(rel(per_block(lasts), G))                    # <= 1
+            for b in range(nb - 1):
+                # exp of a positive exponent above block b's end may be inf: selected away
+                after = jnp.where(block > b, jnp.exp(rel(G, lasts[b])), 0.0)  # <= 1
+                kb = jnp.where(block == b, kt, 0.0)
+                kk = kk + dot(kn * after, kb)
+                qk = qk + dot(qn * after, kb)
+            mid = rel(G, per_block([row(SUB * a + SUB // 2) for a in range(nb)]))
 
-                def factored(kn=kn, qn=qn, mid=mid):
-                    down = kn * jnp.exp(-mid)
-                    up = jnp.exp(mid)
-                    return dot(kn * up, down), dot(qn * up, down)
+            def factored():
+                up, down = jnp.exp(mid), kn * jnp.exp(-mid)
+                return dot(kn * up, down), dot(qn * up, down)
 
-                if factored_always:
-                    kk_d, qk_d = factored()
-                else:
-                    kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT, factored,
-                                          functools.partial(_exact_diagonal_block, kn, qn,
-                                                            G[0], G[1], SUB))
-                at = pairs.index((a, a))
-                # entries above the diagonal may be huge (e^80 x the rows' product): the final
-                # masks select them away, nothing multiplies them
-                kk[at] = kk[at] + kk_d
-                qk[at] = qk[at] + qk_d
-                last = (_nth_row(G[0], SUB - 1), _nth_row(G[1], SUB - 1))  # rows past n add 0
-                eG = jnp.exp(G[0] + G[1])
-                put(fq_ref, a, qn * eG)
-                put(ek_ref, a, kn * eG)
-                kt.append(kn * jnp.exp(rel(last, G)))                          # <= 1
-                lasts.append(last)
-                carry = last
-            # carry is now G_C, the whole chunk's (its rows past n hold gates of 0)
-            decay_ref[s, h, cols] = jnp.exp(carry[0] + carry[1])[0]
-            for a in range(nb):
-                put(fk_ref, a, kt[a] * jnp.exp(rel(carry, lasts[a])))
-            return tuple(kk), tuple(qk)
+            if factored_always:
+                kk_d, qk_d = factored()
+            else:
+                kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT, factored,
+                                      functools.partial(_exact_diagonal_blocks, kn, qn, G))
+            kk = jnp.where(same_block, kk + kk_d, kk)
+            qk = jnp.where(same_block, qk + qk_d, qk)
+            eG = jnp.exp(G[0] + G[1])
+            put(fq_ref, qn * eG)
+            put(ek_ref, kn * eG)
+            put(fk_ref, kn * jnp.exp(rel(lasts[-1], G)))
+            # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
+            decay_ref[s, h, cols] = jnp.exp(lasts[-1][0] + lasts[-1][1])[0]
+            return kk, qk
 
-        zero = tuple(jnp.zeros((SUB, SUB), F32) for _ in pairs)
+        zero = jnp.zeros((C, C), F32)
         kk, qk = lax.fori_loop(0, K // block_k, channels, (zero, zero))
-        i = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-        j = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-        for a in range(nb):
-            for b in range(nb):
-                cols = pl.ds(SUB * b, SUB)
-                if b < a:
-                    kk_ab, qk_ab = kk[pairs.index((a, b))], qk[pairs.index((a, b))]
-                elif b == a:
-                    kk_ab = jnp.where(j < i, kk[pairs.index((a, a))], 0.0)
-                    qk_ab = jnp.where(j <= i, qk[pairs.index((a, a))], 0.0)
-                else:
-                    kk_ab = qk_ab = jnp.zeros((SUB, SUB), F32)
-                plgpu.store(kk_ref.at[tok[a], h, cols], kk_ab, mask=own[a])
-                plgpu.store(aqk_ref.at[tok[a], h, cols], qk_ab, mask=own[a])
+        plgpu.store(kk_ref.at[tok, h, :], jnp.where(j < i, kk, 0.0), mask=live)
+        plgpu.store(aqk_ref.at[tok, h, :], jnp.where(j <= i, qk, 0.0), mask=live)
+
+
+def _exact_diagonal_blocks(kn, qn, G):
+    """The diagonal SUB x SUB blocks of k k^T and q k^T for a whole chunk, kn, qn, G (hi, lo)
+    [C, n], with every decay e^{G_ic - G_jc} (j <= i) formed exactly: step r forms column r of
+    every block at once. Entries outside the blocks are zero."""
+    C = kn.shape[0]
+    rows = lax.broadcasted_iota(jnp.int32, kn.shape, 0)
+    block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) // SUB
+    in_block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) % SUB
+    col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+
+    def column(r, mats):
+        kk, qk = mats
+
+        def pick(x):  # row r of every block, each row of the result holding its own block's
+            tile = jnp.zeros_like(x)
+            for a in range(C // SUB):
+                tile = jnp.where(block == a, jnp.sum(jnp.where(rows == SUB * a + r, x, 0.0),
+                                                     axis=0, keepdims=True), tile)
+            return tile
+
+        e = jnp.exp(jnp.where(in_block >= r, (G[0] - pick(G[0])) + (G[1] - pick(G[1])),
+                              -jnp.inf))
+        kc = pick(kn) * e
+        at = col == block * SUB + r
+        return (jnp.where(at, jnp.sum(kn * kc, axis=1, keepdims=True), kk),
+                jnp.where(at, jnp.sum(qn * kc, axis=1, keepdims=True), qk))
+
+    zero = jnp.zeros((C, C), F32)
+    return lax.fori_loop(0, SUB, column, (zero, zero))
 
 
 # --------------------------------------------------------------------------- kernel 2: state scan
