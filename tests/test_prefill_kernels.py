@@ -477,8 +477,8 @@ def test_kda_raw_gates_bf16_against_float64(mode, lower_bound):
 def _diag_spans(g, cu):
     """Largest |G_ic - G_mc| per (chunk, head) between a row and the middle row m of its
     16-row block (float64, gates clamped as the kernel does): the kernel forms all of a chunk's
-    diagonal blocks as products when this is <= DIAG_EXP_LIMIT; above, at least one of them
-    exactly (it decides per block and channel step)."""
+    diagonal blocks as products when this is <= DIAG_EXP_LIMIT; above, it forms them exactly
+    (it decides per chunk and channel step)."""
     g = np.maximum(np.asarray(g, np.float64), kern.GATE_FLOOR)
     cu = np.asarray(cu)
     spans = []
@@ -525,7 +525,7 @@ def test_kda_raw_gates_spanning_orders_of_magnitude(mode, lower_bound):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("exact_only", [False, True])
 def test_kda_factored_and_exact_diagonal_blocks(mode, exact_only, monkeypatch):
-    """One call whose diagonal blocks take both forms (mild gates; a stretch of gates
+    """One call whose chunks' diagonal blocks take both forms (mild gates; a stretch of gates
     spanning 1e-7..1e3 with resets), and the same call with the exact form forced everywhere."""
     lens, HK, HV, K = [200, 64], 1, 2, 16
     q, k, v, g, beta, h0, cu = _kda_inputs(26, lens, HK=HK, HV=HV, K=K)
