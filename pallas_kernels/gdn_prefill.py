@@ -282,9 +282,19 @@ def _invert_unit_lower(A, precise, interpret):
 
 
 def _nth_row(b, a):
-    """Row a (static) of b [n, K], as [1, K]."""
+    """Row a (static or traced) of b [n, K], as [1, K]."""
     rows = lax.broadcasted_iota(jnp.int32, b.shape, 0)
     return jnp.sum(jnp.where(rows == a, b, 0.0), axis=0, keepdims=True)
+
+
+def _spread_block_rows(rows):
+    """[C, n] tile whose rows hold their own SUB-row block's entry of rows (one [1, n] row per
+    block, in block order)."""
+    block = lax.broadcasted_iota(jnp.int32, (CHUNK, 1), 0) // SUB
+    tile = rows[0]
+    for a in range(1, len(rows)):
+        tile = jnp.where(block == a, rows[a], tile)
+    return tile
 
 
 def _factored_diagonal_always_safe(spec: PrefillSpec) -> bool:
@@ -436,15 +446,8 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             return jnp.where(live, _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec), 0.0)
 
         def per_block(rows):
-            """[C, block_k] (hi, lo) tiles whose rows hold their own block's entry of rows
-            (a list of (hi, lo) [1, block_k] pairs, one per block)."""
-            out = []
-            for part in range(2):
-                tile = rows[0][part]
-                for a in range(1, nb):
-                    tile = jnp.where(block == a, rows[a][part], tile)
-                out.append(tile)
-            return tuple(out)
+            """`_spread_block_rows` of (hi, lo) pairs, one per block."""
+            return tuple(_spread_block_rows([r[part] for r in rows]) for part in range(2))
 
         if spec.use_qk_l2norm:
             def squares(c, sums):
@@ -511,7 +514,6 @@ def _exact_diagonal_blocks(kn, qn, G):
     [C, n], with every decay e^{G_ic - G_jc} (j <= i) formed exactly: step r forms column r of
     every block at once. Entries outside the blocks are zero."""
     C = kn.shape[0]
-    rows = lax.broadcasted_iota(jnp.int32, kn.shape, 0)
     block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) // SUB
     in_block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) % SUB
     col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
@@ -520,11 +522,7 @@ def _exact_diagonal_blocks(kn, qn, G):
         kk, qk = mats
 
         def pick(x):  # row r of every block, each row of the result holding its own block's
-            tile = jnp.zeros_like(x)
-            for a in range(C // SUB):
-                tile = jnp.where(block == a, jnp.sum(jnp.where(rows == SUB * a + r, x, 0.0),
-                                                     axis=0, keepdims=True), tile)
-            return tile
+            return _spread_block_rows([_nth_row(x, SUB * a + r) for a in range(C // SUB)])
 
         e = jnp.exp(jnp.where(in_block >= r, (G[0] - pick(G[0])) + (G[1] - pick(G[1])),
                               -jnp.inf))
