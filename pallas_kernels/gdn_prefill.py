@@ -10,22 +10,26 @@ shorter). With G_i the cumulative log decay from the chunk start, beta_i the wri
 keys already L2-normalised, the chunk's deltas solve a unit lower-triangular system (the WY / UT
 form of the delta rule):
 
-    (I + A) U = beta * V - W' S0,   A_ij = beta_i (k_i . k_j) e^{G_i - G_j}  (j < i)
-    T = (I + A)^-1,   W = T (beta e^G k),   U = T (beta v)      -> deltas  U - W S0
-    O = (q e^G) S0 + (q k^T  o  e^{G_i - G_j}, j <= i) (U - W S0)
-    S_C = e^{G_C} S0 + (k e^{G_C - G})^T (U - W S0)
+    A_ij = beta_i (k_i . k_j) e^{G_i - G_j}  (j < i),   T = (I + A)^-1
+    deltas  D = (T beta) (v - (e^G k) S0)          (= U - W S0 with W = T beta e^G k, U = T beta v)
+    O = (q e^G) S0 + (q k^T  o  e^{G_i - G_j}, j <= i) D
+    S_C = e^{G_C} S0 + (k e^{G_C - G})^T D
 
 1. `_prep_kernel` (one program per chunk and value head, all in parallel) does everything that
    does not depend on the state: gates from raw projections, in-chunk cumulative decay, the
    q/k L2 norms (kept as row factors: q and k are never rewritten), A and its inverse; it writes
-   W and U, the masked intra-chunk attention matrix, the two row factors (q: norm * scale * e^G;
-   k: norm * e^{G_C - G}) and the chunk's total decay e^{G_C}.
+   T beta, the masked intra-chunk attention matrix, three row factors (q: norm * scale * e^G;
+   k: norm * e^{G_C - G} and norm * e^G) and the chunk's total decay e^{G_C}.
 2. `_scan_kernel` (one program per sequence, value head and block of value columns) walks the
-   chunks of its sequence in order with the [K, block_v] state slab in registers: four matrix
-   products per chunk on the tensor cores (the raw q and k rows, the row factors applied to the
-   products), the outputs written as it goes, optionally the state after every chunk, and
-   finally the final state (or the pool slot it came from, in place). The programs launch
-   sequences longest first, so in a packed batch of mixed lengths the longest walks start first.
+   chunks of its sequence in order with the [K, block_v] state slab in registers: five matrix
+   products per chunk on the tensor cores (k S, the deltas, q S, the intra-chunk matrix times
+   the deltas, k^T D; the raw q and k rows, the row factors applied to the products), the
+   outputs written as it goes, optionally the state after every chunk, and finally the final
+   state (or the pool slot it came from, in place). The programs launch sequences longest
+   first, so in a packed batch of mixed lengths the longest walks start first.
+   The deltas are formed here rather than as W and U in the prep: T beta [C, C] is half of U's
+   [C, V] fp32 bytes, W is not stored at all (the scan reads k anyway) and the prep does no
+   [C, C] x [C, K] products (BENCHMARKS.md, GDN prefill).
 
 KDA (`per_channel_gate`): the decay is per key channel, e^{G_ic - G_jc}, so A and the intra-chunk
 attention matrix cannot be row-scaled products, and the per-channel work runs first in a kernel
@@ -35,10 +39,9 @@ products factor through reference rows of 16-row blocks (SUB): the terms below t
 blocks are one tensor-core product per block b, of rows decayed towards the last row of block b
 (no exponent above 0); the diagonal blocks are one more product through their middle rows when
 the gates allow it (exponents within +-DIAG_EXP_LIMIT), else formed exactly, column by column. The
-same program writes the decayed q e^G and k e^{G_C - G} (the scan takes them instead of row
-factors), e^G k (for W), the masked k k^T and q k^T (k k^T without beta) and the chunk's total
-decay per channel. The prep then only loads k k^T, forms A, T, U and W = (T beta) (e^G k); the
-scan is shared.
+same program writes the decayed q e^G and k e^{G_C - G} and e^G k (the scan takes them instead
+of row factors), the masked k k^T and q k^T (k k^T without beta) and the chunk's total decay per
+channel. The prep then only loads k k^T and forms A and T beta; the scan is shared.
 
 Numerics. Gates are clamped at GATE_FLOOR (e^-88 is below fp32's smallest normal number, so a
 clamped decay is still a full reset) so every cumulative sum is finite and a -inf gate cannot
@@ -47,18 +50,18 @@ of 1/16 and lo = g - hi: the hi sums are exact in fp32 (|sum| <= 64 * 88 * 16 < 
 pairwise differences G_i - G_j lose no precision however negative the gates before j were.
 
 Dots: fp32 inputs use three-pass TF32 (fp32 accuracy on tensor cores). With bf16 inputs every
-product with a bf16 row operand (raw q and k, v, and the W the prep stores) takes that operand
-as it is and splits the fp32 side (state, deltas, the inverse's rows) into two bf16 halves
-(`_dot_bf16x2`: ~16 significand bits, twice the tensor-core rate of TF32, half the registers);
-products between fp32 matrices (the block inverse, KDA's products of decayed rows, the
+product with a bf16 row operand (raw q and k, KDA's stored decayed q and e^G k rows) takes that
+operand as it is and splits the fp32 side (state, deltas) into two bf16 halves (`_dot_bf16x2`:
+~16 significand bits, twice the tensor-core rate of TF32, half the registers); products between
+fp32 matrices (the block inverse, KDA's products of decayed rows, T beta times v - (e^G k) S, the
 intra-chunk matrix times the deltas) are one-pass TF32. fp16 inputs take one-pass TF32
-throughout (fp16 halves cannot hold a state's range). Between the kernels W and KDA's decayed q
-rows and e^G k are stored in the input dtype; KDA's decayed k rows, which build the state, in
-fp32; U, the intra-chunk matrix and KDA's k k^T in fp32 too: when a chunk repeats keys with beta
-near 1 and gates near 0, (I + A) is near singular, U's rows are large and cancel against W S,
-and the output sums large intra-chunk terms that cancel, so 16-bit copies of U and of that
-matrix cost the state and the output several times bf16's rounding
-(tests/test_prefill_kernels.py, repeated keys).
+throughout (fp16 halves cannot hold a state's range). Between the kernels KDA's decayed q rows
+and e^G k are stored in the input dtype; KDA's decayed k rows, which build the state, in fp32;
+T beta, the intra-chunk matrix and KDA's k k^T in fp32 too: when a chunk repeats keys with beta
+near 1 and gates near 0, (I + A) is near singular, T's entries are large and the deltas cancel,
+and the output sums large intra-chunk terms that cancel, so 16-bit copies of these matrices
+cost the state and the output several times bf16's rounding (tests/test_prefill_kernels.py,
+repeated keys).
 """
 
 from __future__ import annotations
@@ -315,14 +318,12 @@ def _raw_log_decay(x, A_log, dt, spec: PrefillSpec):
 
 # --------------------------------------------------------------------------- kernel 1: chunk prep
 
-def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log_ref, dt_ref,
-                 kk_ref, ek_ref, w_ref, u_ref, aqk_ref, fq_ref, fk_ref, decay_ref, *,
-                 spec: PrefillSpec, interpret: bool):
+def _prep_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, beta_ref, A_log_ref, dt_ref, kk_ref,
+                 tb_ref, aqk_ref, fq_ref, fk_ref, fw_ref, decay_ref, *, spec: PrefillSpec,
+                 interpret: bool):
     s, h = pl.program_id(0), pl.program_id(1)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
-    # bf16 k and v rows enter the W and U products as they are (`_dot_bf16x2`).
-    bf16_rows = _bf16_rows(q_ref, k_ref, v_ref)
     C = CHUNK
 
     @pl.when(n > 0)
@@ -333,7 +334,6 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
         load = lambda ref, mask: plgpu.load(ref, mask=mask, other=0).astype(F32)
         store = lambda ref, x, mask: plgpu.store(ref, x.astype(ref.dtype), mask=mask)
         dot = functools.partial(_dot, precise=spec.precise, interpret=interpret)
-        row_dot = _dot_bf16x2 if bf16_rows else dot
         i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
         j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
 
@@ -350,22 +350,16 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             beta = jnp.where(rows, jax.nn.sigmoid(beta), 0.0)
 
         if spec.per_channel_gate:
-            # `_kda_intra_kernel` formed k k^T with the per-channel decays (masked to j < i)
-            # and the rows e^G k; what is left is the solve and W = (T beta) (e^G k).
+            # `_kda_intra_kernel` formed k k^T with the per-channel decays (masked to j < i);
+            # what is left is the solve.
             kk = load(kk_ref.at[tok, h, :], rows2)
             T = _invert_unit_lower(beta[:, None] * kk, spec.precise, interpret)
-            ek = plgpu.load(ek_ref.at[tok, h, :], mask=rows2, other=0)
-            if _bf16_rows(ek_ref):
-                w = _dot_bf16x2(T * beta[None, :], ek)
-            else:
-                w = dot(T * beta[None, :], ek.astype(F32))
-            store(w_ref.at[tok, h, :], w, rows2)
         else:
             # GDN: q and k stay raw; their L2 norms and the decays are per-row factors applied
             # to the products (for 16-bit inputs the raw rows are exact tensor-core operands).
             k_in = plgpu.load(k_ref.at[tok, hk, :], mask=rows2, other=0)
             q_in = plgpu.load(q_ref.at[tok, hk, :], mask=rows2, other=0)
-            k, q = k_in.astype(F32), q_in.astype(F32)
+            k, q = k_in.astype(F32), q_in.astype(F32)  # for the norms
             if spec.use_qk_l2norm:
                 rk = lax.rsqrt(jnp.sum(k * k, axis=1) + L2NORM_EPS)
                 rq = lax.rsqrt(jnp.sum(q * q, axis=1) + L2NORM_EPS) * jnp.float32(spec.scale)
@@ -381,16 +375,13 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             decay_ref[s, h] = jnp.exp(jnp.max(last_hi + last_lo))
             store(fq_ref.at[tok, h], rq * eG, rows)
             store(fk_ref.at[tok, h], rk * jnp.exp((last_hi - G_hi) + (last_lo - G_lo)), rows)
+            store(fw_ref.at[tok, h], rk * eG, rows)
             qk = dot(q_in, k_in, trans_b=True) * (rq[:, None] * rk[None, :])
             store(aqk_ref.at[tok, h, :], qk * decay, rows2)
             kk = dot(k_in, k_in, trans_b=True) * (rk[:, None] * rk[None, :])
             A = jnp.where(i > j, beta[:, None] * kk * decay, 0.0)
             T = _invert_unit_lower(A, spec.precise, interpret)
-            store(w_ref.at[tok, h, :],
-                  row_dot(T * (beta * eG * rk)[None, :], k_in if bf16_rows else k), rows2)
-        v = plgpu.load(v_ref.at[tok, h, :], mask=rows2, other=0)
-        store(u_ref.at[tok, h, :], row_dot(T * beta[None, :], v if bf16_rows else v.astype(F32)),
-              rows2)
+        store(tb_ref.at[tok, h, :], T * beta[None, :], rows2)
 
 
 # ---------------------------------------------------------------- KDA: intra-chunk products
@@ -402,7 +393,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
 
     Writes kk_ij = sum_c kn_ic kn_jc e^{G_ic - G_jc} (j < i, zero elsewhere, without beta) and
     aqk_ij = sum_c qn_ic kn_jc e^{G_ic - G_jc} (j <= i, zero above), the decayed rows the scan and
-    W take (qn e^G, kn e^{G_C - G}, e^G kn) and the chunk's total decay e^{G_C} per channel (kn,
+    deltas take (qn e^G, kn e^{G_C - G}, e^G kn) and the chunk's total decay e^{G_C} per channel (kn,
     qn: the L2-normalised rows, qn also scaled).
 
     e^{G_i - G_j} across a whole chunk can exceed fp32 (a lower-bound gate of -5 spans up to
@@ -537,9 +528,9 @@ def _exact_diagonal_blocks(kn, qn, G):
 
 # --------------------------------------------------------------------------- kernel 2: state scan
 
-def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, w_ref, u_ref, aqk_ref,
-                 fq_ref, fk_ref, decay_ref, h0_ref, o_ref, hT_ref, hb_ref, *, spec: PrefillSpec,
-                 block_v: int, interpret: bool):
+def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, v_ref, tb_ref, aqk_ref,
+                 fq_ref, fk_ref, fw_ref, decay_ref, h0_ref, o_ref, hT_ref, hb_ref, *,
+                 spec: PrefillSpec, block_v: int, interpret: bool):
     # One program per (sequence, value head, column block), launched column blocks fastest, then
     # heads, then sequences longest first (`order_ref`): the GPU starts programs in launch order,
     # so a packed batch's longest walks start in the first wave rather than wait for a late one
@@ -566,9 +557,9 @@ def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, w_ref, u
     else:
         S = jnp.zeros((K, block_v), F32)
 
-    # bf16 rows (W, raw q and k) enter the products as they are, against the fp32 state and
-    # deltas split in two bf16 halves.
-    bf16_rows = _bf16_rows(w_ref, q_ref, k_ref)
+    # bf16 rows (raw q and k; KDA's decayed q and e^G k, stored in the input dtype) enter the
+    # products as they are, against the fp32 state and deltas split in two bf16 halves.
+    bf16_rows = _bf16_rows(q_ref, k_ref)
     row_dot = _dot_bf16x2 if bf16_rows else dot
 
     def chunk(c, S):
@@ -578,16 +569,18 @@ def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, w_ref, u
         tok = pl.ds(t0, C)
         load32 = lambda ref, mask: plgpu.load(ref, mask=mask, other=0).astype(F32)
         load = (lambda ref, mask: plgpu.load(ref, mask=mask, other=0)) if bf16_rows else load32
-        w = load(w_ref.at[tok, h, :], rows2)
-        u, aqk = load32(u_ref.at[tok, h, cols], rows2), load32(aqk_ref.at[tok, h, :], rows2)
-        delta = u - row_dot(w, S)
+        tb, aqk = load32(tb_ref.at[tok, h, :], rows2), load32(aqk_ref.at[tok, h, :], rows2)
+        v = load32(v_ref.at[tok, h, cols], rows2)
+        # deltas U - W S = (T beta) (v - (e^G k) S)
         if spec.per_channel_gate:  # decayed, normalised q and k rows come from the prep
             q, k = load(fq_ref.at[tok, h, :], rows2), load32(fk_ref.at[tok, h, :], rows2)
+            delta = dot(tb, v - row_dot(load(fw_ref.at[tok, h, :], rows2), S))
             o = row_dot(q, S) + dot(aqk, delta)
             S = S * decay_ref[first + c, h, :][:, None] + dot(k, delta, trans_a=True)
         else:  # raw q and k rows with per-row factors
             q, k = load(q_ref.at[tok, hk, :], rows2), load(k_ref.at[tok, hk, :], rows2)
             fq, fk = load32(fq_ref.at[tok, h], rows), load32(fk_ref.at[tok, h], rows)
+            delta = dot(tb, v - row_dot(k, S) * load32(fw_ref.at[tok, h], rows)[:, None])
             o = row_dot(q, S) * fq[:, None] + dot(aqk, delta)
             S = S * decay_ref[first + c, h] + row_dot(k, delta * fk[:, None], trans_a=True)
         if spec.pooled:
@@ -614,10 +607,10 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
     # KDA's decayed q rows only feed the output, so for bf16 inputs they are stored in bf16
     # (exact tensor-core operands, half the scan's reads of them; the output is rounded to bf16
     # anyway). The decayed k rows build the state and stay fp32: in bf16 they cost the final
-    # state ~5x its error against float64 (BENCHMARKS.md, KDA prefill). e^G k (for W) is stored
-    # in the input dtype: bf16 e^G k times the split T beta rounds about as much as a one-pass
-    # TF32 product of fp32 rows would (the state's error against float64 is the same on the
-    # H200, BENCHMARKS.md).
+    # state ~5x its error against float64 (BENCHMARKS.md, KDA prefill). e^G k (which meets the
+    # state in the scan's deltas) is stored in the input dtype: bf16 e^G k times the split state
+    # rounds about as much as a one-pass TF32 product of fp32 rows would (the state's error
+    # against float64 is the same on the H200, BENCHMARKS.md).
     q_rows_dtype = rows_dtype if rows_dtype == jnp.bfloat16 else F32
     rows = (T_total, HV, K)
     return pl.pallas_call(
@@ -638,36 +631,37 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
 
 
 def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, interpret):
-    T_total, HV, V, K = q.shape[0], v.shape[1], v.shape[2], q.shape[2]
-    # W goes through memory in the input dtype; U and the intra-chunk matrix in fp32 (see the
-    # module docstring: with 16-bit copies a near-singular chunk loses the output's digits).
-    mid = v.dtype
+    """Everything the scan needs that does not depend on the state: (T beta, aqk, fq, fk, fw,
+    decay), see `_scan_kernel`."""
+    T_total, HV = q.shape[0], v.shape[1]
     if spec.per_channel_gate:
-        kk, aqk, fq, fk, ek, decay = _kda_intra(q, k, g, start, length, A_log, dt_bias,
-                                                rows_dtype=mid, spec=spec, block=block,
+        kk, aqk, fq, fk, fw, decay = _kda_intra(q, k, g, start, length, A_log, dt_bias,
+                                                rows_dtype=v.dtype, spec=spec, block=block,
                                                 interpret=interpret)
     else:
-        kk = ek = jnp.zeros((1, 1, 1), F32)  # unused placeholders
+        kk = jnp.zeros((1, 1, 1), F32)  # unused placeholder
     # GDN's prep writes the row factors, the intra-chunk matrix and the chunk decays itself;
     # for KDA the intra kernel wrote them and these outputs are (1, 1, 1) placeholders.
-    gdn_only = lambda shape, dtype: jax.ShapeDtypeStruct(
-        (1, 1, 1) if spec.per_channel_gate else shape, dtype)
-    w, u, *gdn_outputs = pl.pallas_call(
+    gdn_only = lambda shape: jax.ShapeDtypeStruct((1, 1, 1) if spec.per_channel_gate else shape,
+                                                  F32)
+    # T beta and the intra-chunk matrix go through memory in fp32 (see the module docstring:
+    # with 16-bit copies a near-singular chunk loses the output's digits).
+    tb, *gdn_outputs = pl.pallas_call(
         functools.partial(_prep_kernel, spec=spec, interpret=interpret),
-        out_shape=(jax.ShapeDtypeStruct((T_total, HV, K), mid),      # W
-                   jax.ShapeDtypeStruct((T_total, HV, V), F32),      # U
-                   gdn_only((T_total, HV, CHUNK), F32),              # q k^T e^{G_i - G_j}, j <= i
-                   gdn_only((T_total, HV), F32),                     # q: norm * scale * e^G
-                   gdn_only((T_total, HV), F32),                     # k: norm * e^{G_C - G}
-                   gdn_only((start.shape[0], HV), F32)),             # e^{G_C}
+        out_shape=(jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),  # T beta = (I + A)^-1 beta
+                   gdn_only((T_total, HV, CHUNK)),                   # q k^T e^{G_i - G_j}, j <= i
+                   gdn_only((T_total, HV)),                          # q: norm * scale * e^G
+                   gdn_only((T_total, HV)),                          # k: norm * e^{G_C - G}
+                   gdn_only((T_total, HV)),                          # k: norm * e^G
+                   gdn_only((start.shape[0], HV))),                  # e^{G_C}
         grid=(start.shape[0], HV),
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
         interpret=interpret,
         name="gdn_prefill_prep",
-    )(start, length, q, k, v, g, beta, A_log, dt_bias, kk, ek)
+    )(start, length, q, k, g, beta, A_log, dt_bias, kk)
     if not spec.per_channel_gate:
-        aqk, fq, fk, decay = gdn_outputs
-    return w, u, aqk, fq, fk, decay
+        aqk, fq, fk, fw, decay = gdn_outputs
+    return tb, aqk, fq, fk, fw, decay
 
 
 def _longest_first(cu):
@@ -710,11 +704,10 @@ def tame_rows(x, *, interpret: bool = False):
     return out.reshape(x.shape)
 
 
-def _scan(cu, first, slots, q, k, w, u, aqk, fq, fk, decay, h0, *, spec, block, state_dtype,
-          num_boundary, interpret):
-    v_dtype = q.dtype
-    T_total, HV, V = u.shape
-    K = w.shape[2]
+def _scan(cu, first, slots, q, k, v, tb, aqk, fq, fk, fw, decay, h0, *, spec, block,
+          state_dtype, num_boundary, interpret):
+    T_total, HV, V = v.shape
+    K = q.shape[2]
     N = cu.shape[0] - 1
     final_shape = (h0.shape if spec.pooled else (N, HV, K, V) if spec.output_final_state
                    else (1, 1, 1, 1))
@@ -722,16 +715,16 @@ def _scan(cu, first, slots, q, k, w, u, aqk, fq, fk, decay, h0, *, spec, block, 
     bshape = (num_boundary, HV, K, V) if spec.boundary_states else (1, 1, 1, 1)
     return pl.pallas_call(
         functools.partial(_scan_kernel, spec=spec, block_v=block.block_v, interpret=interpret),
-        out_shape=(jax.ShapeDtypeStruct((T_total, HV, V), v_dtype),
+        out_shape=(jax.ShapeDtypeStruct((T_total, HV, V), v.dtype),
                    jax.ShapeDtypeStruct(final_shape, final_dtype),
                    jax.ShapeDtypeStruct(bshape, F32)),  # fp32: a prefix continues from it
         grid=(N * HV * (V // block.block_v),),
-        input_output_aliases={12: 1} if spec.pooled else {},
+        input_output_aliases={13: 1} if spec.pooled else {},
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_scan,
                                              num_stages=block.num_stages_scan),
         interpret=interpret,
         name="gdn_prefill_scan",
-    )(cu, _longest_first(cu), first, slots, q, k, w, u, aqk, fq, fk, decay, h0)
+    )(cu, _longest_first(cu), first, slots, q, k, v, tb, aqk, fq, fk, fw, decay, h0)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "block", "state_dtype", "interpret"),
@@ -765,7 +758,7 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
     else:
         h0 = jnp.zeros((1, 1, 1, 1), F32)  # unused placeholder
     slots = jnp.zeros((N,), jnp.int32) if slots is None else slots.astype(jnp.int32)
-    o, final, boundary = _scan(cu, first, slots, q, k, *mids, h0, spec=spec,
+    o, final, boundary = _scan(cu, first, slots, q, k, v, *mids, h0, spec=spec,
                                block=block, state_dtype=state_dtype,
                                num_boundary=start.shape[0], interpret=interpret)
     final = final if (spec.pooled or spec.output_final_state) else None
