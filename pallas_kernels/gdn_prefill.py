@@ -27,9 +27,9 @@ form of the delta rule):
    outputs written as it goes, optionally the state after every chunk, and finally the final
    state (or the pool slot it came from, in place). The programs launch sequences longest
    first, so in a packed batch of mixed lengths the longest walks start first.
-   The deltas are formed here rather than as W and U in the prep: T beta [C, C] is half of U's
-   [C, V] fp32 bytes, W is not stored at all (the scan reads k anyway) and the prep does no
-   [C, C] x [C, K] products (BENCHMARKS.md, GDN prefill).
+   The deltas are formed here rather than from W and U stored by the prep: T beta [C, C] is
+   half of U's [C, V] fp32 bytes, W is not stored at all (the scan reads k anyway) and the prep
+   does no [C, C] x [C, K] products (BENCHMARKS.md, GDN prefill).
 
 KDA (`per_channel_gate`): the decay is per key channel, e^{G_ic - G_jc}, so A and the intra-chunk
 attention matrix cannot be row-scaled products, and the per-channel work runs first in a kernel
@@ -39,9 +39,12 @@ products factor through reference rows of 16-row blocks (SUB): the terms below t
 blocks are one tensor-core product per block b, of rows decayed towards the last row of block b
 (no exponent above 0); the diagonal blocks are one more product through their middle rows when
 the gates allow it (exponents within +-DIAG_EXP_LIMIT), else formed exactly, column by column. The
-same program writes the decayed q e^G and k e^{G_C - G} and e^G k (the scan takes them instead
-of row factors), the masked k k^T and q k^T (k k^T without beta) and the chunk's total decay per
-channel. The prep then only loads k k^T and forms A and T beta; the scan is shared.
+same program writes the decayed q e^G and k e^{G_C - G} (the scan takes them instead of row
+factors), e^G k (for W), the masked k k^T and q k^T (k k^T without beta) and the chunk's total
+decay per channel. The prep then loads k k^T, forms A and T beta and stores W = (T beta) (e^G k)
+and U = (T beta) v, and the scan takes the deltas as U - W S: with T beta in the scan instead,
+KDA's scan would load the e^G k rows besides its decayed q and k rows, and lost more time than
+its prep saved (BENCHMARKS.md).
 
 Numerics. Gates are clamped at GATE_FLOOR (e^-88 is below fp32's smallest normal number, so a
 clamped decay is still a full reset) so every cumulative sum is finite and a -inf gate cannot
@@ -50,18 +53,18 @@ of 1/16 and lo = g - hi: the hi sums are exact in fp32 (|sum| <= 64 * 88 * 16 < 
 pairwise differences G_i - G_j lose no precision however negative the gates before j were.
 
 Dots: fp32 inputs use three-pass TF32 (fp32 accuracy on tensor cores). With bf16 inputs every
-product with a bf16 row operand (raw q and k, KDA's stored decayed q and e^G k rows) takes that
-operand as it is and splits the fp32 side (state, deltas) into two bf16 halves (`_dot_bf16x2`:
-~16 significand bits, twice the tensor-core rate of TF32, half the registers); products between
-fp32 matrices (the block inverse, KDA's products of decayed rows, T beta times v - (e^G k) S, the
-intra-chunk matrix times the deltas) are one-pass TF32. fp16 inputs take one-pass TF32
-throughout (fp16 halves cannot hold a state's range). Between the kernels KDA's decayed q rows
-and e^G k are stored in the input dtype; KDA's decayed k rows, which build the state, in fp32;
-T beta, the intra-chunk matrix and KDA's k k^T in fp32 too: when a chunk repeats keys with beta
-near 1 and gates near 0, (I + A) is near singular, T's entries are large and the deltas cancel,
-and the output sums large intra-chunk terms that cancel, so 16-bit copies of these matrices
-cost the state and the output several times bf16's rounding (tests/test_prefill_kernels.py,
-repeated keys).
+product with a bf16 row operand (raw q and k, v; KDA's stored decayed q, e^G k and W) takes
+that operand as it is and splits the fp32 side (state, deltas, KDA's T beta) into two bf16
+halves (`_dot_bf16x2`: ~16 significand bits, twice the tensor-core rate of TF32, half the
+registers); products between fp32 matrices (the block inverse, KDA's products of decayed rows,
+GDN's T beta times v - (e^G k) S, the intra-chunk matrix times the deltas) are one-pass TF32.
+fp16 inputs take one-pass TF32 throughout (fp16 halves cannot hold a state's range). Between the
+kernels KDA's W, decayed q rows and e^G k are stored in the input dtype; KDA's decayed k rows,
+which build the state, in fp32; T beta, U, the intra-chunk matrix and KDA's k k^T in fp32 too:
+when a chunk repeats keys with beta near 1 and gates near 0, (I + A) is near singular, T's
+entries and U's rows are large and the deltas cancel, and the output sums large intra-chunk
+terms that cancel, so 16-bit copies of these matrices cost the state and the output several
+times bf16's rounding (tests/test_prefill_kernels.py, repeated keys).
 """
 
 from __future__ import annotations
@@ -318,9 +321,9 @@ def _raw_log_decay(x, A_log, dt, spec: PrefillSpec):
 
 # --------------------------------------------------------------------------- kernel 1: chunk prep
 
-def _prep_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, beta_ref, A_log_ref, dt_ref, kk_ref,
-                 tb_ref, aqk_ref, fq_ref, fk_ref, fw_ref, decay_ref, *, spec: PrefillSpec,
-                 interpret: bool):
+def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log_ref, dt_ref,
+                 kk_ref, ek_ref, tb_ref, w_ref, u_ref, aqk_ref, fq_ref, fk_ref, fw_ref, decay_ref,
+                 *, spec: PrefillSpec, interpret: bool):
     s, h = pl.program_id(0), pl.program_id(1)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
@@ -350,10 +353,19 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, beta_ref, A_log_ref, d
             beta = jnp.where(rows, jax.nn.sigmoid(beta), 0.0)
 
         if spec.per_channel_gate:
-            # `_kda_intra_kernel` formed k k^T with the per-channel decays (masked to j < i);
-            # what is left is the solve.
+            # `_kda_intra_kernel` formed k k^T with the per-channel decays (masked to j < i)
+            # and the rows e^G k; what is left is the solve, W = (T beta) (e^G k) and
+            # U = (T beta) v.
             kk = load(kk_ref.at[tok, h, :], rows2)
-            T = _invert_unit_lower(beta[:, None] * kk, spec.precise, interpret)
+            Tb = _invert_unit_lower(beta[:, None] * kk, spec.precise, interpret) * beta[None, :]
+            ek = plgpu.load(ek_ref.at[tok, h, :], mask=rows2, other=0)
+            v = plgpu.load(v_ref.at[tok, h, :], mask=rows2, other=0)
+            if _bf16_rows(ek_ref, v_ref):  # bf16 rows enter the products as they are
+                w, u = _dot_bf16x2(Tb, ek), _dot_bf16x2(Tb, v)
+            else:
+                w, u = dot(Tb, ek.astype(F32)), dot(Tb, v.astype(F32))
+            store(w_ref.at[tok, h, :], w, rows2)
+            store(u_ref.at[tok, h, :], u, rows2)
         else:
             # GDN: q and k stay raw; their L2 norms and the decays are per-row factors applied
             # to the products (for 16-bit inputs the raw rows are exact tensor-core operands).
@@ -381,7 +393,7 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, beta_ref, A_log_ref, d
             kk = dot(k_in, k_in, trans_b=True) * (rk[:, None] * rk[None, :])
             A = jnp.where(i > j, beta[:, None] * kk * decay, 0.0)
             T = _invert_unit_lower(A, spec.precise, interpret)
-        store(tb_ref.at[tok, h, :], T * beta[None, :], rows2)
+            store(tb_ref.at[tok, h, :], T * beta[None, :], rows2)
 
 
 # ---------------------------------------------------------------- KDA: intra-chunk products
@@ -528,9 +540,9 @@ def _exact_diagonal_blocks(kn, qn, G):
 
 # --------------------------------------------------------------------------- kernel 2: state scan
 
-def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, v_ref, tb_ref, aqk_ref,
-                 fq_ref, fk_ref, fw_ref, decay_ref, h0_ref, o_ref, hT_ref, hb_ref, *,
-                 spec: PrefillSpec, block_v: int, interpret: bool):
+def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, v_ref, tb_ref, w_ref,
+                 u_ref, aqk_ref, fq_ref, fk_ref, fw_ref, decay_ref, h0_ref, o_ref, hT_ref, hb_ref,
+                 *, spec: PrefillSpec, block_v: int, interpret: bool):
     # One program per (sequence, value head, column block), launched column blocks fastest, then
     # heads, then sequences longest first (`order_ref`): the GPU starts programs in launch order,
     # so a packed batch's longest walks start in the first wave rather than wait for a late one
@@ -557,9 +569,9 @@ def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, v_ref, t
     else:
         S = jnp.zeros((K, block_v), F32)
 
-    # bf16 rows (raw q and k; KDA's decayed q and e^G k, stored in the input dtype) enter the
+    # bf16 rows (raw q and k; KDA's W and decayed q, stored in the input dtype) enter the
     # products as they are, against the fp32 state and deltas split in two bf16 halves.
-    bf16_rows = _bf16_rows(q_ref, k_ref)
+    bf16_rows = _bf16_rows(q_ref, k_ref, v_ref)
     row_dot = _dot_bf16x2 if bf16_rows else dot
 
     def chunk(c, S):
@@ -569,18 +581,20 @@ def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, v_ref, t
         tok = pl.ds(t0, C)
         load32 = lambda ref, mask: plgpu.load(ref, mask=mask, other=0).astype(F32)
         load = (lambda ref, mask: plgpu.load(ref, mask=mask, other=0)) if bf16_rows else load32
-        tb, aqk = load32(tb_ref.at[tok, h, :], rows2), load32(aqk_ref.at[tok, h, :], rows2)
-        v = load32(v_ref.at[tok, h, cols], rows2)
-        # deltas U - W S = (T beta) (v - (e^G k) S)
+        aqk = load32(aqk_ref.at[tok, h, :], rows2)
         if spec.per_channel_gate:  # decayed, normalised q and k rows come from the prep
             q, k = load(fq_ref.at[tok, h, :], rows2), load32(fk_ref.at[tok, h, :], rows2)
-            delta = dot(tb, v - row_dot(load(fw_ref.at[tok, h, :], rows2), S))
+            delta = load32(u_ref.at[tok, h, cols], rows2) - row_dot(load(w_ref.at[tok, h, :],
+                                                                         rows2), S)
             o = row_dot(q, S) + dot(aqk, delta)
             S = S * decay_ref[first + c, h, :][:, None] + dot(k, delta, trans_a=True)
         else:  # raw q and k rows with per-row factors
             q, k = load(q_ref.at[tok, hk, :], rows2), load(k_ref.at[tok, hk, :], rows2)
             fq, fk = load32(fq_ref.at[tok, h], rows), load32(fk_ref.at[tok, h], rows)
-            delta = dot(tb, v - row_dot(k, S) * load32(fw_ref.at[tok, h], rows)[:, None])
+            # U - W S = (T beta) (v - (e^G k) S): the prep stored T beta, not W and U
+            v = load32(v_ref.at[tok, h, cols], rows2)
+            delta = dot(load32(tb_ref.at[tok, h, :], rows2),
+                        v - row_dot(k, S) * load32(fw_ref.at[tok, h], rows)[:, None])
             o = row_dot(q, S) * fq[:, None] + dot(aqk, delta)
             S = S * decay_ref[first + c, h] + row_dot(k, delta * fk[:, None], trans_a=True)
         if spec.pooled:
@@ -607,10 +621,10 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
     # KDA's decayed q rows only feed the output, so for bf16 inputs they are stored in bf16
     # (exact tensor-core operands, half the scan's reads of them; the output is rounded to bf16
     # anyway). The decayed k rows build the state and stay fp32: in bf16 they cost the final
-    # state ~5x its error against float64 (BENCHMARKS.md, KDA prefill). e^G k (which meets the
-    # state in the scan's deltas) is stored in the input dtype: bf16 e^G k times the split state
-    # rounds about as much as a one-pass TF32 product of fp32 rows would (the state's error
-    # against float64 is the same on the H200, BENCHMARKS.md).
+    # state ~5x its error against float64 (BENCHMARKS.md, KDA prefill). e^G k (for W) is stored
+    # in the input dtype: bf16 e^G k times the split T beta rounds about as much as a one-pass
+    # TF32 product of fp32 rows would (the state's error against float64 is the same on the
+    # H200, BENCHMARKS.md).
     q_rows_dtype = rows_dtype if rows_dtype == jnp.bfloat16 else F32
     rows = (T_total, HV, K)
     return pl.pallas_call(
@@ -631,37 +645,46 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
 
 
 def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, interpret):
-    """Everything the scan needs that does not depend on the state: (T beta, aqk, fq, fk, fw,
-    decay), see `_scan_kernel`."""
-    T_total, HV = q.shape[0], v.shape[1]
-    if spec.per_channel_gate:
-        kk, aqk, fq, fk, fw, decay = _kda_intra(q, k, g, start, length, A_log, dt_bias,
+    """Everything the scan needs that does not depend on the state:
+    (T beta, W, U, aqk, fq, fk, fw, decay), see `_scan_kernel`; (1, 1, 1) placeholders for what
+    the gate form does not use (GDN: W, U; KDA: T beta, fw)."""
+    T_total, HV, V, K = q.shape[0], v.shape[1], v.shape[2], q.shape[2]
+    kda = spec.per_channel_gate
+    if kda:
+        kk, aqk, fq, fk, ek, decay = _kda_intra(q, k, g, start, length, A_log, dt_bias,
                                                 rows_dtype=v.dtype, spec=spec, block=block,
                                                 interpret=interpret)
     else:
-        kk = jnp.zeros((1, 1, 1), F32)  # unused placeholder
-    # GDN's prep writes the row factors, the intra-chunk matrix and the chunk decays itself;
-    # for KDA the intra kernel wrote them and these outputs are (1, 1, 1) placeholders.
-    gdn_only = lambda shape: jax.ShapeDtypeStruct((1, 1, 1) if spec.per_channel_gate else shape,
-                                                  F32)
-    # T beta and the intra-chunk matrix go through memory in fp32 (see the module docstring:
-    # with 16-bit copies a near-singular chunk loses the output's digits).
-    tb, *gdn_outputs = pl.pallas_call(
+        kk = ek = jnp.zeros((1, 1, 1), F32)  # unused placeholders
+    # GDN stores T beta and the scan forms the deltas (T beta)(v - (e^G k) S): a [C, C] matrix
+    # instead of W and U, and no [C, C] x [C, K] products here. KDA keeps W and U: its scan
+    # would load e^G k rows besides its decayed q and k, and lost more than its prep gained
+    # (BENCHMARKS.md, GDN prefill). T beta, U and the intra-chunk matrix go through memory in
+    # fp32, W in the input dtype (see the module docstring: with 16-bit copies a near-singular
+    # chunk loses the output's digits).
+    only = lambda cond, shape, dtype=F32: jax.ShapeDtypeStruct(shape if cond else (1, 1, 1),
+                                                               dtype)
+    outs = pl.pallas_call(
         functools.partial(_prep_kernel, spec=spec, interpret=interpret),
-        out_shape=(jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),  # T beta = (I + A)^-1 beta
-                   gdn_only((T_total, HV, CHUNK)),                   # q k^T e^{G_i - G_j}, j <= i
-                   gdn_only((T_total, HV)),                          # q: norm * scale * e^G
-                   gdn_only((T_total, HV)),                          # k: norm * e^{G_C - G}
-                   gdn_only((T_total, HV)),                          # k: norm * e^G
-                   gdn_only((start.shape[0], HV))),                  # e^{G_C}
+        out_shape=(only(not kda, (T_total, HV, CHUNK)),          # T beta = (I + A)^-1 beta
+                   only(kda, (T_total, HV, K), v.dtype),         # W
+                   only(kda, (T_total, HV, V)),                  # U
+                   only(not kda, (T_total, HV, CHUNK)),          # q k^T e^{G_i - G_j}, j <= i
+                   only(not kda, (T_total, HV)),                 # q: norm * scale * e^G
+                   only(not kda, (T_total, HV)),                 # k: norm * e^{G_C - G}
+                   only(not kda, (T_total, HV)),                 # k: norm * e^G
+                   only(not kda, (start.shape[0], HV))),         # e^{G_C}
         grid=(start.shape[0], HV),
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
         interpret=interpret,
         name="gdn_prefill_prep",
-    )(start, length, q, k, g, beta, A_log, dt_bias, kk)
-    if not spec.per_channel_gate:
+    )(start, length, q, k, v, g, beta, A_log, dt_bias, kk, ek)
+    tb, w, u, *gdn_outputs = outs
+    if not kda:
         aqk, fq, fk, fw, decay = gdn_outputs
-    return tb, aqk, fq, fk, fw, decay
+    else:
+        fw = gdn_outputs[3]
+    return tb, w, u, aqk, fq, fk, fw, decay
 
 
 def _longest_first(cu):
@@ -704,7 +727,7 @@ def tame_rows(x, *, interpret: bool = False):
     return out.reshape(x.shape)
 
 
-def _scan(cu, first, slots, q, k, v, tb, aqk, fq, fk, fw, decay, h0, *, spec, block,
+def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, spec, block,
           state_dtype, num_boundary, interpret):
     T_total, HV, V = v.shape
     K = q.shape[2]
@@ -719,12 +742,12 @@ def _scan(cu, first, slots, q, k, v, tb, aqk, fq, fk, fw, decay, h0, *, spec, bl
                    jax.ShapeDtypeStruct(final_shape, final_dtype),
                    jax.ShapeDtypeStruct(bshape, F32)),  # fp32: a prefix continues from it
         grid=(N * HV * (V // block.block_v),),
-        input_output_aliases={13: 1} if spec.pooled else {},
+        input_output_aliases={15: 1} if spec.pooled else {},
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_scan,
                                              num_stages=block.num_stages_scan),
         interpret=interpret,
         name="gdn_prefill_scan",
-    )(cu, _longest_first(cu), first, slots, q, k, v, tb, aqk, fq, fk, fw, decay, h0)
+    )(cu, _longest_first(cu), first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "block", "state_dtype", "interpret"),
