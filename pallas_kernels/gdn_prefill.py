@@ -112,9 +112,10 @@ class PrefillSpec:
     precise: bool = True             # fp32 inputs: three-pass TF32 dots
 
 
-# fp32 inputs (three-pass TF32 dots) with K = V = 128 ask for ~305 KiB of shared memory in the
-# prep kernel, more than an H200's 227 KiB, whatever the scan's blocks (BENCHMARKS.md).
-PRECISE_MAX_HEAD_DIM = 64
+# KDA with fp32 inputs (three-pass TF32 dots): at K = V = 128 the prep's W and U products ask for
+# ~305 KiB of shared memory, more than an H200's 227 KiB, whatever the scan's blocks
+# (BENCHMARKS.md). GDN's prep has no such products and runs fp32 inputs at every head dim.
+KDA_PRECISE_MAX_HEAD_DIM = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,10 +156,12 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
         return f"head_k_dim={spec.head_k_dim} must be a power of two in [16, 256]"
     if not _pow2(spec.head_v_dim) or spec.head_v_dim > 256:
         return f"head_v_dim={spec.head_v_dim} must be a power of two in [16, 256]"
-    if spec.precise and max(spec.head_k_dim, spec.head_v_dim) > PRECISE_MAX_HEAD_DIM:
-        return (f"fp32 inputs with K={spec.head_k_dim}, V={spec.head_v_dim}: the chunk-prep "
-                f"kernel's three-pass TF32 operands need more shared memory than an H200 has "
-                f"above {PRECISE_MAX_HEAD_DIM} (bf16 inputs run; or impl='chunked')")
+    if (spec.per_channel_gate and spec.precise
+            and max(spec.head_k_dim, spec.head_v_dim) > KDA_PRECISE_MAX_HEAD_DIM):
+        return (f"KDA with fp32 inputs and K={spec.head_k_dim}, V={spec.head_v_dim}: the "
+                f"chunk-prep kernel's three-pass TF32 operands need more shared memory than an "
+                f"H200 has above {KDA_PRECISE_MAX_HEAD_DIM} (bf16 inputs run; or "
+                f"impl='chunked')")
     if block is not None:
         if not _pow2(block.block_v) or spec.head_v_dim % block.block_v:
             return f"block_v={block.block_v} must be a power of two >= 16 dividing V={spec.head_v_dim}"
