@@ -689,7 +689,8 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
                    jax.ShapeDtypeStruct(rows, F32),                  # k: norm * e^{G_C - G}
                    jax.ShapeDtypeStruct(rows, rows_dtype),           # e^G k: norm * e^G
                    jax.ShapeDtypeStruct((num_slots, HV, K), F32),    # e^{G_C}
-                   # each program's scratch for its reference rows (_BlockRowExchange)
+                   # each program's scratch for its reference rows (_BlockRowExchange; a
+                   # quarter of k k^T's size at block_k 32), not returned
                    jax.ShapeDtypeStruct((num_slots, HV, 2, REF_SLOTS * CHUNK // SUB,
                                          block.block_k), F32)),
         grid=(num_slots, HV),
