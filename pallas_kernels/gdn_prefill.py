@@ -38,7 +38,8 @@ a time on whole-chunk [C, block_k] tiles. Across a chunk e^{G_ic - G_jc} can exc
 products factor through reference rows of 16-row blocks (SUB): the terms below the diagonal
 blocks are one tensor-core product per block b, of rows decayed towards the last row of block b
 (no exponent above 0); the diagonal blocks are one more product through their middle rows when
-the gates allow it (exponents within +-DIAG_EXP_LIMIT), else formed exactly, column by column. The
+the gates allow it (exponents within +-DIAG_EXP_LIMIT), else formed exactly, column by column
+(the reference rows go through a small per-program scratch in memory, `_BlockRowExchange`). The
 same program writes the decayed q e^G and k e^{G_C - G} (the scan takes them instead of row
 factors), e^G k (for W), the masked k k^T and q k^T (k k^T without beta) and the chunk's total
 decay per channel. The prep then loads k k^T, forms A and T beta and stores W = (T beta) (e^G k)
@@ -83,6 +84,7 @@ from pallas_kernels.gdn_decode import huge_row_factor
 F32 = jnp.float32
 CHUNK = 64
 SUB = 16                 # KDA's sub-chunk: blocks of the per-channel intra-chunk products
+REF_SLOTS = 4            # KDA intra kernel: rows per SUB-row block in each buffer of its scratch
 DIAG_EXP_LIMIT = 40.0    # KDA: largest |G - G_mid| for the factored diagonal blocks (e^80 < 3e38)
 GATE_FLOOR = -88.0
 GATE_QUANTUM = 16.0      # hi parts of the gates are multiples of 1 / GATE_QUANTUM
@@ -127,7 +129,7 @@ class PrefillBlockSizes:
     num_stages_scan: int = 2
     block_k: int = 32        # KDA intra kernel: key channels per step of the per-channel products
     num_warps_intra: int = 4
-    num_stages_intra: int = 1  # KDA intra kernel: pipelined stages of its channel loop's loads
+    num_stages_intra: int = 1  # KDA intra kernel: 1 only (unsupported_reason says why)
 
     @staticmethod
     def get_default(spec: PrefillSpec, num_sequences: int) -> "PrefillBlockSizes":
@@ -168,6 +170,16 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
         if spec.per_channel_gate and (not _pow2(block.block_k) or spec.head_k_dim % block.block_k):
             return (f"block_k={block.block_k} must be a power of two >= 16 dividing "
                     f"K={spec.head_k_dim}")
+        if spec.per_channel_gate and block.num_stages_intra != 1:
+            # Triton's software pipelining issues a loop's loads stages ahead and does not order
+            # them after the loop's stores to the same memory (a store then a load of one
+            # address in a pipelined loop reads stale data: triton-lang/triton issue 8259); the
+            # barrier between them names no memory it orders, so it cannot be relied on to hold
+            # the loads back
+            return (f"num_stages_intra={block.num_stages_intra}: the KDA intra kernel reads "
+                    f"back, within each channel step, reference rows it stored in that step "
+                    f"(a store, a barrier, loads); pipelined loads could run before the store, "
+                    f"so only 1 stage is supported")
         for w in (block.num_warps_prep, block.num_warps_scan, block.num_warps_intra):
             if w not in (1, 2, 4, 8):
                 return f"num_warps={w} must be 1, 2, 4 or 8"
@@ -290,22 +302,6 @@ def _invert_unit_lower(A, precise, interpret):
     return D
 
 
-def _nth_row(b, a):
-    """Row a (static or traced) of b [n, K], as [1, K]."""
-    rows = lax.broadcasted_iota(jnp.int32, b.shape, 0)
-    return jnp.sum(jnp.where(rows == a, b, 0.0), axis=0, keepdims=True)
-
-
-def _spread_block_rows(rows):
-    """[C, n] tile whose rows hold their own SUB-row block's entry of rows (one [1, n] row per
-    block, in block order)."""
-    block = lax.broadcasted_iota(jnp.int32, (CHUNK, 1), 0) // SUB
-    tile = rows[0]
-    for a in range(1, len(rows)):
-        tile = jnp.where(block == a, rows[a], tile)
-    return tile
-
-
 def _factored_diagonal_always_safe(spec: PrefillSpec) -> bool:
     """Whether the gate form alone bounds every diagonal-block exponent by DIAG_EXP_LIMIT: the
     lower-bound gate g >= lb spans at most SUB // 2 * |lb| between a row and its block's middle
@@ -402,7 +398,7 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
 # ---------------------------------------------------------------- KDA: intra-chunk products
 
 def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, kk_ref,
-                      aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, *, spec: PrefillSpec,
+                      aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, rows_ref, *, spec: PrefillSpec,
                       block_k: int, interpret: bool):
     """KDA's per-channel work for chunk slot s, value head h, on whole-chunk [C, block_k] tiles.
 
@@ -426,7 +422,14 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
       (`_exact_diagonal_blocks`).
     A factor that underflows drops only a term already below ~1e-38 of the unit diagonal.
     Entries above the diagonal may be huge (e^80 x the rows' product): the final masks select
-    them away, nothing multiplies them."""
+    them away, nothing multiplies them.
+
+    The reference rows travel through rows_ref, this program's scratch in global memory
+    [2, REF_SLOTS * nb, block_k] (two buffers of REF_SLOTS rows per block): a masked store of G
+    at the rows that matter, one barrier, then loads of single rows, and gathers (a row index
+    per tile row) that give every row of a tile its own block's row. Picking a row out of a
+    register tile instead takes a reduction across the tile's rows, which crosses warps (shared
+    memory and a barrier each); a gather replaces the select chain that spread the rows back."""
     s, h = pl.program_id(0), pl.program_id(1)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
@@ -442,6 +445,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         dot = functools.partial(_dot, precise=spec.precise, interpret=interpret, trans_b=True)
         factored_always = _factored_diagonal_always_safe(spec)
         rel = lambda x, y: (x[0] - y[0]) + (x[1] - y[1])  # G_x - G_y from (hi, lo) pairs
+        exchange = _BlockRowExchange(rows_ref, (s, h), block_k, interpret)
 
         def gate(cols):
             """The chunk's log decays in the channels cols, [C, block_k] (0 past the chunk)."""
@@ -450,10 +454,6 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
                 return g
             dt = dt_ref[pl.ds(h * K + cols.start, cols.size)][None, :].astype(F32)
             return jnp.where(live, _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec), 0.0)
-
-        def per_block(rows):
-            """`_spread_block_rows` of (hi, lo) pairs, one per block."""
-            return tuple(_spread_block_rows([r[part] for r in rows]) for part in range(2))
 
         if spec.use_qk_l2norm:
             def squares(c, sums):
@@ -471,6 +471,8 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
         j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
         same_block = (i // SUB) == (j // SUB)
+        # scratch slots of the reference rows: last rows (hi, lo), middle rows (hi, lo)
+        LAST, MID = (0, 1), (2, 3)
 
         def channels(c, acc):
             kk, qk = acc
@@ -479,16 +481,25 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             G = _split_cumsum(gate(cols))                                  # rows past n add 0
             kn = load(k_ref.at[tok, hk, cols]) * rk[:, None]
             qn = load(q_ref.at[tok, hk, cols]) * rq[:, None]
-            row = lambda r: (_nth_row(G[0], r), _nth_row(G[1], r))
-            lasts = [row(SUB * a + SUB - 1) for a in range(nb)]
-            kt = kn * jnp.exp(rel(per_block(lasts), G))                    # <= 1
+            # Step c shares its reference rows through buffer c % 2. Step c + 1 stores into the
+            # other buffer, so its stores cannot race this step's loads; the next store into
+            # this buffer (step c + 2, or the exact fallback's second column, which alternates
+            # buffers too, SUB times: an even count) comes after a barrier of a use in between,
+            # which every thread reaches only after issuing this step's loads. So one barrier
+            # per use orders both the stores before the loads and the loads before the stores
+            # that overwrite them.
+            buf = lax.rem(c, 2)
+            exchange.share(buf, [(G[0], ((SUB - 1, LAST[0]), (SUB // 2, MID[0]))),
+                                 (G[1], ((SUB - 1, LAST[1]), (SUB // 2, MID[1])))])
+            lasts = [tuple(exchange.row(buf, slot, a) for slot in LAST) for a in range(nb)]
+            kt = kn * jnp.exp(rel(tuple(exchange.spread(buf, slot) for slot in LAST), G))  # <= 1
             for b in range(nb - 1):
                 # exp of a positive exponent above block b's end may be inf: selected away
                 after = jnp.where(block > b, jnp.exp(rel(G, lasts[b])), 0.0)  # <= 1
                 kb = jnp.where(block == b, kt, 0.0)
                 kk = kk + dot(kn * after, kb)
                 qk = qk + dot(qn * after, kb)
-            mid = rel(G, per_block([row(SUB * a + SUB // 2) for a in range(nb)]))
+            mid = rel(G, tuple(exchange.spread(buf, slot) for slot in MID))
 
             def factored():
                 up, down = jnp.exp(mid), kn * jnp.exp(-mid)
@@ -497,8 +508,8 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             if factored_always:
                 kk_d, qk_d = factored()
             else:
-                kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT, factored,
-                                      functools.partial(_exact_diagonal_blocks, kn, qn, G))
+                exact = functools.partial(_exact_diagonal_blocks, kn, qn, G, exchange, 1 - buf)
+                kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT, factored, exact)
             kk = jnp.where(same_block, kk + kk_d, kk)
             qk = jnp.where(same_block, qk + qk_d, qk)
             eG = jnp.exp(G[0] + G[1])
@@ -515,10 +526,60 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         plgpu.store(aqk_ref.at[tok, h, :], jnp.where(j <= i, qk, 0.0), mask=live)
 
 
-def _exact_diagonal_blocks(kn, qn, G):
+class _BlockRowExchange:
+    """Rows of [C, n] register tiles, picked per SUB-row block, through a program's scratch in
+    global memory, ref[at] [2, REF_SLOTS * (C // SUB), n] fp32 (two buffers; slot k of block a
+    is row k * (C // SUB) + a).
+
+    `share` stores the picked rows with one masked store per tile, then waits at a barrier for
+    the whole thread block's stores (a CTA barrier orders global memory among its threads; in
+    interpret mode the program runs alone and needs none, and the barrier has no interpret
+    rule). Its caller alternates buffers from one `share` to the next, so that this barrier
+    also orders the loads of the buffer's previous contents before the stores that replace
+    them."""
+
+    def __init__(self, ref, at: tuple, n: int, interpret: bool):
+        # ref and the program's leading indices at apart: interpret mode cannot index a view
+        # of a ref again with index arrays
+        self.ref, self.at, self.interpret = ref, at, interpret
+        self.nb = CHUNK // SUB
+        rows = lax.broadcasted_iota(jnp.int32, (CHUNK, n), 0)
+        self.in_block, self.block = rows % SUB, rows // SUB
+        self.lane = lax.broadcasted_iota(jnp.int32, (CHUNK, n), 1)
+
+    def share(self, buf, tiles):
+        """For each (x, picks) in tiles and (r, slot) in picks (r static or traced): row
+        SUB * a + r of x into slot `slot` of block a, in buffer buf, for every block a."""
+        end = REF_SLOTS * self.nb
+        for x, picks in tiles:
+            # rows that are not picked point one past the buffer's rows, and are masked off: no
+            # access on the GPU, dropped as out of bounds in interpret mode (a row index shared
+            # with a picked row would make the interpreter's scatter write it twice, in no
+            # defined order)
+            dest = jnp.full(x.shape, end, jnp.int32)
+            for r, slot in picks:
+                dest = jnp.where(self.in_block == r, slot * self.nb + self.block, dest)
+            plgpu.store(self.ref.at[(*self.at, buf, dest, self.lane)], x, mask=dest < end)
+        if not self.interpret:
+            plgpu.debug_barrier()
+
+    def row(self, buf, slot, a):
+        """Block a's row in slot, [1, n]."""
+        # the row index as an array: interpret mode's load takes no Python int beside a slice
+        row = jnp.int32(slot * self.nb + a)
+        return plgpu.load(self.ref.at[(*self.at, buf, row, slice(None))])[None, :]
+
+    def spread(self, buf, slot):
+        """[C, n]: every row holds its own block's row in slot (a gather)."""
+        return plgpu.load(self.ref.at[(*self.at, buf, slot * self.nb + self.block, self.lane)])
+
+
+def _exact_diagonal_blocks(kn, qn, G, exchange, buf):
     """The diagonal SUB x SUB blocks of k k^T and q k^T for a whole chunk, kn, qn, G (hi, lo)
     [C, n], with every decay e^{G_ic - G_jc} (j <= i) formed exactly: step r forms column r of
-    every block at once. Entries outside the blocks are zero."""
+    every block at once, from row r of every block (spread over the block by `exchange`,
+    _BlockRowExchange, starting in buffer buf and alternating: SUB is even, so the next user
+    finds the buffers alternating still). Entries outside the blocks are zero."""
     C = kn.shape[0]
     block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) // SUB
     in_block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) % SUB
@@ -526,13 +587,11 @@ def _exact_diagonal_blocks(kn, qn, G):
 
     def column(r, mats):
         kk, qk = mats
-
-        def pick(x):  # row r of every block, each row of the result holding its own block's
-            return _spread_block_rows([_nth_row(x, SUB * a + r) for a in range(C // SUB)])
-
-        e = jnp.exp(jnp.where(in_block >= r, (G[0] - pick(G[0])) + (G[1] - pick(G[1])),
-                              -jnp.inf))
-        kc = pick(kn) * e
+        b = lax.rem(buf + r, 2)
+        exchange.share(b, [(G[0], ((r, 0),)), (G[1], ((r, 1),)), (kn, ((r, 2),))])
+        g_hi, g_lo, k_r = (exchange.spread(b, slot) for slot in range(3))
+        e = jnp.exp(jnp.where(in_block >= r, (G[0] - g_hi) + (G[1] - g_lo), -jnp.inf))
+        kc = k_r * e
         at = col == block * SUB + r
         return (jnp.where(at, jnp.sum(kn * kc, axis=1, keepdims=True), kk),
                 jnp.where(at, jnp.sum(qn * kc, axis=1, keepdims=True), qk))
@@ -630,7 +689,8 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
     # H200, BENCHMARKS.md).
     q_rows_dtype = rows_dtype if rows_dtype == jnp.bfloat16 else F32
     rows = (T_total, HV, K)
-    return pl.pallas_call(
+    num_slots = start.shape[0]
+    *outputs, _ = pl.pallas_call(
         functools.partial(_kda_intra_kernel, spec=spec, block_k=block.block_k,
                           interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),  # k k^T e^{G_i - G_j}, j < i
@@ -638,13 +698,18 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
                    jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
                    jax.ShapeDtypeStruct(rows, F32),                  # k: norm * e^{G_C - G}
                    jax.ShapeDtypeStruct(rows, rows_dtype),           # e^G k: norm * e^G
-                   jax.ShapeDtypeStruct((start.shape[0], HV, K), F32)),  # e^{G_C}
-        grid=(start.shape[0], HV),
+                   jax.ShapeDtypeStruct((num_slots, HV, K), F32),    # e^{G_C}
+                   # each program's scratch for its reference rows (_BlockRowExchange; a
+                   # quarter of k k^T's size at block_k 32), not returned
+                   jax.ShapeDtypeStruct((num_slots, HV, 2, REF_SLOTS * CHUNK // SUB,
+                                         block.block_k), F32)),
+        grid=(num_slots, HV),
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_intra,
                                              num_stages=block.num_stages_intra),
         interpret=interpret,
         name="kda_prefill_intra",
     )(start, length, q, k, g, A_log, dt_bias)
+    return tuple(outputs)
 
 
 def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, interpret):

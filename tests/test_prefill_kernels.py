@@ -281,6 +281,11 @@ def test_unsupported_shapes_say_why():
                                                             per_channel_gate=True))
     assert kern.unsupported_reason(_spec(2, 4, 64, 64, precise=True, per_channel_gate=True)) is None
     assert kern.unsupported_reason(_spec(2, 4, 256, 256, precise=True)) is None
+    # the KDA intra kernel reads back rows it stored in the same loop step: no pipelining
+    kda = _spec(2, 4, 128, 128, precise=False, per_channel_gate=True)
+    assert kern.unsupported_reason(kda, kern.PrefillBlockSizes()) is None
+    assert "num_stages_intra=2" in kern.unsupported_reason(
+        kda, kern.PrefillBlockSizes(num_stages_intra=2))
 
 
 def test_chunk_table_packs_sequences_without_padding():
@@ -351,10 +356,12 @@ def test_variants_lower_to_triton_ir(lower_for_h200, raw, pooled, boundary, dtyp
     assert hlo.count("__gpu$xla.gpu.triton") == (3 if kda else 2) + 2 * spec.use_qk_l2norm
 
 
-@pytest.mark.parametrize("K,block_k", [(64, 64), (256, 32), (256, 64)])
+@pytest.mark.parametrize("K,block_k", [(64, 64), (128, 16), (256, 32), (256, 64)])
 def test_kda_intra_kernel_lowers_at_every_block_k(lower_for_h200, K, block_k):
     """The KDA intra kernel lowers to Triton IR for the channel steps a tuning sweep tries, at
-    the head dims models use (the whole call at the default blocks is the test above)."""
+    the head dims models use (the whole call at the default blocks is the test above): its
+    scratch round trip of the reference rows (masked row-index stores, the barrier, gathers),
+    in the channel loop and in the exact diagonal blocks' column loop."""
     T, HV = 200, 2
     spec = _spec(1, HV, K, K, per_channel_gate=True, precise=False)
     start, length, _ = kern.chunk_table(jnp.array([0, 70, T], jnp.int32), T)
@@ -365,6 +372,9 @@ def test_kda_intra_kernel_lowers_at_every_block_k(lower_for_h200, K, block_k):
             x, x, jnp.ones((T, HV, K)), start, length).lower(
                 lowering_platforms=("cuda",)).as_text()
     assert hlo.count("__gpu$xla.gpu.triton") == 1
+    # compiled, the scratch's stores and loads are ordered by a barrier (only interpret mode,
+    # one program at a time, goes without); its op name shows in the serialized Triton module
+    assert "barrier" in hlo
 
 
 # --------------------------------------------------------------------------- public entry points
