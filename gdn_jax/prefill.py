@@ -102,6 +102,7 @@ class PrefillCall:
     state_dtype: str
     kernel: str | None = None       # "serial" / "chunked": forced; None: SERIAL_PREFILL_TABLE
     fp32_inputs: bool = False       # the chunked kernel then runs three-pass TF32 dots
+    per_channel_gate: bool = False  # KDA
     chunk_states: bool = False
     pooled: bool = False
 
@@ -135,7 +136,8 @@ def _chunked_supports(call: PrefillCall) -> str | None:
     if call.kernel == "serial":
         return "kernel='serial' was asked for"
     spec = kern.PrefillSpec(num_k_heads=1, num_v_heads=1, head_k_dim=call.head_k_dim,
-                            head_v_dim=call.head_v_dim, scale=1.0, precise=call.fp32_inputs)
+                            head_v_dim=call.head_v_dim, scale=1.0, precise=call.fp32_inputs,
+                            per_channel_gate=call.per_channel_gate)
     return kern.unsupported_reason(spec)
 
 
@@ -165,7 +167,8 @@ def prefill_call(q, v, g, *, cu_seqlens=None, state_dtype=jnp.float32, kernel=No
                        head_k_dim=int(q.shape[3]), head_v_dim=int(v.shape[3]),
                        state_dtype=str(jnp.dtype(state_dtype)), kernel=kernel,
                        chunk_states=bool(chunk_states), pooled=pooled,
-                       fp32_inputs=jnp.dtype(v.dtype) == jnp.float32)
+                       fp32_inputs=jnp.dtype(v.dtype) == jnp.float32,
+                       per_channel_gate=np.ndim(g) == 4)
 
 
 def _prefill_spec_of(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, kernel=None,

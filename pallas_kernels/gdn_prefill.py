@@ -47,6 +47,17 @@ and U = (T beta) v, and the scan takes the deltas as U - W S: with T beta in the
 KDA's scan would load the e^G k rows besides its decayed q and k rows, and lost more time than
 its prep saved (BENCHMARKS.md).
 
+The inverse T = (I + A)^-1 takes one of two forms, neither forming powers of A (a truncated
+series I - A + A^2 - ... loses about three digits for repeated keys with beta near 1):
+`_invert_unit_lower`, recursive doubling on register tiles (10 full [64, 64] products), or
+`_invert_unit_lower_blocked`: the four 16 x 16 diagonal blocks by forward substitution in fp32,
+merged pairwise by [[X, 0], [Y, Z]]^-1 = [[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]] to 32 and to 64 rows
+(four [16, 16] and two [32, 32] products). Register tiles cannot be sliced, so the blocked form's
+blocks pass through global memory, in the chunk's own rows of a [T, HV, 64] fp32 array (GDN: T
+beta's, before it is written; KDA: k k^T's, an input the prep aliases as an output), with three
+barriers (GDN: one more before T beta is written over them). `PrefillBlockSizes.blocked_inverse`
+picks the form; by default (`blocked_inverse_for`) KDA takes the blocked one, GDN the other.
+
 Numerics. Gates are clamped at GATE_FLOOR (e^-88 is below fp32's smallest normal number, so a
 clamped decay is still a full reset) so every cumulative sum is finite and a -inf gate cannot
 produce -inf - (-inf). The cumulative decay is kept as two sums, of hi = g rounded to a multiple
@@ -84,6 +95,7 @@ from pallas_kernels.gdn_decode import huge_row_factor
 F32 = jnp.float32
 CHUNK = 64
 SUB = 16                 # KDA's sub-chunk: blocks of the per-channel intra-chunk products
+INV_SUB = 16             # the blocked inverse's diagonal blocks, formed by substitution
 REF_SLOTS = 4            # KDA intra kernel: rows per SUB-row block in each buffer of its scratch
 DIAG_EXP_LIMIT = 40.0    # KDA: largest |G - G_mid| for the factored diagonal blocks (e^80 < 3e38)
 GATE_FLOOR = -88.0
@@ -130,6 +142,17 @@ class PrefillBlockSizes:
     block_k: int = 32        # KDA intra kernel: key channels per step of the per-channel products
     num_warps_intra: int = 4
     num_stages_intra: int = 1  # KDA intra kernel: 1 only (unsupported_reason says why)
+    # prep: (I + A)^-1 by `_invert_unit_lower_blocked` (True) or `_invert_unit_lower` (False);
+    # None: blocked for KDA, register-only for GDN (`blocked_inverse_for`)
+    blocked_inverse: bool | None = None
+
+    def blocked_inverse_for(self, spec: PrefillSpec) -> bool:
+        # Measured on the H200: the blocked inverse makes KDA's prep 7-8% faster and GDN's
+        # 12-14% slower (GDN's prep holds the q, k and intra-chunk tiles through it;
+        # BENCHMARKS.md).
+        if self.blocked_inverse is not None:
+            return self.blocked_inverse
+        return spec.per_channel_gate
 
     @staticmethod
     def get_default(spec: PrefillSpec, num_sequences: int) -> "PrefillBlockSizes":
@@ -302,6 +325,75 @@ def _invert_unit_lower(A, precise, interpret):
     return D
 
 
+def _barrier(interpret):
+    """All threads of the program reach this point, their global-memory writes visible to the
+    others (a Triton debug barrier; interpret mode runs a program's ops in order and has none)."""
+    if not interpret:
+        plgpu.debug_barrier()
+
+
+def _invert_unit_lower_blocked(A, scratch, t0, h, n, *, precise, interpret):
+    """(I + A)^-1 for a strictly lower-triangular [C, C] A whose rows past n are zero, by blocks:
+    the inverse's INV_SUB x INV_SUB diagonal blocks by forward substitution, then the block formula
+        [[X, 0], [Y, Z]]^-1 = [[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]]
+    merging them to 2 INV_SUB and to C rows: each merge is two products of the half size, on the
+    merged blocks' rows and columns only (four [16, 16] products to 32 rows and two [32, 32] to
+    64, where `_invert_unit_lower` spends ten full [C, C] products). The substitution is plain
+    fp32 arithmetic on the CUDA cores and, like the merges, forms no powers of A.
+
+    Register tiles cannot be sliced, so blocks go through `scratch` [T, HV, C] fp32, rows
+    t0 .. t0 + n of head h, which this program owns (rows past n belong to another chunk: every
+    store and load is masked to rows < n; a live row's inverse needs no dead row). A goes in
+    transposed, into the strictly upper triangle, and the inverse's blocks into the lower
+    triangle and diagonal, so reads of A never meet writes of the inverse: only the two merge
+    levels' results need a barrier before they are read back, three barriers in all. Returns
+    the inverse with zero rows past n (I's there, but nothing reads them); `scratch` holds
+    both on return, so a caller overwriting it puts a `_barrier` first."""
+    C, b = A.shape[0], INV_SUB
+    nb = C // b
+    dot = functools.partial(_dot, precise=precise, interpret=interpret)
+    iota = lambda shape, axis: lax.broadcasted_iota(jnp.int32, shape, axis)
+
+    def put(r, c, x, mask=True):  # scratch[r, c] = x, for chunk-relative row, column arrays
+        plgpu.store(scratch.at[t0 + r, h, c], x, mask=mask & (r < n))
+
+    def get(r, c, mask=True):     # scratch[r, c], 0 where masked
+        return plgpu.load(scratch.at[t0 + r, h, c], mask=mask & (r < n), other=0)
+
+    i, j = iota((C, C), 0), iota((C, C), 1)
+    put(i, j, A.T, j > i)                                          # [x, y] = A[y, x]
+    _barrier(interpret)
+
+    # The diagonal blocks, all at once as [nb, b, b] tiles: Ad[a] = A's block a, X[a] its inverse
+    # (I + Ad)^-1 by forward substitution, column s of the blocks per step: the rows below s
+    # take away A[., s] times row s, which is final by then.
+    a3, r3, c3 = iota((nb, b, b), 0), iota((nb, b, b), 1), iota((nb, b, b), 2)
+    Ad = get(b * a3 + c3, b * a3 + r3, r3 > c3)
+
+    def substitute(s, X):
+        col = jnp.sum(jnp.where(c3 == s, Ad, 0.0), axis=2, keepdims=True)   # Ad[a, :, s]
+        row = jnp.sum(jnp.where(r3 == s, X, 0.0), axis=1, keepdims=True)    # X[a, s, :]
+        return X - col * row
+
+    X = lax.fori_loop(0, b - 1, substitute, (r3 == c3).astype(F32))
+    put(b * a3 + r3, b * a3 + c3, X, r3 >= c3)
+    blocks = [jnp.sum(jnp.where(a3 == a, X, 0.0), axis=0) for a in range(nb)]
+
+    w = b
+    while w < C:  # merge pairs of w-blocks into 2w-blocks: off-diagonal block -Z^-1 Y X^-1
+        r2, c2 = iota((w, w), 0), iota((w, w), 1)
+        for p in range(len(blocks) // 2):
+            r0 = 2 * w * p
+            Yt = get(r0 + r2, r0 + w + c2)                             # Y^T, from A^T
+            off = -dot(blocks[2 * p + 1], dot(Yt, blocks[2 * p], trans_a=True))
+            put(r0 + w + r2, r0 + c2, off)
+        _barrier(interpret)
+        w *= 2
+        r2, c2 = iota((w, w), 0), iota((w, w), 1)
+        blocks = [get(w * p + r2, w * p + c2, r2 >= c2) for p in range(C // w)]
+    return blocks[0]
+
+
 def _factored_diagonal_always_safe(spec: PrefillSpec) -> bool:
     """Whether the gate form alone bounds every diagonal-block exponent by DIAG_EXP_LIMIT: the
     lower-bound gate g >= lb spans at most SUB // 2 * |lb| between a row and its block's middle
@@ -322,7 +414,7 @@ def _raw_log_decay(x, A_log, dt, spec: PrefillSpec):
 
 def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log_ref, dt_ref,
                  kk_ref, ek_ref, tb_ref, w_ref, u_ref, aqk_ref, fq_ref, fk_ref, fw_ref, decay_ref,
-                 *, spec: PrefillSpec, interpret: bool):
+                 kk_out_ref, *, spec: PrefillSpec, blocked_inverse: bool, interpret: bool):
     s, h = pl.program_id(0), pl.program_id(1)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
@@ -338,6 +430,13 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
         dot = functools.partial(_dot, precise=spec.precise, interpret=interpret)
         i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
         j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+
+        def invert(A, scratch):
+            """T = (I + A)^-1; the blocked form passes its blocks through scratch's rows."""
+            if not blocked_inverse:
+                return _invert_unit_lower(A, spec.precise, interpret)
+            return _invert_unit_lower_blocked(A, scratch, t0, h, n, precise=spec.precise,
+                                              interpret=interpret)
 
         def gate():
             """The chunk's log decays [C]."""
@@ -355,8 +454,14 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             # `_kda_intra_kernel` formed k k^T with the per-channel decays (masked to j < i)
             # and the rows e^G k; what is left is the solve, W = (T beta) (e^G k) and
             # U = (T beta) v.
-            kk = load(kk_ref.at[tok, h, :], rows2)
-            Tb = _invert_unit_lower(beta[:, None] * kk, spec.precise, interpret) * beta[None, :]
+            if blocked_inverse:
+                # k k^T's buffer is the blocked inverse's scratch (kk_out_ref aliases kk_ref):
+                # read through the ref that is written, below the diagonal only, where the
+                # inverse writes nothing before its first barrier
+                kk = load(kk_out_ref.at[tok, h, :], rows2 & (j < i))
+            else:
+                kk = load(kk_ref.at[tok, h, :], rows2)
+            Tb = invert(beta[:, None] * kk, kk_out_ref) * beta[None, :]
             ek = plgpu.load(ek_ref.at[tok, h, :], mask=rows2, other=0)
             v = plgpu.load(v_ref.at[tok, h, :], mask=rows2, other=0)
             if _bf16_rows(ek_ref, v_ref):  # bf16 rows enter the products as they are
@@ -391,7 +496,10 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             store(aqk_ref.at[tok, h, :], qk * decay, rows2)
             kk = dot(k_in, k_in, trans_b=True) * (rk[:, None] * rk[None, :])
             A = jnp.where(i > j, beta[:, None] * kk * decay, 0.0)
-            T = _invert_unit_lower(A, spec.precise, interpret)
+            # T beta's own rows are the blocked inverse's scratch until T is in registers
+            T = invert(A, tb_ref)
+            if blocked_inverse:  # after every thread's last read of the inverse's blocks
+                _barrier(interpret)
             store(tb_ref.at[tok, h, :], T * beta[None, :], rows2)
 
 
@@ -643,20 +751,23 @@ def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, v_ref, t
         tok = pl.ds(t0, C)
         load32 = lambda ref, mask: plgpu.load(ref, mask=mask, other=0).astype(F32)
         load = (lambda ref, mask: plgpu.load(ref, mask=mask, other=0)) if bf16_rows else load32
-        aqk = load32(aqk_ref.at[tok, h, :], rows2)
+        # Loads in the order of use: the operands of the first product on the state's chain
+        # (W S; GDN: k S, then T beta times it) first (measured: KDA's scan took 25% longer at
+        # B=8 with W and U loaded last).
         if spec.per_channel_gate:  # decayed, normalised q and k rows come from the prep
+            w = load(w_ref.at[tok, h, :], rows2)
+            u, aqk = load32(u_ref.at[tok, h, cols], rows2), load32(aqk_ref.at[tok, h, :], rows2)
+            delta = u - row_dot(w, S)
             q, k = load(fq_ref.at[tok, h, :], rows2), load32(fk_ref.at[tok, h, :], rows2)
-            delta = load32(u_ref.at[tok, h, cols], rows2) - row_dot(load(w_ref.at[tok, h, :],
-                                                                         rows2), S)
             o = row_dot(q, S) + dot(aqk, delta)
             S = S * decay_ref[first + c, h, :][:, None] + dot(k, delta, trans_a=True)
         else:  # raw q and k rows with per-row factors
             q, k = load(q_ref.at[tok, hk, :], rows2), load(k_ref.at[tok, hk, :], rows2)
-            fq, fk = load32(fq_ref.at[tok, h], rows), load32(fk_ref.at[tok, h], rows)
+            fw = load32(fw_ref.at[tok, h], rows)
+            tb, aqk = load32(tb_ref.at[tok, h, :], rows2), load32(aqk_ref.at[tok, h, :], rows2)
             # U - W S = (T beta) (v - (e^G k) S): the prep stored T beta, not W and U
-            v = load32(v_ref.at[tok, h, cols], rows2)
-            delta = dot(load32(tb_ref.at[tok, h, :], rows2),
-                        v - row_dot(k, S) * load32(fw_ref.at[tok, h], rows)[:, None])
+            delta = dot(tb, load32(v_ref.at[tok, h, cols], rows2) - row_dot(k, S) * fw[:, None])
+            fq, fk = load32(fq_ref.at[tok, h], rows), load32(fk_ref.at[tok, h], rows)
             o = row_dot(q, S) * fq[:, None] + dot(aqk, delta)
             S = S * decay_ref[first + c, h] + row_dot(k, delta * fk[:, None], trans_a=True)
         if spec.pooled:
@@ -732,8 +843,13 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
     # chunk loses the output's digits).
     only = lambda cond, shape, dtype=F32: jax.ShapeDtypeStruct(shape if cond else (1, 1, 1),
                                                                dtype)
-    outs = pl.pallas_call(
-        functools.partial(_prep_kernel, spec=spec, interpret=interpret),
+    # KDA's blocked inverse takes k k^T's rows as its scratch (an output aliasing the input, its
+    # contents afterwards unused); GDN's takes T beta's own rows before T beta is written.
+    blocked = block.blocked_inverse_for(spec)
+    kda_scratch = kda and blocked
+    *outs, _ = pl.pallas_call(
+        functools.partial(_prep_kernel, spec=spec, blocked_inverse=blocked,
+                          interpret=interpret),
         out_shape=(only(not kda, (T_total, HV, CHUNK)),          # T beta = (I + A)^-1 beta
                    only(kda, (T_total, HV, K), v.dtype),         # W
                    only(kda, (T_total, HV, V)),                  # U
@@ -741,8 +857,10 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
                    only(not kda, (T_total, HV)),                 # q: norm * scale * e^G
                    only(not kda, (T_total, HV)),                 # k: norm * e^{G_C - G}
                    only(not kda, (T_total, HV)),                 # k: norm * e^G
-                   only(not kda, (start.shape[0], HV))),         # e^{G_C}
+                   only(not kda, (start.shape[0], HV)),          # e^{G_C}
+                   only(kda_scratch, kk.shape)),                 # k k^T (the inverse's scratch)
         grid=(start.shape[0], HV),
+        input_output_aliases={9: 8} if kda_scratch else {},
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
         interpret=interpret,
         name="gdn_prefill_prep",

@@ -199,6 +199,49 @@ def test_repeated_keys_with_beta_near_one(mode, dtype):
     assert rel_err(hT, rs) <= tol
 
 
+# Interpret mode only: this two-program harness (its own pallas_call around the function) does
+# not lower through Triton; compiled, the blocked inverse runs inside KDA's prep, where it is the
+# default for 16-bit inputs, under every gpu-marked KDA test.
+@pytest.mark.parametrize("mode", MODES[:1])
+def test_blocked_inverse_against_float64(mode):
+    """`_invert_unit_lower_blocked` (and `_invert_unit_lower`, the register-only form) on a hard
+    A alone: keys that repeat three directions with beta 0.999, as in the test above. Two
+    programs: a whole chunk, and one of 37 rows whose scratch rows past 37 hold 1e30 sentinels,
+    standing for the next chunk's rows, that must keep their bits."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+    C, lens = kern.CHUNK, (64, 37)
+    rng = np.random.default_rng(8)
+    base = rng.standard_normal((3, 32))
+    k = base[rng.integers(0, 3, C)] + 1e-3 * rng.standard_normal((C, 32))
+    k /= np.linalg.norm(k, axis=1, keepdims=True)
+    A = np.tril(0.999 * (k @ k.T), -1).astype(np.float32)
+    As = np.stack([np.where(np.arange(C)[:, None] < n, A, 0.0) for n in lens]).astype(np.float32)
+    interpret = mode == "interpret"
+
+    def kernel(a_ref, _, blocked_ref, plain_ref, scratch_ref):
+        p = pl.program_id(0)
+        n = jnp.where(p == 0, lens[0], lens[1])
+        blocked_ref[p] = kern._invert_unit_lower_blocked(a_ref[p], scratch_ref, p * C, 0, n,
+                                                         precise=True, interpret=interpret)
+        plain_ref[p] = kern._invert_unit_lower(a_ref[p], True, interpret)
+
+    scratch = jnp.full((2 * C + 5, 1, C), 1e30, F32)
+    tiles = jax.ShapeDtypeStruct((2, C, C), F32)
+    blocked, plain, scratch = (np.asarray(x) for x in pl.pallas_call(
+        kernel, out_shape=(tiles, tiles, jax.ShapeDtypeStruct(scratch.shape, F32)), grid=(2,),
+        input_output_aliases={1: 2}, interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))(As, scratch))
+    tol = 1e-6 if interpret else 1e-5  # three-pass TF32 merges round a little above fp32
+    for p, n in enumerate(lens):
+        want = np.linalg.inv(np.eye(n) + As[p, :n, :n].astype(np.float64))
+        errs = [rel_err(got[:n, :n], want) for got in (blocked[p], plain[p])]
+        assert max(errs) <= tol, (p, errs)
+        for got in (blocked[p], plain[p]):
+            assert np.all(got[:n, n:] == 0), (p, np.abs(got[:n, n:]).max())
+    assert np.all(scratch[C + lens[1]:] == 1e30), np.argwhere(scratch[C + lens[1]:] != 1e30)[:5]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_raw_gates_in_kernel(mode):
     lens = [90, 40]
@@ -332,13 +375,17 @@ def test_chunk_table_matches_a_walk_over_the_sequences(seed):
 
 # --------------------------------------------------------------------------- Triton lowering on CPU
 
-@pytest.mark.parametrize("raw,pooled,boundary,dtype,kda", [(False, False, False, BF16, False),
-                                                           (True, True, True, F32, False),
-                                                           (True, False, True, BF16, True),
-                                                           (False, True, False, BF16, True)])
-def test_variants_lower_to_triton_ir(lower_for_h200, raw, pooled, boundary, dtype, kda):
+@pytest.mark.parametrize("raw,pooled,boundary,dtype,kda,blocked",
+                         [(False, False, False, BF16, False, None),
+                          (True, True, True, F32, False, None),
+                          (True, False, True, BF16, True, None),
+                          (False, True, False, BF16, True, None),
+                          (False, False, False, BF16, False, True),
+                          (False, True, False, BF16, True, False)])
+def test_variants_lower_to_triton_ir(lower_for_h200, raw, pooled, boundary, dtype, kda, blocked):
     """Every kernel lowers to Triton IR for an H200 without a GPU (only PTX needs the device):
-    prep and scan, and KDA's intra-chunk kernel before them."""
+    prep and scan, and KDA's intra-chunk kernel before them; the prep with each gate form's
+    default inverse (None) and with the other one."""
     T, HK, HV, K = 256, 2, 4, 128
     spec = _spec(HK, HV, K, K, raw_gates=raw, pooled=pooled, boundary_states=boundary,
                  precise=dtype == F32, per_channel_gate=kda,
@@ -350,7 +397,8 @@ def test_variants_lower_to_triton_ir(lower_for_h200, raw, pooled, boundary, dtyp
     if raw:
         kw.update(A_log=jnp.ones(HV), dt_bias=jnp.ones(HV * K if kda else HV))
     hlo = kern.chunk_prefill.trace(x, x, y, jnp.ones((T, HV, K)) if kda else gate, gate, jnp.array([0, 100, T], jnp.int32),
-                                   spec=spec, block=kern.PrefillBlockSizes(), interpret=False,
+                                   spec=spec, block=kern.PrefillBlockSizes(blocked_inverse=blocked),
+                                   interpret=False,
                                    **kw).lower(lowering_platforms=("cuda",)).as_text()
     # prep, scan, KDA's intra-chunk kernel, and the q/k tame ahead of an in-kernel L2 norm
     assert hlo.count("__gpu$xla.gpu.triton") == (3 if kda else 2) + 2 * spec.use_qk_l2norm
@@ -732,3 +780,16 @@ def test_prefill_entry_points_without_a_kernel():
     with gdn_jax.interpret():
         _, _, chunks = gdn_prefill(*args, cu_seqlens=cu, chunk_states=True)
     assert np.asarray(chunks.count).tolist() == [1, 1]
+
+
+def test_front_door_declines_kda_fp32_above_64_only():
+    """The chunked family's support check sees the gate form: fp32 inputs at K = V = 128 run for
+    GDN and are declined (with the reason) for KDA, whose prep would overflow shared memory."""
+    from gdn_jax.prefill import CHUNKED_FAMILY, prefill_call
+    q = jnp.zeros((1, 8, 2, 128), F32)
+    v = jnp.zeros((1, 8, 4, 128), F32)
+    assert CHUNKED_FAMILY.supports(prefill_call(q, v, jnp.zeros((1, 8, 4)))) is None
+    why = CHUNKED_FAMILY.supports(prefill_call(q, v, jnp.zeros((1, 8, 4, 128))))
+    assert "KDA" in why and "shared memory" in why
+    assert CHUNKED_FAMILY.supports(prefill_call(q.astype(BF16), v.astype(BF16),
+                                                jnp.zeros((1, 8, 4, 128)))) is None
