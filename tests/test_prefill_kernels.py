@@ -5,6 +5,8 @@ marked `gpu`). Inputs are fresh random draws (never zeros); pools carry 1e30 sen
 write to a slot that was not named, or a read of padding, shows.
 """
 
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -199,17 +201,41 @@ def test_repeated_keys_with_beta_near_one(mode, dtype):
     assert rel_err(hT, rs) <= tol
 
 
-# Interpret mode only: this two-program harness (its own pallas_call around the function) does
-# not lower through Triton; compiled, the blocked inverse runs inside KDA's prep, where it is the
-# default for 16-bit inputs, under every gpu-marked KDA test.
-@pytest.mark.parametrize("mode", MODES[:1])
+def _both_inverses(lens, As, scratch, *, interpret):
+    """One program per entry of lens: (blocked inverse, register-only inverse, scratch after)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+    C = kern.CHUNK
+
+    def kernel(n_ref, a_ref, _, blocked_ref, plain_ref, scratch_ref):
+        p = pl.program_id(0)
+        n = n_ref[p]  # a loaded row count, as in the prep (a select of two Python ints here
+                      # does not lower through Triton)
+        blocked_ref[p] = kern._invert_unit_lower_blocked(a_ref[p], scratch_ref, p * C, 0, n,
+                                                         precise=True, interpret=interpret)
+        plain_ref[p] = kern._invert_unit_lower(a_ref[p], True, interpret)
+
+    tiles = jax.ShapeDtypeStruct(As.shape, F32)
+    return pl.pallas_call(
+        kernel, out_shape=(tiles, tiles, jax.ShapeDtypeStruct(scratch.shape, F32)),
+        grid=(len(lens),), input_output_aliases={2: 2}, interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))(
+            jnp.asarray(lens, jnp.int32), As, scratch)
+
+
+def test_blocked_inverse_harness_lowers_to_triton_ir(lower_for_h200):
+    C = kern.CHUNK
+    jax.jit(functools.partial(_both_inverses, (64, 37), interpret=False)).trace(
+        jnp.zeros((2, C, C), F32), jnp.zeros((2 * C + 5, 1, C), F32)).lower(
+            lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_blocked_inverse_against_float64(mode):
     """`_invert_unit_lower_blocked` (and `_invert_unit_lower`, the register-only form) on a hard
     A alone: keys that repeat three directions with beta 0.999, as in the test above. Two
     programs: a whole chunk, and one of 37 rows whose scratch rows past 37 hold 1e30 sentinels,
     standing for the next chunk's rows, that must keep their bits."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
     C, lens = kern.CHUNK, (64, 37)
     rng = np.random.default_rng(8)
     base = rng.standard_normal((3, 32))
@@ -218,20 +244,9 @@ def test_blocked_inverse_against_float64(mode):
     A = np.tril(0.999 * (k @ k.T), -1).astype(np.float32)
     As = np.stack([np.where(np.arange(C)[:, None] < n, A, 0.0) for n in lens]).astype(np.float32)
     interpret = mode == "interpret"
-
-    def kernel(a_ref, _, blocked_ref, plain_ref, scratch_ref):
-        p = pl.program_id(0)
-        n = jnp.where(p == 0, lens[0], lens[1])
-        blocked_ref[p] = kern._invert_unit_lower_blocked(a_ref[p], scratch_ref, p * C, 0, n,
-                                                         precise=True, interpret=interpret)
-        plain_ref[p] = kern._invert_unit_lower(a_ref[p], True, interpret)
-
     scratch = jnp.full((2 * C + 5, 1, C), 1e30, F32)
-    tiles = jax.ShapeDtypeStruct((2, C, C), F32)
-    blocked, plain, scratch = (np.asarray(x) for x in pl.pallas_call(
-        kernel, out_shape=(tiles, tiles, jax.ShapeDtypeStruct(scratch.shape, F32)), grid=(2,),
-        input_output_aliases={1: 2}, interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))(As, scratch))
+    blocked, plain, scratch = (np.asarray(x) for x in _both_inverses(lens, As, scratch,
+                                                                    interpret=interpret))
     tol = 1e-6 if interpret else 1e-5  # three-pass TF32 merges round a little above fp32
     for p, n in enumerate(lens):
         want = np.linalg.inv(np.eye(n) + As[p, :n, :n].astype(np.float64))
