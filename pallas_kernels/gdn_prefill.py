@@ -668,8 +668,7 @@ class _BlockRowExchange:
             for r, slot in picks:
                 dest = jnp.where(self.in_block == r, slot * self.nb + self.block, dest)
             plgpu.store(self.ref.at[(*self.at, buf, dest, self.lane)], x, mask=dest < end)
-        if not self.interpret:
-            plgpu.debug_barrier()
+        _barrier(self.interpret)
 
     def row(self, buf, slot, a):
         """Block a's row in slot, [1, n]."""
