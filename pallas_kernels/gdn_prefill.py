@@ -68,8 +68,12 @@ Dots: fp32 inputs use three-pass TF32 (fp32 accuracy on tensor cores). With bf16
 product with a bf16 row operand (raw q and k, v; KDA's stored decayed q, e^G k and W) takes
 that operand as it is and splits the fp32 side (state, deltas, KDA's T beta) into two bf16
 halves (`_dot_bf16x2`: ~16 significand bits, twice the tensor-core rate of TF32, half the
-registers); products between fp32 matrices (the block inverse, KDA's products of decayed rows,
-GDN's T beta times v - (e^G k) S, the intra-chunk matrix times the deltas) are one-pass TF32.
+registers); products between fp32 matrices (KDA's products of decayed rows, GDN's T beta times
+v - (e^G k) S, the intra-chunk matrix times the deltas, KDA's block-inverse merges) are one-pass
+TF32, except where fp16 operands round as finely and are known to fit fp16's range (twice the
+tensor-core rate): GDN's block inverse (`_invert_unit_lower_half`: checked per chunk, TF32 when
+the chunk's inverse is large) and, with q/k L2 norm, KDA's products below the diagonal blocks
+(operands bounded by 1).
 fp16 inputs take one-pass TF32 throughout (fp16 halves cannot hold a state's range). Between the
 kernels KDA's W, decayed q rows and e^G k are stored in the input dtype; KDA's decayed k rows,
 which build the state, in fp32; T beta, U, the intra-chunk matrix and KDA's k k^T in fp32 too:
@@ -98,6 +102,8 @@ SUB = 16                 # KDA's sub-chunk: blocks of the per-channel intra-chun
 INV_SUB = 16             # the blocked inverse's diagonal blocks, formed by substitution
 REF_SLOTS = 4            # KDA intra kernel: rows per SUB-row block in each buffer of its scratch
 DIAG_EXP_LIMIT = 40.0    # KDA: largest |G - G_mid| for the factored diagonal blocks (e^80 < 3e38)
+HALF_INVERSE_MAX_A = 4.0     # the fp16 inverse is kept when max |A| and max |T| are within these:
+HALF_INVERSE_MAX_T = 128.0   # every fp16 operand then stays below C * 4 * 128 = 32768 < 65504
 GATE_FLOOR = -88.0
 GATE_QUANTUM = 16.0      # hi parts of the gates are multiples of 1 / GATE_QUANTUM
 L2NORM_EPS = 1e-6
@@ -301,7 +307,7 @@ def _split_cumsum(g):
     return jnp.cumsum(hi, axis=0), jnp.cumsum(lo, axis=0)
 
 
-def _invert_unit_lower(A, precise, interpret):
+def _invert_unit_lower(A, precise, interpret, *, half=False):
     """(I + A)^-1 for a strictly lower-triangular [C, C] A, by recursive doubling of the
     triangular block inverse: with D the inverse of I + A on the diagonal blocks of size b, and
     L = A's entries below those blocks but inside the diagonal blocks of size 2b,
@@ -311,18 +317,41 @@ def _invert_unit_lower(A, precise, interpret):
     doubling, 10 for C = 64. This is the standard recursive triangular inversion, with error
     bounds like forward substitution's; it forms no powers of A (a truncated series
     I - A + A^2 - ... loses about three digits for repeated keys with beta near 1, where the
-    powers grow to ~C(15, 7) while the inverse stays O(1))."""
+    powers grow to ~C(15, 7) while the inverse stays O(1)).
+
+    half: every product takes fp16 operands (fp32 accumulation), which round to the same 11
+    significant bits as one-pass TF32 at twice its tensor-core rate and half its operand
+    registers, but hold only |x| < 65504: see `_invert_unit_lower_half`, which checks that."""
     c = A.shape[0]
     r = lax.broadcasted_iota(jnp.int32, (c, c), 0)
     col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
     dot = functools.partial(_dot, precise=precise, interpret=interpret)
+    h = (lambda x: x.astype(jnp.float16)) if half else (lambda x: x)
     D = (r == col).astype(F32) - jnp.where((r // 2 == col // 2) & (r != col), A, 0.0)  # b = 2
     b = 2
     while b < c:
         L = jnp.where(((r // (2 * b)) == (col // (2 * b))) & ((r // b) != (col // b)), A, 0.0)
-        D = D - dot(D, dot(L, D))
+        D = D - dot(h(D), h(dot(h(L), h(D))))
         b *= 2
     return D
+
+
+def _invert_unit_lower_half(A, interpret):
+    """`_invert_unit_lower` with fp16 operands where that is exact to one-pass TF32's rounding,
+    else with one-pass TF32 (a branch per program).
+
+    The doubling's operands are D, L and L D. D holds the inverse's own diagonal blocks (the
+    inverse of a block lower-triangular matrix has the blocks' inverses on its diagonal), so
+    |D| <= max |T|; |L| <= max |A|; |L D| <= C max |A| max |T|. With max |A| and max |T| within
+    HALF_INVERSE_MAX_A and HALF_INVERSE_MAX_T every operand is below 65504. The check runs on the
+    fp16 result: an operand that overflowed leaves an inf or NaN in T, which fails it (the
+    counts below treat NaN as out of range). Entries below fp16's normal range (6e-5) round to
+    absolute steps of 6e-8, below TF32's rounding of T's unit diagonal. q/k L2 norm and beta in
+    (0, 1) give |A| < 1; ill-conditioned chunks (T above 128) take the TF32 branch."""
+    T = _invert_unit_lower(A, False, interpret, half=True)
+    outside = lambda x, bound: jnp.sum(jnp.where(jnp.abs(x) <= bound, 0.0, 1.0))
+    ok = (outside(A, HALF_INVERSE_MAX_A) + outside(T, HALF_INVERSE_MAX_T)) == 0.0
+    return lax.cond(ok, lambda: T, lambda: _invert_unit_lower(A, False, interpret))
 
 
 def _barrier(interpret):
@@ -434,7 +463,9 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
         def invert(A, scratch):
             """T = (I + A)^-1; the blocked form passes its blocks through scratch's rows."""
             if not blocked_inverse:
-                return _invert_unit_lower(A, spec.precise, interpret)
+                if spec.precise:
+                    return _invert_unit_lower(A, True, interpret)
+                return _invert_unit_lower_half(A, interpret)
             return _invert_unit_lower_blocked(A, scratch, t0, h, n, precise=spec.precise,
                                               interpret=interpret)
 
@@ -551,6 +582,13 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) // SUB      # each row's block
         load = lambda ref: plgpu.load(ref, mask=live, other=0).astype(F32)
         dot = functools.partial(_dot, precise=spec.precise, interpret=interpret, trans_b=True)
+        # The products below the diagonal blocks take operands bounded by the rows' norms (the
+        # decays there are <= 1): L2-normalised, fp16 holds them with one-pass TF32's
+        # significand at twice its tensor-core rate. The diagonal blocks' factors e^{+-(G - G_m)}
+        # reach e^40, beyond fp16: those stay TF32.
+        bounded = lambda x: x
+        if spec.use_qk_l2norm and not spec.precise and spec.scale <= 1.0:
+            bounded = lambda x: x.astype(jnp.float16)
         factored_always = _factored_diagonal_always_safe(spec)
         rel = lambda x, y: (x[0] - y[0]) + (x[1] - y[1])  # G_x - G_y from (hi, lo) pairs
         exchange = _BlockRowExchange(rows_ref, (s, h), block_k, interpret)
@@ -605,8 +643,8 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
                 # exp of a positive exponent above block b's end may be inf: selected away
                 after = jnp.where(block > b, jnp.exp(rel(G, lasts[b])), 0.0)  # <= 1
                 kb = jnp.where(block == b, kt, 0.0)
-                kk = kk + dot(kn * after, kb)
-                qk = qk + dot(qn * after, kb)
+                kk = kk + dot(bounded(kn * after), bounded(kb))
+                qk = qk + dot(bounded(qn * after), bounded(kb))
             mid = rel(G, tuple(exchange.spread(buf, slot) for slot in MID))
 
             def factored():

@@ -257,6 +257,56 @@ def test_blocked_inverse_against_float64(mode):
     assert np.all(scratch[C + lens[1]:] == 1e30), np.argwhere(scratch[C + lens[1]:] != 1e30)[:5]
 
 
+def _half_inverses(As, *, interpret):
+    """One program per A: (`_invert_unit_lower_half`, its fp16 form alone, one-pass TF32)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    def kernel(a_ref, checked_ref, half_ref, tf32_ref):
+        p = pl.program_id(0)
+        A = a_ref[p]
+        checked_ref[p] = kern._invert_unit_lower_half(A, interpret)
+        half_ref[p] = kern._invert_unit_lower(A, False, interpret, half=True)
+        tf32_ref[p] = kern._invert_unit_lower(A, False, interpret)
+
+    tiles = jax.ShapeDtypeStruct(As.shape, F32)
+    return pl.pallas_call(
+        kernel, out_shape=(tiles, tiles, tiles), grid=(As.shape[0],), interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))(As)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_half_inverse_falls_back_where_fp16_cannot_hold_it(mode):
+    """The fp16 block inverse is kept exactly where its operands fit fp16 (bit-equal to the fp16
+    form alone) and replaced by one-pass TF32 elsewhere (bit-equal to that): a chunk of
+    L2-normalised keys with beta in (0, 1) and decays (kept), the repeated keys with beta 0.999
+    (kept), an entry of A above HALF_INVERSE_MAX_A with a small inverse (TF32), and a
+    subdiagonal of -2, whose inverse holds 2^(i - j) up to 2^63 and overflows fp16 (TF32)."""
+    C = kern.CHUNK
+    rng = np.random.default_rng(9)
+    lower = np.tril(np.ones((C, C)), -1)
+    k = rng.standard_normal((C, 32))
+    k /= np.linalg.norm(k, axis=1, keepdims=True)
+    G = np.cumsum(-np.logaddexp(0.0, rng.standard_normal(C) - 2.0))
+    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal(C)))
+    typical = lower * beta[:, None] * (k @ k.T) * np.exp(G[:, None] - G[None, :])
+    base = rng.standard_normal((3, 32))
+    kr = base[rng.integers(0, 3, C)] + 1e-3 * rng.standard_normal((C, 32))
+    kr /= np.linalg.norm(kr, axis=1, keepdims=True)
+    repeated = lower * 0.999 * (kr @ kr.T)
+    one_large = np.zeros((C, C))
+    one_large[40, 3] = 2 * kern.HALF_INVERSE_MAX_A
+    growing = -2.0 * np.eye(C, k=-1)
+    As = np.stack([typical, repeated, one_large, growing]).astype(np.float32)
+    checked, half, tf32 = (np.asarray(x) for x in _half_inverses(As, interpret=mode == "interpret"))
+    for p, kept in enumerate([True, True, False, False]):
+        assert np.array_equal(checked[p], half[p] if kept else tf32[p]), p
+        assert np.all(np.isfinite(checked[p])), p
+        want = np.linalg.inv(np.eye(C) + As[p].astype(np.float64))
+        assert rel_err(checked[p], want) <= 2e-3, (p, rel_err(checked[p], want))
+    assert not np.all(np.isfinite(half[3]))  # the fp16 form alone overflows there
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_raw_gates_in_kernel(mode):
     lens = [90, 40]
