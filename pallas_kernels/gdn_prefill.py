@@ -75,12 +75,15 @@ tensor-core rate): GDN's block inverse (`_invert_unit_lower_half`: checked per c
 the chunk's inverse is large) and, with q/k L2 norm, KDA's products below the diagonal blocks
 (operands bounded by 1).
 fp16 inputs take one-pass TF32 throughout (fp16 halves cannot hold a state's range). Between the
-kernels KDA's W, decayed q rows and e^G k are stored in the input dtype; KDA's decayed k rows,
-which build the state, in fp32; T beta, U, the intra-chunk matrix and KDA's k k^T in fp32 too:
-when a chunk repeats keys with beta near 1 and gates near 0, (I + A) is near singular, T's
-entries and U's rows are large and the deltas cancel, and the output sums large intra-chunk
-terms that cancel, so 16-bit copies of these matrices cost the state and the output several
-times bf16's rounding (tests/test_prefill_kernels.py, repeated keys).
+kernels KDA's W, decayed q rows and e^G k are stored in the input dtype; T beta, U and KDA's
+k k^T in fp32: when a chunk repeats keys with beta near 1 and gates near 0, (I + A) is near
+singular, T's entries and U's rows are large and the deltas cancel, so bf16 copies of these
+matrices cost the state and the output several times bf16's rounding
+(tests/test_prefill_kernels.py, repeated keys). The intra-chunk matrix and KDA's decayed k rows
+(which build the state) enter the scan's products only through one-pass TF32, which rounds them
+to fp16's 11 significant bits: with q/k L2 norm and 16-bit inputs (`_bounded_by_one`: every
+entry bounded by 1) they are stored in fp16, which loses nothing to that rounding and halves the
+scan's reads of them; otherwise in fp32.
 """
 
 from __future__ import annotations
@@ -423,6 +426,13 @@ def _invert_unit_lower_blocked(A, scratch, t0, h, n, *, precise, interpret):
     return blocks[0]
 
 
+def _bounded_by_one(spec: PrefillSpec) -> bool:
+    """Whether the normalised rows (and, decayed by factors <= 1, their products) are bounded by
+    1 in magnitude, so fp16 holds them, and 16-bit inputs take one-pass TF32 products whose
+    operand rounding is fp16's."""
+    return spec.use_qk_l2norm and not spec.precise and spec.scale <= 1.0
+
+
 def _factored_diagonal_always_safe(spec: PrefillSpec) -> bool:
     """Whether the gate form alone bounds every diagonal-block exponent by DIAG_EXP_LIMIT: the
     lower-bound gate g >= lb spans at most SUB // 2 * |lb| between a row and its block's middle
@@ -587,7 +597,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         # significand at twice its tensor-core rate. The diagonal blocks' factors e^{+-(G - G_m)}
         # reach e^40, beyond fp16: those stay TF32.
         bounded = lambda x: x
-        if spec.use_qk_l2norm and not spec.precise and spec.scale <= 1.0:
+        if _bounded_by_one(spec):
             bounded = lambda x: x.astype(jnp.float16)
         factored_always = _factored_diagonal_always_safe(spec)
         rel = lambda x, y: (x[0] - y[0]) + (x[1] - y[1])  # G_x - G_y from (hi, lo) pairs
@@ -669,7 +679,8 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         zero = jnp.zeros((C, C), F32)
         kk, qk = lax.fori_loop(0, K // block_k, channels, (zero, zero))
         plgpu.store(kk_ref.at[tok, h, :], jnp.where(j < i, kk, 0.0), mask=live)
-        plgpu.store(aqk_ref.at[tok, h, :], jnp.where(j <= i, qk, 0.0), mask=live)
+        plgpu.store(aqk_ref.at[tok, h, :], jnp.where(j <= i, qk, 0.0).astype(aqk_ref.dtype),
+                    mask=live)
 
 
 class _BlockRowExchange:
@@ -830,21 +841,24 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
     T_total, HV, K = g.shape
     # KDA's decayed q rows only feed the output, so for bf16 inputs they are stored in bf16
     # (exact tensor-core operands, half the scan's reads of them; the output is rounded to bf16
-    # anyway). The decayed k rows build the state and stay fp32: in bf16 they cost the final
-    # state ~5x its error against float64 (BENCHMARKS.md, KDA prefill). e^G k (for W) is stored
-    # in the input dtype: bf16 e^G k times the split T beta rounds about as much as a one-pass
-    # TF32 product of fp32 rows would (the state's error against float64 is the same on the
-    # H200, BENCHMARKS.md).
+    # anyway). The decayed k rows build the state: in bf16 they cost the final state ~5x its
+    # error against float64 (BENCHMARKS.md, KDA prefill); they and q k^T go through memory in
+    # fp16 where bounded by 1 (the scan's one-pass TF32 products round them to fp16's
+    # significand anyway), else in fp32. e^G k (for W) is stored in the input dtype: bf16 e^G k
+    # times the split T beta rounds about as much as a one-pass TF32 product of fp32 rows would
+    # (the state's error against float64 is the same on the H200, BENCHMARKS.md).
     q_rows_dtype = rows_dtype if rows_dtype == jnp.bfloat16 else F32
+    bounded_dtype = jnp.float16 if _bounded_by_one(spec) else F32
     rows = (T_total, HV, K)
     num_slots = start.shape[0]
     *outputs, _ = pl.pallas_call(
         functools.partial(_kda_intra_kernel, spec=spec, block_k=block.block_k,
                           interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),  # k k^T e^{G_i - G_j}, j < i
-                   jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),  # q k^T e^{G_i - G_j}, j <= i
+                   # q k^T e^{G_i - G_j}, j <= i
+                   jax.ShapeDtypeStruct((T_total, HV, CHUNK), bounded_dtype),
                    jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
-                   jax.ShapeDtypeStruct(rows, F32),                  # k: norm * e^{G_C - G}
+                   jax.ShapeDtypeStruct(rows, bounded_dtype),        # k: norm * e^{G_C - G}
                    jax.ShapeDtypeStruct(rows, rows_dtype),           # e^G k: norm * e^G
                    jax.ShapeDtypeStruct((num_slots, HV, K), F32),    # e^{G_C}
                    # each program's scratch for its reference rows (_BlockRowExchange; a
@@ -890,7 +904,8 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
         out_shape=(only(not kda, (T_total, HV, CHUNK)),          # T beta = (I + A)^-1 beta
                    only(kda, (T_total, HV, K), v.dtype),         # W
                    only(kda, (T_total, HV, V)),                  # U
-                   only(not kda, (T_total, HV, CHUNK)),          # q k^T e^{G_i - G_j}, j <= i
+                   only(not kda, (T_total, HV, CHUNK),
+                        jnp.float16 if _bounded_by_one(spec) else F32),  # q k^T e^{G_i - G_j}
                    only(not kda, (T_total, HV)),                 # q: norm * scale * e^G
                    only(not kda, (T_total, HV)),                 # k: norm * e^{G_C - G}
                    only(not kda, (T_total, HV)),                 # k: norm * e^G
