@@ -74,10 +74,10 @@ TF32, except where fp16 operands round as finely and are known to fit fp16's ran
 tensor-core rate): GDN's block inverse (`_invert_unit_lower_half`: checked per chunk, TF32 when
 the chunk's inverse is large) and, with q/k L2 norm, KDA's products below the diagonal blocks
 (operands bounded by 1).
-fp16 inputs take one-pass TF32 throughout (fp16 halves cannot hold a state's range). Between the
-kernels KDA's W, decayed q rows and e^G k are stored in the input dtype; T beta, U and KDA's
-k k^T in fp32: when a chunk repeats keys with beta near 1 and gates near 0, (I + A) is near
-singular, T's entries and U's rows are large and the deltas cancel, so bf16 copies of these
+fp16 inputs take one-pass TF32 where bf16 inputs split (fp16 halves cannot hold a state's range).
+Between the kernels KDA's W, decayed q rows and e^G k are stored in the input dtype; T beta, U
+and KDA's k k^T in fp32: when a chunk repeats keys with beta near 1 and gates near 0, (I + A) is
+near singular, T's entries and U's rows are large and the deltas cancel, so bf16 copies of these
 matrices cost the state and the output several times bf16's rounding
 (tests/test_prefill_kernels.py, repeated keys). The intra-chunk matrix and KDA's decayed k rows
 (which build the state) enter the scan's products only through one-pass TF32, which rounds them
@@ -427,9 +427,10 @@ def _invert_unit_lower_blocked(A, scratch, t0, h, n, *, precise, interpret):
 
 
 def _bounded_by_one(spec: PrefillSpec) -> bool:
-    """Whether the normalised rows (and, decayed by factors <= 1, their products) are bounded by
-    1 in magnitude, so fp16 holds them, and 16-bit inputs take one-pass TF32 products whose
-    operand rounding is fp16's."""
+    """Whether every entry of the normalised rows decayed by factors <= 1, and of their products
+    (q k^T with the scale), is bounded by 1 in magnitude (q/k L2 norm, scale <= 1), and the
+    call's fp32 products are one-pass TF32 (16-bit inputs): fp16 then holds those values with
+    the rounding the products give them anyway."""
     return spec.use_qk_l2norm and not spec.precise and spec.scale <= 1.0
 
 
