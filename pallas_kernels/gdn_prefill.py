@@ -434,6 +434,11 @@ def _bounded_by_one(spec: PrefillSpec) -> bool:
     return spec.use_qk_l2norm and not spec.precise and spec.scale <= 1.0
 
 
+def _bounded_dtype(spec: PrefillSpec):
+    """The dtype of those bounded values as operands and between the kernels."""
+    return jnp.float16 if _bounded_by_one(spec) else F32
+
+
 def _factored_diagonal_always_safe(spec: PrefillSpec) -> bool:
     """Whether the gate form alone bounds every diagonal-block exponent by DIAG_EXP_LIMIT: the
     lower-bound gate g >= lb spans at most SUB // 2 * |lb| between a row and its block's middle
@@ -597,9 +602,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         # decays there are <= 1): L2-normalised, fp16 holds them with one-pass TF32's
         # significand at twice its tensor-core rate. The diagonal blocks' factors e^{+-(G - G_m)}
         # reach e^40, beyond fp16: those stay TF32.
-        bounded = lambda x: x
-        if _bounded_by_one(spec):
-            bounded = lambda x: x.astype(jnp.float16)
+        bounded = lambda x: x.astype(_bounded_dtype(spec))
         factored_always = _factored_diagonal_always_safe(spec)
         rel = lambda x, y: (x[0] - y[0]) + (x[1] - y[1])  # G_x - G_y from (hi, lo) pairs
         exchange = _BlockRowExchange(rows_ref, (s, h), block_k, interpret)
@@ -849,7 +852,7 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
     # times the split T beta rounds about as much as a one-pass TF32 product of fp32 rows would
     # (the state's error against float64 is the same on the H200, BENCHMARKS.md).
     q_rows_dtype = rows_dtype if rows_dtype == jnp.bfloat16 else F32
-    bounded_dtype = jnp.float16 if _bounded_by_one(spec) else F32
+    bounded_dtype = _bounded_dtype(spec)
     rows = (T_total, HV, K)
     num_slots = start.shape[0]
     *outputs, _ = pl.pallas_call(
@@ -905,8 +908,7 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
         out_shape=(only(not kda, (T_total, HV, CHUNK)),          # T beta = (I + A)^-1 beta
                    only(kda, (T_total, HV, K), v.dtype),         # W
                    only(kda, (T_total, HV, V)),                  # U
-                   only(not kda, (T_total, HV, CHUNK),
-                        jnp.float16 if _bounded_by_one(spec) else F32),  # q k^T e^{G_i - G_j}
+                   only(not kda, (T_total, HV, CHUNK), _bounded_dtype(spec)),  # q k^T e^{G_i - G_j}
                    only(not kda, (T_total, HV)),                 # q: norm * scale * e^G
                    only(not kda, (T_total, HV)),                 # k: norm * e^{G_C - G}
                    only(not kda, (T_total, HV)),                 # k: norm * e^G
