@@ -19,7 +19,10 @@ form of the delta rule):
    does not depend on the state: gates from raw projections, in-chunk cumulative decay, the
    q/k L2 norms (kept as row factors: q and k are never rewritten), A and its inverse; it writes
    T beta, the masked intra-chunk attention matrix, three row factors (q: norm * scale * e^G;
-   k: norm * e^{G_C - G} and norm * e^G) and the chunk's total decay e^{G_C}.
+   k: norm * e^{G_C - G} and norm * e^G) and the chunk's total decay e^{G_C}. With 16-bit
+   inputs its inverse takes fp16 operands and it flags the chunks where those did not fit;
+   `_prep_redo_kernel`, a second pass over the same grid, forms those chunks' T beta again in
+   one-pass TF32 (the others' programs only read their flag).
 2. `_scan_kernel` (one program per sequence, value head and block of value columns) walks the
    chunks of its sequence in order with the [K, block_v] state slab in registers: five matrix
    products per chunk on the tensor cores (k S, the deltas, q S, the intra-chunk matrix times
@@ -71,8 +74,8 @@ halves (`_dot_bf16x2`: ~16 significand bits, twice the tensor-core rate of TF32,
 registers); products between fp32 matrices (KDA's products of decayed rows, GDN's T beta times
 v - (e^G k) S, the intra-chunk matrix times the deltas, KDA's block-inverse merges) are one-pass
 TF32, except where fp16 operands round as finely and are known to fit fp16's range (twice the
-tensor-core rate): GDN's block inverse (`_invert_unit_lower_half`: checked per chunk, TF32 when
-the chunk's inverse is large) and, with q/k L2 norm, KDA's products below the diagonal blocks
+tensor-core rate): GDN's block inverse (`_half_inverse_fits`: checked per chunk, formed again
+in TF32 by the redo pass when the chunk's inverse is large) and, with q/k L2 norm, KDA's products below the diagonal blocks
 (operands bounded by 1).
 fp16 inputs take one-pass TF32 where bf16 inputs split (fp16 halves cannot hold a state's range).
 Between the kernels KDA's W, decayed q rows and e^G k are stored in the input dtype; T beta, U
@@ -324,7 +327,7 @@ def _invert_unit_lower(A, precise, interpret, *, half=False):
 
     half: every product takes fp16 operands (fp32 accumulation), which round to the same 11
     significant bits as one-pass TF32 at twice its tensor-core rate and half its operand
-    registers, but hold only |x| < 65504: see `_invert_unit_lower_half`, which checks that."""
+    registers, but hold only |x| < 65504: see `_half_inverse_fits`, which checks that."""
     c = A.shape[0]
     r = lax.broadcasted_iota(jnp.int32, (c, c), 0)
     col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
@@ -339,9 +342,10 @@ def _invert_unit_lower(A, precise, interpret, *, half=False):
     return D
 
 
-def _invert_unit_lower_half(A, interpret):
-    """`_invert_unit_lower` with fp16 operands where that is exact to one-pass TF32's rounding,
-    else with one-pass TF32 (a branch per program).
+def _half_inverse_fits(A, T):
+    """Whether T, `_invert_unit_lower(A, half=True)`, is exact to one-pass TF32's rounding (its
+    fp16 operands all held in range); where not, the chunk's inverse is formed again in one-pass
+    TF32 (GDN: `_prep_redo_kernel`).
 
     The doubling's operands are D, L and L D. D holds the inverse's own diagonal blocks (the
     inverse of a block lower-triangular matrix has the blocks' inverses on its diagonal), so
@@ -350,11 +354,9 @@ def _invert_unit_lower_half(A, interpret):
     fp16 result: an operand that overflowed leaves an inf or NaN in T, which fails it (the
     counts below treat NaN as out of range). Entries below fp16's normal range (6e-5) round to
     absolute steps of 6e-8, below TF32's rounding of T's unit diagonal. q/k L2 norm and beta in
-    (0, 1) give |A| < 1; ill-conditioned chunks (T above 128) take the TF32 branch."""
-    T = _invert_unit_lower(A, False, interpret, half=True)
+    (0, 1) give |A| < 1; ill-conditioned chunks (T above 128) take the TF32 form."""
     outside = lambda x, bound: jnp.sum(jnp.where(jnp.abs(x) <= bound, 0.0, 1.0))
-    ok = (outside(A, HALF_INVERSE_MAX_A) + outside(T, HALF_INVERSE_MAX_T)) == 0.0
-    return lax.cond(ok, lambda: T, lambda: _invert_unit_lower(A, False, interpret))
+    return (outside(A, HALF_INVERSE_MAX_A) + outside(T, HALF_INVERSE_MAX_T)) == 0.0
 
 
 def _barrier(interpret):
@@ -457,9 +459,62 @@ def _raw_log_decay(x, A_log, dt, spec: PrefillSpec):
 
 # --------------------------------------------------------------------------- kernel 1: chunk prep
 
+def _chunk_gate_beta(g_ref, beta_ref, A_log_ref, dt_ref, tok, h, rows, spec: PrefillSpec):
+    """The chunk's per-token log decays (GDN; KDA's per-channel ones are the intra kernel's) and
+    write strengths [C], from the raw projections when spec.raw_gates; 0 past the chunk."""
+    load = lambda ref: plgpu.load(ref.at[tok, h], mask=rows, other=0).astype(F32)
+    beta = load(beta_ref)
+    if not spec.raw_gates:
+        return (lambda: load(g_ref)), beta
+
+    def gate():
+        g = _raw_log_decay(load(g_ref), A_log_ref[h].astype(F32), dt_ref[h].astype(F32), spec)
+        return jnp.where(rows, g, 0.0)
+    return gate, jnp.where(rows, jax.nn.sigmoid(beta), 0.0)
+
+
+def _gdn_chunk(k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, n, h, hk, spec: PrefillSpec):
+    """What GDN's chunk prep and its TF32 redo both start from: the raw k rows [C, K] (input
+    dtype), their L2 norm factors rk [C], the cumulative decays (hi, lo) [C], the decays
+    e^{G_i - G_j} [C, C] (0 above the diagonal) and beta [C]."""
+    C = CHUNK
+    rows = lax.broadcasted_iota(jnp.int32, (C,), 0) < n
+    tok = pl.ds(t0, C)
+    gate, beta = _chunk_gate_beta(g_ref, beta_ref, A_log_ref, dt_ref, tok, h, rows, spec)
+    k_in = plgpu.load(k_ref.at[tok, hk, :], mask=rows[:, None], other=0)
+    k = k_in.astype(F32)
+    rk = (lax.rsqrt(jnp.sum(k * k, axis=1) + L2NORM_EPS) if spec.use_qk_l2norm
+          else jnp.ones((C,), F32))
+    G = _split_cumsum(gate())
+    i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    seg = (G[0][:, None] - G[0][None, :]) + (G[1][:, None] - G[1][None, :])
+    decay = jnp.exp(jnp.where(i >= j, seg, -jnp.inf))                   # e^{G_i - G_j}, j <= i
+    return k_in, rk, G, decay, beta
+
+
+def _gdn_system(k_in, rk, decay, beta, *, precise, interpret):
+    """A_ij = beta_i (kn_i . kn_j) e^{G_i - G_j} below the diagonal, 0 elsewhere."""
+    C = CHUNK
+    i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    kk = _dot(k_in, k_in, precise, trans_b=True, interpret=interpret) * (rk[:, None] * rk[None, :])
+    return jnp.where(i > j, beta[:, None] * kk * decay, 0.0)
+
+
+def _half_inverse(spec: PrefillSpec, blocked_inverse: bool) -> bool:
+    """Whether the prep forms (I + A)^-1 with fp16 operands and flags the chunks where that
+    does not hold for `_prep_redo_kernel` (GDN, 16-bit inputs, the register-tile inverse).
+    The TF32 fallback runs as a second pass rather than a branch in the prep: a branch's code
+    is allocated registers with the rest of the kernel, and the TF32 form's fp32 operands made
+    the prep spill to local memory on every chunk (BENCHMARKS.md)."""
+    return not spec.per_channel_gate and not spec.precise and not blocked_inverse
+
+
 def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log_ref, dt_ref,
                  kk_ref, ek_ref, tb_ref, w_ref, u_ref, aqk_ref, fq_ref, fk_ref, fw_ref, decay_ref,
-                 kk_out_ref, *, spec: PrefillSpec, blocked_inverse: bool, interpret: bool):
+                 kk_out_ref, redo_ref, *, spec: PrefillSpec, blocked_inverse: bool,
+                 interpret: bool):
     s, h = pl.program_id(0), pl.program_id(1)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
@@ -478,29 +533,20 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
 
         def invert(A, scratch):
             """T = (I + A)^-1; the blocked form passes its blocks through scratch's rows."""
-            if not blocked_inverse:
-                if spec.precise:
-                    return _invert_unit_lower(A, True, interpret)
-                return _invert_unit_lower_half(A, interpret)
-            return _invert_unit_lower_blocked(A, scratch, t0, h, n, precise=spec.precise,
-                                              interpret=interpret)
-
-        def gate():
-            """The chunk's log decays [C]."""
-            g = load(g_ref.at[tok, h], rows)
-            if not spec.raw_gates:
-                return g
-            g = _raw_log_decay(g, A_log_ref[h].astype(F32), dt_ref[h].astype(F32), spec)
-            return jnp.where(rows, g, 0.0)
-
-        beta = load(beta_ref.at[tok, h], rows)
-        if spec.raw_gates:
-            beta = jnp.where(rows, jax.nn.sigmoid(beta), 0.0)
+            if blocked_inverse:
+                return _invert_unit_lower_blocked(A, scratch, t0, h, n, precise=spec.precise,
+                                                  interpret=interpret)
+            if not _half_inverse(spec, blocked_inverse):
+                return _invert_unit_lower(A, spec.precise, interpret)
+            T = _invert_unit_lower(A, False, interpret, half=True)
+            redo_ref[s, h] = jnp.where(_half_inverse_fits(A, T), 0, 1).astype(redo_ref.dtype)
+            return T
 
         if spec.per_channel_gate:
             # `_kda_intra_kernel` formed k k^T with the per-channel decays (masked to j < i)
             # and the rows e^G k; what is left is the solve, W = (T beta) (e^G k) and
             # U = (T beta) v.
+            _, beta = _chunk_gate_beta(g_ref, beta_ref, A_log_ref, dt_ref, tok, h, rows, spec)
             if blocked_inverse:
                 # k k^T's buffer is the blocked inverse's scratch (kk_out_ref aliases kk_ref):
                 # read through the ref that is written, below the diagonal only, where the
@@ -520,18 +566,12 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
         else:
             # GDN: q and k stay raw; their L2 norms and the decays are per-row factors applied
             # to the products (for 16-bit inputs the raw rows are exact tensor-core operands).
-            k_in = plgpu.load(k_ref.at[tok, hk, :], mask=rows2, other=0)
+            k_in, rk, (G_hi, G_lo), decay, beta = _gdn_chunk(
+                k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, n, h, hk, spec)
             q_in = plgpu.load(q_ref.at[tok, hk, :], mask=rows2, other=0)
-            k, q = k_in.astype(F32), q_in.astype(F32)  # for the norms
-            if spec.use_qk_l2norm:
-                rk = lax.rsqrt(jnp.sum(k * k, axis=1) + L2NORM_EPS)
-                rq = lax.rsqrt(jnp.sum(q * q, axis=1) + L2NORM_EPS) * jnp.float32(spec.scale)
-            else:
-                rk = jnp.ones((C,), F32)
-                rq = jnp.full((C,), spec.scale, F32)
-            G_hi, G_lo = _split_cumsum(gate())
-            seg = (G_hi[:, None] - G_hi[None, :]) + (G_lo[:, None] - G_lo[None, :])
-            decay = jnp.exp(jnp.where(i >= j, seg, -jnp.inf))               # e^{G_i - G_j}, j <= i
+            q = q_in.astype(F32)  # for the norm
+            rq = (lax.rsqrt(jnp.sum(q * q, axis=1) + L2NORM_EPS) if spec.use_qk_l2norm
+                  else jnp.ones((C,), F32)) * jnp.float32(spec.scale)
             last_hi = jnp.sum(jnp.where(j == C - 1, G_hi[None, :], 0.0), axis=1)  # [C], all G_C
             last_lo = jnp.sum(jnp.where(j == C - 1, G_lo[None, :], 0.0), axis=1)
             eG = jnp.exp(G_hi + G_lo)
@@ -541,13 +581,34 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             store(fw_ref.at[tok, h], rk * eG, rows)
             qk = dot(q_in, k_in, trans_b=True) * (rq[:, None] * rk[None, :])
             store(aqk_ref.at[tok, h, :], qk * decay, rows2)
-            kk = dot(k_in, k_in, trans_b=True) * (rk[:, None] * rk[None, :])
-            A = jnp.where(i > j, beta[:, None] * kk * decay, 0.0)
+            A = _gdn_system(k_in, rk, decay, beta, precise=spec.precise, interpret=interpret)
             # T beta's own rows are the blocked inverse's scratch until T is in registers
             T = invert(A, tb_ref)
             if blocked_inverse:  # after every thread's last read of the inverse's blocks
                 _barrier(interpret)
             store(tb_ref.at[tok, h, :], T * beta[None, :], rows2)
+
+
+def _prep_redo_kernel(start_ref, len_ref, k_ref, g_ref, beta_ref, A_log_ref, dt_ref, redo_ref,
+                      tb_in_ref, tb_ref, *, spec: PrefillSpec, interpret: bool):
+    """T beta again, with the one-pass TF32 inverse, for the GDN chunks the prep flagged (its
+    fp16 inverse did not fit: `_half_inverse_fits`); the other chunks' rows stay as they are
+    (tb_ref aliases tb_in_ref)."""
+    del tb_in_ref
+    s, h = pl.program_id(0), pl.program_id(1)
+    hk = h // (spec.num_v_heads // spec.num_k_heads)
+    t0, n = start_ref[s], len_ref[s]
+
+    @pl.when(n > 0)
+    def _():
+        @pl.when(redo_ref[s, h] != 0)
+        def _():
+            k_in, rk, _, decay, beta = _gdn_chunk(
+                k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, n, h, hk, spec)
+            A = _gdn_system(k_in, rk, decay, beta, precise=False, interpret=interpret)
+            T = _invert_unit_lower(A, False, interpret)
+            rows = (lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n)[:, None]
+            plgpu.store(tb_ref.at[pl.ds(t0, CHUNK), h, :], T * beta[None, :], mask=rows)
 
 
 # ---------------------------------------------------------------- KDA: intra-chunk products
@@ -902,7 +963,8 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
     # contents afterwards unused); GDN's takes T beta's own rows before T beta is written.
     blocked = block.blocked_inverse_for(spec)
     kda_scratch = kda and blocked
-    *outs, _ = pl.pallas_call(
+    half_inverse = _half_inverse(spec, blocked)
+    *outs, _, redo = pl.pallas_call(
         functools.partial(_prep_kernel, spec=spec, blocked_inverse=blocked,
                           interpret=interpret),
         out_shape=(only(not kda, (T_total, HV, CHUNK)),          # T beta = (I + A)^-1 beta
@@ -913,7 +975,10 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
                    only(not kda, (T_total, HV)),                 # k: norm * e^{G_C - G}
                    only(not kda, (T_total, HV)),                 # k: norm * e^G
                    only(not kda, (start.shape[0], HV)),          # e^{G_C}
-                   only(kda_scratch, kk.shape)),                 # k k^T (the inverse's scratch)
+                   only(kda_scratch, kk.shape),                  # k k^T (the inverse's scratch)
+                   # 1 where the fp16 inverse did not fit (_half_inverse_fits)
+                   jax.ShapeDtypeStruct((start.shape[0], HV) if half_inverse else (1, 1),
+                                        jnp.int32)),
         grid=(start.shape[0], HV),
         input_output_aliases={9: 8} if kda_scratch else {},
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
@@ -921,6 +986,16 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
         name="gdn_prefill_prep",
     )(start, length, q, k, v, g, beta, A_log, dt_bias, kk, ek)
     tb, w, u, *gdn_outputs = outs
+    if half_inverse:
+        tb = pl.pallas_call(
+            functools.partial(_prep_redo_kernel, spec=spec, interpret=interpret),
+            out_shape=jax.ShapeDtypeStruct(tb.shape, tb.dtype),
+            grid=(start.shape[0], HV),
+            input_output_aliases={8: 0},
+            compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
+            interpret=interpret,
+            name="gdn_prefill_prep_tf32",
+        )(start, length, k, g, beta, A_log, dt_bias, redo, tb)
     if not kda:
         aqk, fq, fk, fw, decay = gdn_outputs
     else:

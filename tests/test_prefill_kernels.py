@@ -258,29 +258,32 @@ def test_blocked_inverse_against_float64(mode):
 
 
 def _half_inverses(As, *, interpret):
-    """One program per A: (`_invert_unit_lower_half`, its fp16 form alone, one-pass TF32)."""
+    """One program per A: (`_half_inverse_fits` of its fp16 inverse, that inverse, the one-pass
+    TF32 inverse)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    def kernel(a_ref, checked_ref, half_ref, tf32_ref):
+    def kernel(a_ref, fits_ref, half_ref, tf32_ref):
         p = pl.program_id(0)
         A = a_ref[p]
-        checked_ref[p] = kern._invert_unit_lower_half(A, interpret)
-        half_ref[p] = kern._invert_unit_lower(A, False, interpret, half=True)
+        half = kern._invert_unit_lower(A, False, interpret, half=True)
+        fits_ref[p] = jnp.where(kern._half_inverse_fits(A, half), 1, 0).astype(jnp.int32)
+        half_ref[p] = half
         tf32_ref[p] = kern._invert_unit_lower(A, False, interpret)
 
     tiles = jax.ShapeDtypeStruct(As.shape, F32)
     return pl.pallas_call(
-        kernel, out_shape=(tiles, tiles, tiles), grid=(As.shape[0],), interpret=interpret,
+        kernel, out_shape=(jax.ShapeDtypeStruct(As.shape[:1], jnp.int32), tiles, tiles),
+        grid=(As.shape[0],), interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))(As)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_half_inverse_falls_back_where_fp16_cannot_hold_it(mode):
-    """The fp16 block inverse is kept exactly where its operands fit fp16 (bit-equal to the fp16
-    form alone) and replaced by one-pass TF32 elsewhere (bit-equal to that): a chunk of
-    L2-normalised keys with beta in (0, 1) and decays (kept), the repeated keys with beta 0.999
-    (kept), an entry of A above HALF_INVERSE_MAX_A with a small inverse (TF32), and a
+    """The check on the fp16 block inverse passes exactly where its operands fit fp16, and the
+    inverse it keeps (fp16 where it passes, one-pass TF32 elsewhere) is within 2e-3 of float64:
+    a chunk of L2-normalised keys with beta in (0, 1) and decays (kept), the repeated keys with
+    beta 0.999 (kept), an entry of A above HALF_INVERSE_MAX_A with a small inverse (TF32), and a
     subdiagonal of -2, whose inverse holds 2^(i - j) up to 2^63 and overflows fp16 (TF32)."""
     C = kern.CHUNK
     rng = np.random.default_rng(9)
@@ -298,13 +301,54 @@ def test_half_inverse_falls_back_where_fp16_cannot_hold_it(mode):
     one_large[40, 3] = 2 * kern.HALF_INVERSE_MAX_A
     growing = -2.0 * np.eye(C, k=-1)
     As = np.stack([typical, repeated, one_large, growing]).astype(np.float32)
-    checked, half, tf32 = (np.asarray(x) for x in _half_inverses(As, interpret=mode == "interpret"))
-    for p, kept in enumerate([True, True, False, False]):
-        assert np.array_equal(checked[p], half[p] if kept else tf32[p]), p
-        assert np.all(np.isfinite(checked[p])), p
+    fits, half, tf32 = (np.asarray(x) for x in _half_inverses(As, interpret=mode == "interpret"))
+    assert fits.tolist() == [1, 1, 0, 0], fits
+    for p in range(len(As)):
+        checked = half[p] if fits[p] else tf32[p]
+        assert np.all(np.isfinite(checked)), p
         want = np.linalg.inv(np.eye(C) + As[p].astype(np.float64))
-        assert rel_err(checked[p], want) <= 2e-3, (p, rel_err(checked[p], want))
+        assert rel_err(checked, want) <= 2e-3, (p, rel_err(checked, want))
     assert not np.all(np.isfinite(half[3]))  # the fp16 form alone overflows there
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
+    """The prep's second pass (`_prep_redo_kernel`) replaces T beta where the fp16 inverse did
+    not fit and only there: value head 0 sees one key repeated with beta |k|^2 = 3 and no
+    decay, so (I + A)^-1 holds (-2)^(i - j) up to 2^63 (fp16's range ends at 2^16; A = 3 and
+    the powers of two are exact in TF32, so the ill-conditioning costs no accuracy there); value
+    head 1 sees the same key with typical gates and beta below 1/4 (|A| < 1: fp16 holds its
+    inverse). Every chunk's T beta against float64."""
+    lens, HK, HV, K = [64, 100], 1, 2, 32
+    q, k, v, g, beta, _, cu = _packed_inputs(12, lens, HK=HK, HV=HV, K=K, V=K, dtype=BF16)
+    T_total = sum(lens)
+    g, beta = np.array(g), np.array(beta)
+    g[:, 0], beta[:, 0] = 0.0, 0.75
+    beta[:, 1] *= 0.25
+    k = np.zeros((T_total, HK, K), np.float32)
+    k[:, :, :4] = 1.0                                      # |k|^2 = 4: beta |k|^2 = 3 in head 0
+    k = jnp.asarray(k, BF16)
+    spec = _spec(HK, HV, K, K, use_qk_l2norm=False, precise=False)
+    block = kern.PrefillBlockSizes(block_v=16)
+    assert kern._half_inverse(spec, block.blocked_inverse_for(spec))
+    start, length, _ = kern.chunk_table(cu, T_total)
+    tb = kern._prep(q, k, v, jnp.asarray(g), jnp.asarray(beta), start, length,
+                    jnp.zeros((HV,), F32), jnp.zeros((HV,), F32), spec=spec, block=block,
+                    interpret=mode == "interpret")[0]
+    tb, kf = np.asarray(tb, np.float64), np.asarray(k, np.float64)
+    for t0, n in zip(np.asarray(start), np.asarray(length)):
+        if n == 0:
+            continue
+        for h in range(HV):
+            rows, b = slice(t0, t0 + n), beta[t0:t0 + n, h].astype(np.float64)
+            G = np.cumsum(g[t0:t0 + n, h].astype(np.float64))
+            kk = kf[rows, 0] @ kf[rows, 0].T
+            A = np.tril(b[:, None] * kk * np.exp(G[:, None] - G[None, :]), -1)
+            want = np.linalg.inv(np.eye(n) + A) * b[None, :]
+            got = tb[rows, h, :n]
+            assert np.all(np.isfinite(got)), (t0, h)
+            assert rel_err(got, want) <= 2e-3, (t0, h, rel_err(got, want))
+    assert np.abs(tb[:64, 0, :64]).max() > 2.0 ** 60   # the inverse that fp16 cannot hold
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -476,7 +520,8 @@ def test_chunk_table_matches_a_walk_over_the_sequences(seed):
 def test_variants_lower_to_triton_ir(lower_for_h200, raw, pooled, boundary, dtype, kda, blocked):
     """Every kernel lowers to Triton IR for an H200 without a GPU (only PTX needs the device):
     prep and scan, and KDA's intra-chunk kernel before them; the prep with each gate form's
-    default inverse (None) and with the other one."""
+    default inverse (None) and with the other one; GDN's TF32 redo of the prep after an fp16
+    inverse."""
     T, HK, HV, K = 256, 2, 4, 128
     spec = _spec(HK, HV, K, K, raw_gates=raw, pooled=pooled, boundary_states=boundary,
                  precise=dtype == F32, per_channel_gate=kda,
@@ -491,8 +536,12 @@ def test_variants_lower_to_triton_ir(lower_for_h200, raw, pooled, boundary, dtyp
                                    spec=spec, block=kern.PrefillBlockSizes(blocked_inverse=blocked),
                                    interpret=False,
                                    **kw).lower(lowering_platforms=("cuda",)).as_text()
-    # prep, scan, KDA's intra-chunk kernel, and the q/k tame ahead of an in-kernel L2 norm
-    assert hlo.count("__gpu$xla.gpu.triton") == (3 if kda else 2) + 2 * spec.use_qk_l2norm
+    # prep, scan, KDA's intra-chunk kernel, the prep's TF32 redo, and the q/k tame ahead of an
+    # in-kernel L2 norm
+    redo = kern._half_inverse(spec, kern.PrefillBlockSizes(blocked_inverse=blocked)
+                              .blocked_inverse_for(spec))
+    assert redo == (not kda and dtype == BF16 and not blocked)
+    assert hlo.count("__gpu$xla.gpu.triton") == (3 if kda else 2) + redo + 2 * spec.use_qk_l2norm
 
 
 @pytest.mark.parametrize("K,block_k", [(64, 64), (128, 16), (256, 32), (256, 64)])
