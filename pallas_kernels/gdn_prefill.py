@@ -459,18 +459,21 @@ def _raw_log_decay(x, A_log, dt, spec: PrefillSpec):
 
 # --------------------------------------------------------------------------- kernel 1: chunk prep
 
-def _chunk_gate_beta(g_ref, beta_ref, A_log_ref, dt_ref, tok, h, rows, spec: PrefillSpec):
-    """The chunk's per-token log decays (GDN; KDA's per-channel ones are the intra kernel's) and
-    write strengths [C], from the raw projections when spec.raw_gates; 0 past the chunk."""
-    load = lambda ref: plgpu.load(ref.at[tok, h], mask=rows, other=0).astype(F32)
-    beta = load(beta_ref)
-    if not spec.raw_gates:
-        return (lambda: load(g_ref)), beta
+def _chunk_beta(beta_ref, tok, h, rows, spec: PrefillSpec):
+    """The chunk's write strengths [C] (sigmoid of the raw projection when spec.raw_gates),
+    0 past the chunk."""
+    beta = plgpu.load(beta_ref.at[tok, h], mask=rows, other=0).astype(F32)
+    return jnp.where(rows, jax.nn.sigmoid(beta), 0.0) if spec.raw_gates else beta
 
-    def gate():
-        g = _raw_log_decay(load(g_ref), A_log_ref[h].astype(F32), dt_ref[h].astype(F32), spec)
-        return jnp.where(rows, g, 0.0)
-    return gate, jnp.where(rows, jax.nn.sigmoid(beta), 0.0)
+
+def _chunk_log_decay(g_ref, A_log_ref, dt_ref, tok, h, rows, spec: PrefillSpec):
+    """GDN: the chunk's per-token log decays [C] (from the raw projection when
+    spec.raw_gates), 0 past the chunk. KDA's per-channel ones are the intra kernel's."""
+    g = plgpu.load(g_ref.at[tok, h], mask=rows, other=0).astype(F32)
+    if not spec.raw_gates:
+        return g
+    g = _raw_log_decay(g, A_log_ref[h].astype(F32), dt_ref[h].astype(F32), spec)
+    return jnp.where(rows, g, 0.0)
 
 
 def _gdn_chunk(k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, n, h, hk, spec: PrefillSpec):
@@ -480,12 +483,12 @@ def _gdn_chunk(k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, n, h, hk, spec: Pr
     C = CHUNK
     rows = lax.broadcasted_iota(jnp.int32, (C,), 0) < n
     tok = pl.ds(t0, C)
-    gate, beta = _chunk_gate_beta(g_ref, beta_ref, A_log_ref, dt_ref, tok, h, rows, spec)
+    beta = _chunk_beta(beta_ref, tok, h, rows, spec)
     k_in = plgpu.load(k_ref.at[tok, hk, :], mask=rows[:, None], other=0)
     k = k_in.astype(F32)
     rk = (lax.rsqrt(jnp.sum(k * k, axis=1) + L2NORM_EPS) if spec.use_qk_l2norm
           else jnp.ones((C,), F32))
-    G = _split_cumsum(gate())
+    G = _split_cumsum(_chunk_log_decay(g_ref, A_log_ref, dt_ref, tok, h, rows, spec))
     i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
     j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
     seg = (G[0][:, None] - G[0][None, :]) + (G[1][:, None] - G[1][None, :])
@@ -546,7 +549,7 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             # `_kda_intra_kernel` formed k k^T with the per-channel decays (masked to j < i)
             # and the rows e^G k; what is left is the solve, W = (T beta) (e^G k) and
             # U = (T beta) v.
-            _, beta = _chunk_gate_beta(g_ref, beta_ref, A_log_ref, dt_ref, tok, h, rows, spec)
+            beta = _chunk_beta(beta_ref, tok, h, rows, spec)
             if blocked_inverse:
                 # k k^T's buffer is the blocked inverse's scratch (kk_out_ref aliases kk_ref):
                 # read through the ref that is written, below the diagonal only, where the
