@@ -75,8 +75,8 @@ registers); products between fp32 matrices (KDA's products of decayed rows, GDN'
 v - (e^G k) S, the intra-chunk matrix times the deltas, KDA's block-inverse merges) are one-pass
 TF32, except where fp16 operands round as finely and are known to fit fp16's range (twice the
 tensor-core rate): GDN's block inverse (`_half_inverse_fits`: checked per chunk, formed again
-in TF32 by the redo pass when the chunk's inverse is large) and, with q/k L2 norm, KDA's products below the diagonal blocks
-(operands bounded by 1).
+in TF32 by the redo pass when the chunk's inverse is large) and, with q/k L2 norm, KDA's
+products below the diagonal blocks (operands bounded by 1).
 fp16 inputs take one-pass TF32 where bf16 inputs split (fp16 halves cannot hold a state's range).
 Between the kernels KDA's W, decayed q rows and e^G k are stored in the input dtype; T beta, U
 and KDA's k k^T in fp32: when a chunk repeats keys with beta near 1 and gates near 0, (I + A) is
