@@ -1074,8 +1074,9 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
 def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: PrefillBlockSizes,
                   A_log=None, dt_bias=None, initial_state=None, pool=None, slots=None,
                   state_dtype=jnp.float32, interpret: bool = False):
-    """Run the kernels (two; KDA three) on packed, validated inputs (the caller checks shapes;
-    see the module docstring).
+    """Run the kernels on packed, validated inputs (the caller checks shapes; see the module
+    docstring): prep and scan, KDA's intra-chunk kernel before them, and for GDN with 16-bit
+    inputs the prep's TF32 redo pass between them.
 
     q, k [T, HK, K]; v [T, HV, V]; g [T, HV] (KDA: [T, HV, K]), beta [T, HV] (raw a, b with
     A_log [HV] and dt_bias [HV] (KDA: [HV * K]) when spec.raw_gates); cu_seqlens [N + 1] int32. Pooled: pool [P, HV, K, V] (donated, updated in
