@@ -170,6 +170,16 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
+def _reference(block, op="__call__", **static):
+    """`block.<op>(..., impl="reference")` as one jitted program: the unfused chain the fused call
+    is compared with, and the set-up steps, compile a few whole programs instead of dispatching
+    op by op (most of this file's CPU time). The fused call under test runs as a caller writes it."""
+    graphdef, params = nnx.split(block)
+    fn = jax.jit(lambda params, *args: getattr(nnx.merge(graphdef, params), op)(
+        *args, impl="reference", **static))
+    return lambda *args: fn(params, *args)
+
+
 def _kernel_ctx(mode):
     return gdn_jax.interpret() if mode == "interpret" else gdn_jax.interpret(False)
 
@@ -201,9 +211,9 @@ def test_block_serving_decode_fused_equals_unfused(mode, kind):
     block = _block(kind)
     slots = jnp.array([2, -1, 0], jnp.int32)
     serving = block.init_serving_state(4)
-    _, serving = block.prefill(_x(0, 3, 5), serving, slots, fresh=True, impl="reference")
+    _, serving = _reference(block, "prefill", fresh=True)(_x(0, 3, 5), serving, slots)
     x = _x(1, 3, 1)
-    y0, s0 = block.decode(x, _copy(serving), slots, impl="reference")
+    y0, s0 = _reference(block, "decode")(x, _copy(serving), slots)
     with _kernel_ctx(mode):
         assert _explain_serving(block, serving, slots).impl == "pallas"
         y1, s1 = block.decode(x, _copy(serving), slots, impl="auto")
@@ -223,13 +233,13 @@ def test_block_decode_folds_pending_verify_rows_first(mode, kind):
     block = _block(kind)
     slots = jnp.array([0, 3], jnp.int32)
     serving = block.init_serving_state(4)
-    _, serving = block.prefill(_x(2, 2, 4), serving, slots, fresh=True, impl="reference")
-    _, serving, refused = block.verify(_x(3, 2, 3), serving, slots, impl="reference")
+    _, serving = _reference(block, "prefill", fresh=True)(_x(2, 2, 4), serving, slots)
+    _, serving, refused = _reference(block, "verify")(_x(3, 2, 3), serving, slots)
     assert block.carry_engages(serving, 3) and not bool(jnp.any(refused))
     serving, _ = block.accept(serving, slots, jnp.array([2, 1], jnp.int32))
     assert bool(jnp.all(serving.delta.stash.pending[jnp.array([0, 3])] > 0))
     x = _x(4, 2, 1)
-    y0, s0 = block.decode(x, _copy(serving), slots, impl="reference")
+    y0, s0 = _reference(block, "decode")(x, _copy(serving), slots)
     with _kernel_ctx(mode):
         y1, s1 = block.decode(x, _copy(serving), slots, impl="auto")
     assert rel_err(y1, y0) <= TOL
@@ -243,9 +253,9 @@ def test_block_decode_16bit_state_pool(mode, kind):
     block = _block(kind)
     slots = jnp.array([1, -1], jnp.int32)
     serving = block.init_serving_state(3, dtype=BF16)
-    _, serving = block.prefill(_x(5, 2, 4), serving, slots, fresh=True, impl="reference")
+    _, serving = _reference(block, "prefill", fresh=True)(_x(5, 2, 4), serving, slots)
     x = _x(6, 2, 1)
-    y0, s0 = block.decode(x, _copy(serving), slots, impl="reference")
+    y0, s0 = _reference(block, "decode")(x, _copy(serving), slots)
     with _kernel_ctx(mode):
         y1, s1 = block.decode(x, _copy(serving), slots, impl="auto")
     assert s1.delta.states.dtype == BF16
@@ -260,11 +270,12 @@ def test_block_prefill_then_fused_decode_equals_one_call(mode, kind):
     full-sequence call, and the step matches the unfused chain (state and conv window)."""
     block = _block(kind)
     x = _x(7, 2, 5)
-    y_all, s_all = block(x, impl="reference")
-    y, state = block(x[:, :4], impl="reference")
+    reference = _reference(block)
+    y_all, s_all = reference(x)
+    y, state = reference(x[:, :4])
     ys = [y]
     for t in (4,):
-        y0, st0 = block(x[:, t:t + 1], state, impl="reference")
+        y0, st0 = reference(x[:, t:t + 1], state)
         with _kernel_ctx(mode):
             y1, st1 = block(x[:, t:t + 1], state, impl="auto")
         assert not state.recurrent.is_deleted()       # an eager call keeps the caller's state
