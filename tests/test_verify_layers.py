@@ -37,14 +37,23 @@ def _x(rng, B, T, hidden=32):
     return jnp.asarray(rng.standard_normal((B, T, hidden), dtype=np.float32))
 
 
-def _oracle_tokens(block, cls, x, rec, conv, slots):
-    """Run the block token by token from the slots' states; returns ys [B, T, hidden] and the
-    (recurrent, conv) of every row after each token."""
+def _reference_step(block):
+    """The oracle's step: the block's `__call__` (impl="reference") on one token, as one jitted
+    program, compiled once per test instead of dispatched op by op for every token (most of
+    this file's CPU time). The serving calls under test run as a caller writes them."""
+    graphdef, params = nnx.split(block)
+    step = jax.jit(lambda params, x, st: nnx.merge(graphdef, params)(x, st, impl="reference"))
+    return lambda x, st: step(params, x, st)
+
+
+def _oracle_tokens(step, cls, x, rec, conv, slots):
+    """Run the block (its `_reference_step`) token by token from the slots' states; returns ys
+    [B, T, hidden] and the (recurrent, conv) of every row after each token."""
     safe = jnp.where(slots >= 0, slots, 0)
     st = cls(recurrent=rec[safe], conv=conv[safe])
     ys, after = [], []
     for t in range(x.shape[1]):
-        y, st = block(x[:, t:t + 1], st, impl="reference")
+        y, st = step(x[:, t:t + 1], st)
         ys.append(y)
         after.append(st)
     return jnp.concatenate(ys, 1), after
@@ -83,6 +92,7 @@ def test_block_schedule_matches_token_by_token(kind, carry, exact, impl):
 def _block_schedule(kind, carry, exact, impl):
     rng = np.random.default_rng(21)
     block, cls = _block(kind)
+    step = _reference_step(block)
     S, B, T = 5, 3, 3
     state = _seed_pool(rng, block.init_serving_state(S))
     rec, conv = jnp.array(state.delta.states, copy=True), jnp.array(state.conv.windows, copy=True)
@@ -96,7 +106,7 @@ def _block_schedule(kind, carry, exact, impl):
         if r % 3 == 2:
             x = _x(rng, B, 1)
             y, state = block.decode(x, state, slots, impl=impl)
-            want, after = _oracle_tokens(block, cls, x, rec, conv, slots)
+            want, after = _oracle_tokens(step, cls, x, rec, conv, slots)
             rec, conv = _commit(rec, conv, after, slots, np.ones(B, int))
         else:
             x = _x(rng, B, T)
@@ -106,7 +116,7 @@ def _block_schedule(kind, carry, exact, impl):
             assert (state.candidates is None) == carry
             state, invalid = block.accept(state, slots, jnp.asarray(accepted, jnp.int32))
             assert not np.any(np.asarray(invalid))
-            want, after = _oracle_tokens(block, cls, x, rec, conv, slots)
+            want, after = _oracle_tokens(step, cls, x, rec, conv, slots)
             rec, conv = _commit(rec, conv, after, slots, accepted)
         live = np.asarray(slots) >= 0
         assert rel_err(y[live], want[live]) <= TOL, f"round {r}"
@@ -136,7 +146,7 @@ def test_block_declines_fast_flavour_on_16bit_state_and_stays_correct():
     with pytest.raises(ValueError, match="awaiting its verdict"):
         block.decode(_x(rng, 3, 1), state, slots)
     state, _ = block.accept(state, slots, jnp.asarray([2, 0, 1], jnp.int32))
-    want, after = _oracle_tokens(block, cls, x, rec, conv, slots)
+    want, after = _oracle_tokens(_reference_step(block), cls, x, rec, conv, slots)
     rec, conv = _commit(rec, conv, after, slots, [2, 0, 1])
     assert rel_err(y[jnp.asarray([0, 2])], want[jnp.asarray([0, 2])]) <= 1e-2  # bf16 state
     np.testing.assert_array_equal(np.asarray(state.delta.states.astype(F32)), np.asarray(rec.astype(F32)))
