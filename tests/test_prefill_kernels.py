@@ -314,7 +314,7 @@ def test_half_inverse_falls_back_where_fp16_cannot_hold_it(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
     """The prep's second pass (`_prep_redo_kernel`) replaces T beta where the fp16 inverse did
-    not fit and only there: value head 0 sees one key repeated with beta |k|^2 = 3 and no
+    not fit, and leaves the rest: value head 0 sees one key repeated with beta |k|^2 = 3 and no
     decay, so (I + A)^-1 holds (-2)^(i - j) up to 2^63 (fp16's range ends at 2^16; A = 3 and
     the powers of two are exact in TF32, so the ill-conditioning costs no accuracy there); value
     head 1 sees the same key with typical gates and beta below 1/4 (|A| < 1: fp16 holds its
