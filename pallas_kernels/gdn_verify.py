@@ -37,9 +37,9 @@ program's critical path), and one program per row can write the slot's new count
 flipped, pending 0, drafted T) in the same launch without a race.
 
 The per-token math is `gdn_decode.token_update` (imported, not copied). The delta u is
-recomputed here with the same operations on the same values (the compiler merges the two), and
-the fold replays `token_update`'s state update from the stashed u; see `fold_row` for the one
-operand order that matters.
+recomputed here by the same function on the same values (`token_delta`; the compiler merges
+the two), and the fold replays the state update from the stashed u by the same function
+(`token_write`).
 """
 
 from __future__ import annotations
@@ -67,24 +67,16 @@ __all__ = ["VerifySpec", "VerifyBlockSizes", "TUNING_TABLE", "default_block_size
 # --------------------------------------------------------------------------- in-kernel math
 
 def delta_value(S, k, v, g, beta):
-    """u = beta * (v - (exp(g) S)^T k): the delta `token_update` computes for this token, with
-    the same operations in the same order (so the compiler shares them and the bits agree)."""
-    decay = jnp.exp(g)
-    S = S * (decay[:, None] if decay.ndim == 1 else decay)
-    return beta * (v - jnp.sum(k[:, None] * S, axis=0))
+    """u = beta * (v - (exp(g) S)^T k): the delta `token_update` computes for this token, by the
+    same function (`token_delta`), so the compiler shares the work and the bits agree."""
+    return dec.token_delta(S, k, v, g, beta)
 
 
 def fold_row(S, k, u, g):
-    """Replay one token from its stashed rows: exp(g) S + k u^T, as `token_update` updates S.
-
-    `token_update` reuses the decayed S for the delta, so of its two products only k u^T can be
-    contracted into an FMA with the add (LLVM fuses the product with fewer uses). Here the
-    decayed S has one use too; writing the rank-1 product first makes the compiler pick the
-    same FMA, fma(k, u, exp(g) S), so the fold is bit-identical to the decode kernel's step."""
-    decay = jnp.exp(g)
-    S = S * (decay[:, None] if decay.ndim == 1 else decay)
-    ku = k[:, None] * u[None, :]
-    return ku + S
+    """Replay one token from its stashed rows: exp(g) S + k u^T by `token_update`'s own update
+    (`token_write`: the same expression, so the compiler picks the same FMA and the fold is
+    bit-identical to the decode kernel's step)."""
+    return dec.token_write(S, k, u, g)
 
 
 def _round(S, dtype):
