@@ -71,8 +71,7 @@ Dots: fp32 inputs use three-pass TF32 (fp32 accuracy on tensor cores). With bf16
 product with a bf16 row operand (raw q and k, v; KDA's stored decayed q, e^G k and W) takes
 that operand as it is and splits the fp32 side (state, deltas, KDA's T beta) into two bf16
 halves (`_dot_bf16x2`: ~16 significand bits, twice the tensor-core rate of TF32, half the
-registers), except the output's read of the state (q S), which feeds no later chunk and lands
-in a bf16 output: it takes the state's high half only; products between fp32 matrices (KDA's products of decayed rows, GDN's T beta times
+registers); products between fp32 matrices (KDA's products of decayed rows, GDN's T beta times
 v - (e^G k) S, the intra-chunk matrix times the deltas, KDA's block-inverse merges) are one-pass
 TF32, except where fp16 operands round as finely and are known to fit fp16's range (twice the
 tensor-core rate): GDN's block inverse (`_half_inverse_fits`: checked per chunk, formed again
@@ -860,10 +859,6 @@ def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, v_ref, t
     # products as they are, against the fp32 state and deltas split in two bf16 halves.
     bf16_rows = _bf16_rows(q_ref, k_ref, v_ref)
     row_dot = _dot_bf16x2 if bf16_rows else dot
-    # The output's read of the state, q S, feeds nothing later and lands in a bf16 output: it
-    # takes S's high half only (one product, not two), which moves o by a tenth of its own
-    # rounding (BENCHMARKS.md); the state's chain (k S, k^T D) keeps both halves.
-    read_dot = (lambda rows, S: dot(rows, S.astype(rows.dtype))) if bf16_rows else dot
 
     def chunk(c, S):
         t0 = bos + c * C
@@ -880,7 +875,7 @@ def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, v_ref, t
             u, aqk = load32(u_ref.at[tok, h, cols], rows2), load32(aqk_ref.at[tok, h, :], rows2)
             delta = u - row_dot(w, S)
             q, k = load(fq_ref.at[tok, h, :], rows2), load32(fk_ref.at[tok, h, :], rows2)
-            o = read_dot(q, S) + dot(aqk, delta)
+            o = row_dot(q, S) + dot(aqk, delta)
             S = S * decay_ref[first + c, h, :][:, None] + dot(k, delta, trans_a=True)
         else:  # raw q and k rows with per-row factors
             q, k = load(q_ref.at[tok, hk, :], rows2), load(k_ref.at[tok, hk, :], rows2)
@@ -889,7 +884,7 @@ def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, v_ref, t
             # U - W S = (T beta) (v - (e^G k) S): the prep stored T beta, not W and U
             delta = dot(tb, load32(v_ref.at[tok, h, cols], rows2) - row_dot(k, S) * fw[:, None])
             fq, fk = load32(fq_ref.at[tok, h], rows), load32(fk_ref.at[tok, h], rows)
-            o = read_dot(q, S) * fq[:, None] + dot(aqk, delta)
+            o = row_dot(q, S) * fq[:, None] + dot(aqk, delta)
             S = S * decay_ref[first + c, h] + row_dot(k, delta * fk[:, None], trans_a=True)
         if spec.pooled:
             o = jnp.where(live, o, 0.0)
