@@ -47,10 +47,10 @@ Static flags of the one kernel body (`DecodeSpec`):
                      It is a loop around the same per-token step (`token_update`) as the decode.
 
 The per-token math lives in `token_update` (its parts `token_delta` and `token_write`, and the
-helpers `l2_normalize`, `gdn_gate_value`, `kda_gate_value`): plain jnp on in-register values, so any Pallas kernel
-body (the K-token verify in gdn_verify.py) can call them and get bit-identical results, provided
-it uses the same tile shape [K, tile_v] and num_warps (Triton's reduction order follows the
-layout).
+helpers `l2_normalize`, `gdn_gate_value`, `kda_gate_value`): plain jnp on in-register values,
+so any Pallas kernel body (the K-token verify in gdn_verify.py) can call them and get
+bit-identical results, provided it uses the same tile shape [K, tile_v] and num_warps (Triton's
+reduction order follows the layout).
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bf
 __all__ = [
     "DecodeBlockSizes", "DecodeSpec", "TUNING_TABLE", "default_block_sizes", "unsupported_reason",
     "index_overflow_reason", "SERIAL_TUNING_TABLE", "default_serial_block_sizes",
-    "token_update", "token_delta", "token_write", "l2_normalize", "softplus_value", "gdn_gate_value", "kda_gate_value",
+    "token_update", "token_delta", "token_write", "l2_normalize", "softplus_value",
+    "gdn_gate_value", "kda_gate_value",
     "tame_huge_rows", "huge_row_factor", "counter_bits", "stochastic_round_value", "gdn_decode", "serial_prefill",
 ]
 
@@ -192,7 +193,7 @@ def token_update(S: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.
 
     Both column sums over K (the cross-warp reductions) read the tile as loaded, so they run
     back to back and neither waits for the update; the output needs no pass over S_new
-    (measured: 2-3.5% faster steps than reducing S_new, BENCHMARKS.md).
+    (measured faster than reducing S_new: BENCHMARKS.md, decode).
     Columns are independent, so a head may be split over programs by columns. Bit-identical
     results across kernels need the same tile shape and num_warps (reduction order)."""
     decay = jnp.exp(g)
