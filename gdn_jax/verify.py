@@ -161,7 +161,7 @@ def _decay(S, g):
 
 
 def _token_step(S, q, k, v, g, beta):
-    """One token on fp32 S, in decode's op order (reference._token_update), also returning u."""
+    """One token on fp32 S, in the reference's op order (reference._token_update), also returning u."""
     S = _decay(S, g)
     u = beta[..., None] * (v - jnp.einsum("...k,...kv->...v", k, S, precision=HIGHEST))
     S = S + k[..., :, None] * u[..., None, :]
