@@ -290,8 +290,13 @@ def _bf16_rows(*refs) -> bool:
     return all(r.dtype == jnp.bfloat16 for r in refs)
 
 
-def _l2_normalize(x):
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+def _l2_factor(x, use_qk_l2norm: bool):
+    """1 / ||x|| per row of the rows x [C, K] (in fp32), or ones without the L2 norm: the row
+    factor that stands for normalising the rows (they stay raw tensor-core operands)."""
+    if not use_qk_l2norm:
+        return jnp.ones((x.shape[0],), F32)
+    x = x.astype(F32)
+    return lax.rsqrt(jnp.sum(x * x, axis=1) + L2NORM_EPS)
 
 
 def _softplus(x):
@@ -485,9 +490,7 @@ def _gdn_chunk(k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, n, h, hk, spec: Pr
     tok = pl.ds(t0, C)
     beta = _chunk_beta(beta_ref, tok, h, rows, spec)
     k_in = plgpu.load(k_ref.at[tok, hk, :], mask=rows[:, None], other=0)
-    k = k_in.astype(F32)
-    rk = (lax.rsqrt(jnp.sum(k * k, axis=1) + L2NORM_EPS) if spec.use_qk_l2norm
-          else jnp.ones((C,), F32))
+    rk = _l2_factor(k_in, spec.use_qk_l2norm)
     G = _split_cumsum(_chunk_log_decay(g_ref, A_log_ref, dt_ref, tok, h, rows, spec))
     i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
     j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
@@ -572,9 +575,7 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             k_in, rk, (G_hi, G_lo), decay, beta = _gdn_chunk(
                 k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, n, h, hk, spec)
             q_in = plgpu.load(q_ref.at[tok, hk, :], mask=rows2, other=0)
-            q = q_in.astype(F32)  # for the norm
-            rq = (lax.rsqrt(jnp.sum(q * q, axis=1) + L2NORM_EPS) if spec.use_qk_l2norm
-                  else jnp.ones((C,), F32)) * jnp.float32(spec.scale)
+            rq = _l2_factor(q_in, spec.use_qk_l2norm) * jnp.float32(spec.scale)
             last_hi = jnp.sum(jnp.where(j == C - 1, G_hi[None, :], 0.0), axis=1)  # [C], all G_C
             last_lo = jnp.sum(jnp.where(j == C - 1, G_lo[None, :], 0.0), axis=1)
             eG = jnp.exp(G_hi + G_lo)
