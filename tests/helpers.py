@@ -36,14 +36,22 @@ def delta_inputs(key, *, B=2, T=8, HK=2, HV=4, K=32, V=32, kind="gdn", dtype=jnp
     return cast(q), cast(k), cast(v), g, beta, h0
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("impl",))
-def _apply_block(graphdef, params, x, state, impl="auto"):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _apply_block(graphdef, op, static, params, *args):
     from flax import nnx
-    return nnx.merge(graphdef, params)(x, state, impl=impl)
+    return getattr(nnx.merge(graphdef, params), op)(*args, **dict(static))
+
+
+def jit_block(block, op="__call__", **static):
+    """`block.<op>(*args, **static)` as a jitted function of *args (static: hashable keyword
+    arguments such as impl): one compiled program per (graph, op, static, shapes) instead of op
+    by op dispatch."""
+    from flax import nnx
+    graphdef, params = nnx.split(block)
+    static = tuple(sorted(static.items()))
+    return lambda *args: _apply_block(graphdef, op, static, params, *args)
 
 
 def run_block(block, x, state, impl="auto"):
     """A Flax block's call, jitted once per (graph, shapes, impl): (y, new_state)."""
-    from flax import nnx
-    graphdef, params = nnx.split(block)
-    return _apply_block(graphdef, params, x, state, impl=impl)
+    return jit_block(block, impl=impl)(x, state)

@@ -22,7 +22,7 @@ from conftest import KERNEL_MODES, interpret_flag
 from gdn_jax import dispatch
 from gdn_jax.conv_decode import conv_decode
 from gdn_jax.layers import GDNConfig, KDAConfig, KimiDeltaAttention, Qwen3NextGatedDeltaNet
-from helpers import rel_err
+from helpers import jit_block, rel_err
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 TOL = 1e-5
@@ -171,13 +171,11 @@ def _copy(tree):
 
 
 def _reference(block, op="__call__", **static):
-    """`block.<op>(..., impl="reference")` as one jitted program: the unfused chain the fused call
-    is compared with, and the set-up steps, compile a few whole programs instead of dispatching
-    op by op (most of this file's CPU time). The fused call under test runs as a caller writes it."""
-    graphdef, params = nnx.split(block)
-    fn = jax.jit(lambda params, *args: getattr(nnx.merge(graphdef, params), op)(
-        *args, impl="reference", **static))
-    return lambda *args: fn(params, *args)
+    """`block.<op>(..., impl="reference")` as one jitted program (`helpers.jit_block`): the
+    unfused chain the fused call is compared with, and the set-up steps, compile a few whole
+    programs instead of dispatching op by op (most of this file's CPU time). The fused call
+    under test runs as a caller writes it."""
+    return jit_block(block, op, impl="reference", **static)
 
 
 def _kernel_ctx(mode):

@@ -18,7 +18,7 @@ from flax import nnx
 import gdn_jax
 from gdn_jax.layers import GDNConfig, KDAConfig, KimiDeltaAttention, Qwen3NextGatedDeltaNet
 from gdn_jax.state import GDNState, KDAState, ServingState
-from helpers import rel_err
+from helpers import jit_block, rel_err
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 TOL = 1e-5
@@ -39,11 +39,10 @@ def _x(rng, B, T, hidden=32):
 
 def _reference_step(block):
     """The oracle's step: the block's `__call__` (impl="reference") on one token, as one jitted
-    program, compiled once per test instead of dispatched op by op for every token (most of
-    this file's CPU time). The serving calls under test run as a caller writes them."""
-    graphdef, params = nnx.split(block)
-    step = jax.jit(lambda params, x, st: nnx.merge(graphdef, params)(x, st, impl="reference"))
-    return lambda x, st: step(params, x, st)
+    program (`helpers.jit_block`), compiled once per test instead of dispatched op by op for
+    every token (most of this file's CPU time). The serving calls under test run as a caller
+    writes them."""
+    return jit_block(block, impl="reference")
 
 
 def _oracle_tokens(step, cls, x, rec, conv, slots):
@@ -203,15 +202,10 @@ def test_block_verify_twice_without_verdict_is_refused():
     _, state, _ = block.verify(_x(rng, 2, 2), state, slots, impl="reference")
     with pytest.raises(ValueError, match="awaiting its verdict"):
         block.verify(_x(rng, 2, 2), state, slots, impl="reference")
-    graphdef, params = nnx.split(block)
-
-    @jax.jit
-    def second(params, x, st, sl):
-        return nnx.merge(graphdef, params).verify(x, st, sl, impl="reference")
-
+    second = jit_block(block, "verify", impl="reference")
     before = np.asarray(state.delta.states)
     stash_u = np.asarray(state.delta.stash.u)
-    y, after, refused = second(params, _x(rng, 2, 2), state, jnp.asarray([2, 1], jnp.int32))
+    y, after, refused = second(_x(rng, 2, 2), state, jnp.asarray([2, 1], jnp.int32))
     np.testing.assert_array_equal(np.asarray(refused), [True, False])
     assert np.all(np.asarray(y[0]) == 0) and np.any(np.asarray(y[1]) != 0)
     np.testing.assert_array_equal(np.asarray(after.delta.states)[2], before[2])
