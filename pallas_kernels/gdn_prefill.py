@@ -78,7 +78,9 @@ tensor-core rate): GDN's block inverse (`_half_inverse_fits`: checked per chunk,
 in TF32 by the redo pass when the chunk's inverse is large) and, with q/k L2 norm, KDA's
 products below the diagonal blocks (operands bounded by 1).
 fp16 inputs take one-pass TF32 where bf16 inputs split (fp16 halves cannot hold a state's range).
-Between the kernels KDA's W, decayed q rows and e^G k are stored in the input dtype; T beta, U
+Between the kernels KDA's decayed q rows are stored in the input dtype, its W and e^G k too, but
+for bf16 inputs as two bf16 parts, hi and lo (`_kda_parts`: W S then takes three bf16 products;
+a single bf16 part costs the state its digits when the state is large beside the values); T beta, U
 and KDA's k k^T in fp32: when a chunk repeats keys with beta near 1 and gates near 0, (I + A) is
 near singular, T's entries and U's rows are large and the deltas cancel, so bf16 copies of these
 matrices cost the state and the output several times bf16's rounding
@@ -282,6 +284,31 @@ def _dot_bf16x2(a, b, *, trans_a=False, trans_b=False):
         return dot(a, hi) + dot(a, lo)
     hi, lo = _split_bf16(a)
     return dot(hi, b) + dot(lo, b)
+
+
+def _dot_parts(a, b):
+    """a @ b for operands given as tuples of bf16 parts (hi, lo) or (exact,): the products of
+    every pair of parts but lo x lo, summed in fp32 (~16 significand bits on both sides)."""
+    dot = functools.partial(_dot, precise=False)
+    out = None
+    for i, x in enumerate(a):
+        for j, y in enumerate(b):
+            if i + j < 2:
+                out = dot(x, y) if out is None else out + dot(x, y)
+    return out
+
+
+def _bf16_parts(x):
+    """fp32 x as its two bf16 parts, a tuple for `_dot_parts`."""
+    return tuple(_split_bf16(x))
+
+
+def _kda_parts(rows_dtype) -> int:
+    """How many arrays KDA's e^G k rows and W = (T beta)(e^G k) go through memory in: for bf16
+    inputs two bf16 parts, hi and lo (the rows are not exact in bf16, and one part rounds them to
+    8 bits, which W S carries into every delta: a state large beside the values then loses the
+    state's digits, BENCHMARKS.md); otherwise one array (fp32 rows; fp16 for fp16 inputs)."""
+    return 2 if rows_dtype == jnp.bfloat16 else 1
 
 
 def _bf16_rows(*refs) -> bool:
@@ -561,13 +588,15 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             else:
                 kk = load(kk_ref.at[tok, h, :], rows2)
             Tb = invert(beta[:, None] * kk, kk_out_ref) * beta[None, :]
-            ek = plgpu.load(ek_ref.at[tok, h, :], mask=rows2, other=0)
+            ek = tuple(plgpu.load(ek_ref.at[jnp.int32(p), tok, h, :], mask=rows2, other=0)
+                       for p in range(ek_ref.shape[0]))
             v = plgpu.load(v_ref.at[tok, h, :], mask=rows2, other=0)
             if _bf16_rows(ek_ref, v_ref):  # bf16 rows enter the products as they are
-                w, u = _dot_bf16x2(Tb, ek), _dot_bf16x2(Tb, v)
+                w, u = _dot_parts(_bf16_parts(Tb), ek), _dot_bf16x2(Tb, v)
             else:
-                w, u = dot(Tb, ek.astype(F32)), dot(Tb, v.astype(F32))
-            store(w_ref.at[tok, h, :], w, rows2)
+                w, u = dot(Tb, ek[0].astype(F32)), dot(Tb, v.astype(F32))
+            for p, part in enumerate(_bf16_parts(w) if w_ref.shape[0] == 2 else (w,)):
+                store(w_ref.at[jnp.int32(p), tok, h, :], part, rows2)
             store(u_ref.at[tok, h, :], u, rows2)
         else:
             # GDN: q and k stay raw; their L2 norms and the decays are per-row factors applied
@@ -703,6 +732,11 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             kk, qk = acc
             cols = pl.ds(c * block_k, block_k)
             put = lambda ref, x: plgpu.store(ref.at[tok, h, cols], x.astype(ref.dtype), mask=live)
+
+            def put_parts(ref, x):  # ref [parts, T, HV, K]: x, or its bf16 hi and lo parts
+                for p, y in enumerate(_bf16_parts(x) if ref.shape[0] == 2 else (x,)):
+                    plgpu.store(ref.at[jnp.int32(p), tok, h, cols], y.astype(ref.dtype),
+                                mask=live)
             G = _split_cumsum(gate(cols))                                  # rows past n add 0
             kn = load(k_ref.at[tok, hk, cols]) * rk[:, None]
             qn = load(q_ref.at[tok, hk, cols]) * rq[:, None]
@@ -739,7 +773,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             qk = jnp.where(same_block, qk + qk_d, qk)
             eG = jnp.exp(G[0] + G[1])
             put(fq_ref, qn * eG)
-            put(ek_ref, kn * eG)
+            put_parts(ek_ref, kn * eG)
             put(fk_ref, kn * jnp.exp(rel(lasts[-1], G)))
             # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
             decay_ref[s, h, cols] = jnp.exp(lasts[-1][0] + lasts[-1][1])[0]
@@ -872,9 +906,12 @@ def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, v_ref, t
         # (W S; GDN: k S, then T beta times it) first (measured: KDA's scan took 25% longer at
         # B=8 with W and U loaded last).
         if spec.per_channel_gate:  # decayed, normalised q and k rows come from the prep
-            w = load(w_ref.at[tok, h, :], rows2)
+            # W in parts (`_kda_parts`): for bf16 inputs W S takes its hi and lo parts against
+            # the split state (three bf16 products)
+            w = tuple(load(w_ref.at[jnp.int32(p), tok, h, :], rows2)
+                      for p in range(w_ref.shape[0]))
             u, aqk = load32(u_ref.at[tok, h, cols], rows2), load32(aqk_ref.at[tok, h, :], rows2)
-            delta = u - row_dot(w, S)
+            delta = u - (_dot_parts(w, _bf16_parts(S)) if bf16_rows else dot(w[0], S))
             q, k = load(fq_ref.at[tok, h, :], rows2), load32(fk_ref.at[tok, h, :], rows2)
             o = row_dot(q, S) + dot(aqk, delta)
             S = S * decay_ref[first + c, h, :][:, None] + dot(k, delta, trans_a=True)
@@ -913,10 +950,11 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
     # anyway). The decayed k rows build the state: in bf16 they cost the final state ~5x its
     # error against float64 (BENCHMARKS.md, KDA prefill); they and q k^T go through memory in
     # fp16 where bounded by 1 (the scan's one-pass TF32 products round them to fp16's
-    # significand anyway), else in fp32. e^G k (for W) is stored in the input dtype: bf16 e^G k
-    # times the split T beta rounds about as much as a one-pass TF32 product of fp32 rows would
-    # (the state's error against float64 is the same on the H200, BENCHMARKS.md).
+    # significand anyway), else in fp32. e^G k (for W) is stored in the input dtype, for bf16
+    # inputs as hi and lo bf16 parts (`_kda_parts`; one bf16 part costs the state its digits
+    # when the state is large beside the values, BENCHMARKS.md).
     q_rows_dtype = rows_dtype if rows_dtype == jnp.bfloat16 else F32
+    parts = _kda_parts(rows_dtype)
     bounded_dtype = _bounded_dtype(spec)
     rows = (T_total, HV, K)
     num_slots = start.shape[0]
@@ -928,7 +966,8 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
                    jax.ShapeDtypeStruct((T_total, HV, CHUNK), bounded_dtype),
                    jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
                    jax.ShapeDtypeStruct(rows, bounded_dtype),        # k: norm * e^{G_C - G}
-                   jax.ShapeDtypeStruct(rows, rows_dtype),           # e^G k: norm * e^G
+                   # e^G k: norm * e^G, in parts (`_kda_parts`)
+                   jax.ShapeDtypeStruct((parts,) + rows, rows_dtype),
                    jax.ShapeDtypeStruct((num_slots, HV, K), F32),    # e^{G_C}
                    # each program's scratch for its reference rows (_BlockRowExchange; a
                    # quarter of k k^T's size at block_k 32), not returned
@@ -959,8 +998,8 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
     # instead of W and U, and no [C, C] x [C, K] products here. KDA keeps W and U: its scan
     # would load e^G k rows besides its decayed q and k, and lost more than its prep gained
     # (BENCHMARKS.md, GDN prefill). T beta, U and the intra-chunk matrix go through memory in
-    # fp32, W in the input dtype (see the module docstring: with 16-bit copies a near-singular
-    # chunk loses the output's digits).
+    # fp32, W in the input dtype, in parts (`_kda_parts`; see the module docstring: with 16-bit
+    # copies a near-singular chunk loses the output's digits).
     only = lambda cond, shape, dtype=F32: jax.ShapeDtypeStruct(shape if cond else (1, 1, 1),
                                                                dtype)
     # KDA's blocked inverse takes k k^T's rows as its scratch (an output aliasing the input, its
@@ -972,7 +1011,8 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
         functools.partial(_prep_kernel, spec=spec, blocked_inverse=blocked,
                           interpret=interpret),
         out_shape=(only(not kda, (T_total, HV, CHUNK)),          # T beta = (I + A)^-1 beta
-                   only(kda, (T_total, HV, K), v.dtype),         # W
+                   # W, in parts like e^G k
+                   only(kda, (_kda_parts(v.dtype), T_total, HV, K), v.dtype),
                    only(kda, (T_total, HV, V)),                  # U
                    only(not kda, (T_total, HV, CHUNK), _bounded_dtype(spec)),  # q k^T e^{G_i - G_j}
                    only(not kda, (T_total, HV)),                 # q: norm * scale * e^G
