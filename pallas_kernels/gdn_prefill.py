@@ -326,6 +326,30 @@ def _l2_factor(x, use_qk_l2norm: bool):
     return lax.rsqrt(jnp.sum(x * x, axis=1) + L2NORM_EPS)
 
 
+TAME_PROBE = 2.0 ** -72  # `_row_square_sums`: any finite fp32 row's squares times this**2
+                        # stay below overflow, a huge row's above fp32's normal range
+
+
+def _row_square_sums(x, sums):
+    """`sums` (sum x^2, sum (x * TAME_PROBE)^2, max |x|) per row, each [C], updated with the rows
+    x [C, n] (fp32): partial sums over a row's columns for `_tamed_l2_factor`."""
+    s, s_probe, m = sums
+    xp = x * TAME_PROBE
+    return (s + jnp.sum(x * x, axis=1), s_probe + jnp.sum(xp * xp, axis=1),
+            jnp.maximum(m, jnp.max(jnp.abs(x), axis=1)))
+
+
+def _tamed_l2_factor(s, s_probe, m):
+    """(t, r) per row from `_row_square_sums`: x * t * r is the row as `tame_rows` then the L2
+    norm give it, bit for bit. t is the exact power of two `tame_rows` scales a huge row by (1
+    elsewhere); its sum of squares is s_probe scaled by an exact power of two (the terms that
+    power would scale are the same ones, rounded the same way), so no second pass over the row
+    is needed. Ordinary rows: t = 1, r = rsqrt(s + eps) as without the tame."""
+    huge, t = huge_row_factor(m)
+    up = jnp.where(huge, t * (1.0 / TAME_PROBE), 0.0)   # in [2^-32, 2^46] for a huge row
+    return t, lax.rsqrt(jnp.where(huge, s_probe * (up * up), s) + L2NORM_EPS)
+
+
 def _softplus(x):
     return jnp.where(x > SOFTPLUS_THRESHOLD, x,
                      jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
@@ -710,16 +734,20 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             return jnp.where(live, _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec), 0.0)
 
         if spec.use_qk_l2norm:
+            # The only kernel that reads KDA's raw q and k rows (the launcher tames no rows for
+            # KDA), and it only scales them: huge rows are tamed here (`_tamed_l2_factor`).
             def squares(c, sums):
                 cols = pl.ds(c * block_k, block_k)
                 k, q = load(k_ref.at[tok, hk, cols]), load(q_ref.at[tok, hk, cols])
-                return sums[0] + jnp.sum(k * k, axis=1), sums[1] + jnp.sum(q * q, axis=1)
+                return (*_row_square_sums(k, sums[:3]), *_row_square_sums(q, sums[3:]))
 
             zero = jnp.zeros((C,), F32)
-            sk, sq = lax.fori_loop(0, K // block_k, squares, (zero, zero))
-            rk = lax.rsqrt(sk + L2NORM_EPS)
-            rq = lax.rsqrt(sq + L2NORM_EPS) * jnp.float32(spec.scale)
+            sums = lax.fori_loop(0, K // block_k, squares, (zero,) * 6)
+            tk, rk = _tamed_l2_factor(*sums[:3])
+            tq, rq = _tamed_l2_factor(*sums[3:])
+            rq = rq * jnp.float32(spec.scale)
         else:
+            tk = tq = jnp.ones((C,), F32)
             rk, rq = jnp.ones((C,), F32), jnp.full((C,), spec.scale, F32)
 
         i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
@@ -738,8 +766,8 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
                     plgpu.store(ref.at[jnp.int32(p), tok, h, cols], y.astype(ref.dtype),
                                 mask=live)
             G = _split_cumsum(gate(cols))                                  # rows past n add 0
-            kn = load(k_ref.at[tok, hk, cols]) * rk[:, None]
-            qn = load(q_ref.at[tok, hk, cols]) * rq[:, None]
+            kn = load(k_ref.at[tok, hk, cols]) * tk[:, None] * rk[:, None]
+            qn = load(q_ref.at[tok, hk, cols]) * tq[:, None] * rq[:, None]
             # Step c shares its reference rows through buffer c % 2. Step c + 1 stores into the
             # other buffer, so its stores cannot race this step's loads; the next store into
             # this buffer (step c + 2, or the exact fallback's second column, which alternates
@@ -1128,7 +1156,9 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
     HV = v.shape[1]
     N = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
-    if spec.use_qk_l2norm:  # raw q, k rows go into dot products and are normalised afterwards
+    if spec.use_qk_l2norm and not spec.per_channel_gate:
+        # GDN's raw q, k rows go into dot products and are normalised afterwards (KDA's intra
+        # kernel tames its rows itself)
         q, k = tame_rows(q, interpret=interpret), tame_rows(k, interpret=interpret)
     start, length, first = chunk_table(cu, q.shape[0])
     A_log = jnp.zeros((HV,), F32) if A_log is None else A_log
