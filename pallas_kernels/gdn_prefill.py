@@ -140,12 +140,6 @@ class PrefillSpec:
     precise: bool = True             # fp32 inputs: three-pass TF32 dots
 
 
-# KDA with fp32 inputs (three-pass TF32 dots): at K = V = 128 the prep's W and U products ask for
-# ~305 KiB of shared memory, more than an H200's 227 KiB, whatever the scan's blocks
-# (BENCHMARKS.md). GDN's prep has no such products and runs fp32 inputs at every head dim.
-KDA_PRECISE_MAX_HEAD_DIM = 64
-
-
 @dataclasses.dataclass(frozen=True)
 class PrefillBlockSizes:
     """Launch shape: the scan kernel's programs each own `block_v` value columns of one head."""
@@ -155,6 +149,10 @@ class PrefillBlockSizes:
     num_stages_scan: int = 2
     block_k: int = 32        # KDA intra kernel: key channels per step of the per-channel products
     num_warps_intra: int = 4
+    # KDA prep: W and U formed prep_cols columns at a time (at most K and V): the whole
+    # [C, 128] products need 255 registers (two programs per SM), 64 columns 165 (three;
+    # BENCHMARKS.md)
+    prep_cols: int = 64
     num_stages_intra: int = 1  # KDA intra kernel: 1 only (unsupported_reason says why)
     # prep: (I + A)^-1 by `_invert_unit_lower_blocked` (True) or `_invert_unit_lower` (False);
     # None: blocked for KDA, register-only for GDN (`blocked_inverse_for`)
@@ -173,9 +171,10 @@ class PrefillBlockSizes:
         # Few (sequence, head) pairs: narrower column blocks give the scan enough programs, and
         # software pipelining of the next chunk's loads pays; with many pairs the GPU is full
         # and wider blocks read each chunk's rows fewer times (BENCHMARKS.md, prefill sweep).
-        # Pipelined stages hold the chunk's rows in shared memory once per stage: K = 256
-        # leaves room for one stage only on an H200.
-        one_stage = spec.head_k_dim > 128
+        # Pipelined stages hold the chunk's rows in shared memory once per stage: K = 256, and
+        # KDA's fp32 rows (W, q e^G, k e^{G_C - G}; 304 KiB for 3 stages at K = 128), leave
+        # room for one stage only on an H200.
+        one_stage = spec.head_k_dim > 128 or (spec.per_channel_gate and spec.precise)
         # KDA's intra kernel: 32 key channels per step (BENCHMARKS.md, KDA launch sweep).
         block_k = min(32, spec.head_k_dim)
         if num_sequences * spec.num_v_heads < 128:
@@ -195,18 +194,14 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
         return f"head_k_dim={spec.head_k_dim} must be a power of two in [16, 256]"
     if not _pow2(spec.head_v_dim) or spec.head_v_dim > 256:
         return f"head_v_dim={spec.head_v_dim} must be a power of two in [16, 256]"
-    if (spec.per_channel_gate and spec.precise
-            and max(spec.head_k_dim, spec.head_v_dim) > KDA_PRECISE_MAX_HEAD_DIM):
-        return (f"KDA with fp32 inputs and K={spec.head_k_dim}, V={spec.head_v_dim}: the "
-                f"chunk-prep kernel's three-pass TF32 operands need more shared memory than an "
-                f"H200 has above {KDA_PRECISE_MAX_HEAD_DIM} (bf16 inputs run; or "
-                f"impl='chunked')")
     if block is not None:
         if not _pow2(block.block_v) or spec.head_v_dim % block.block_v:
             return f"block_v={block.block_v} must be a power of two >= 16 dividing V={spec.head_v_dim}"
         if spec.per_channel_gate and (not _pow2(block.block_k) or spec.head_k_dim % block.block_k):
             return (f"block_k={block.block_k} must be a power of two >= 16 dividing "
                     f"K={spec.head_k_dim}")
+        if spec.per_channel_gate and not _pow2(block.prep_cols):
+            return f"prep_cols={block.prep_cols} must be a power of two >= 16"
         if spec.per_channel_gate and block.num_stages_intra != 1:
             # Triton's software pipelining issues a loop's loads stages ahead and does not order
             # them after the loop's stores to the same memory (a store then a load of one
@@ -571,7 +566,7 @@ def _half_inverse(spec: PrefillSpec, blocked_inverse: bool) -> bool:
 def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log_ref, dt_ref,
                  kk_ref, ek_ref, tb_ref, w_ref, u_ref, aqk_ref, fq_ref, fk_ref, fw_ref, decay_ref,
                  kk_out_ref, redo_ref, *, spec: PrefillSpec, blocked_inverse: bool,
-                 interpret: bool):
+                 prep_cols: int, interpret: bool):
     s, h = pl.program_id(0), pl.program_id(1)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
@@ -612,16 +607,29 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             else:
                 kk = load(kk_ref.at[tok, h, :], rows2)
             Tb = invert(beta[:, None] * kk, kk_out_ref) * beta[None, :]
-            ek = tuple(plgpu.load(ek_ref.at[jnp.int32(p), tok, h, :], mask=rows2, other=0)
-                       for p in range(ek_ref.shape[0]))
-            v = plgpu.load(v_ref.at[tok, h, :], mask=rows2, other=0)
-            if _bf16_rows(ek_ref, v_ref):  # bf16 rows enter the products as they are
-                w, u = _dot_parts(_bf16_parts(Tb), ek), _dot_bf16x2(Tb, v)
-            else:
-                w, u = dot(Tb, ek[0].astype(F32)), dot(Tb, v.astype(F32))
-            for p, part in enumerate(_bf16_parts(w) if w_ref.shape[0] == 2 else (w,)):
-                store(w_ref.at[jnp.int32(p), tok, h, :], part, rows2)
-            store(u_ref.at[tok, h, :], u, rows2)
+            bf16 = _bf16_rows(ek_ref, v_ref)  # bf16 rows enter the products as they are
+            Tb_parts = _bf16_parts(Tb) if bf16 else None
+
+            # W and U prep_cols columns at a time: a loop body's registers are reused, so the
+            # kernel holds [C, prep_cols] products rather than [C, K] and [C, V] ones
+            def w_columns(c, carry):
+                cols = pl.ds(c * prep_cols, prep_cols)
+                ek = tuple(plgpu.load(ek_ref.at[jnp.int32(p), tok, h, cols], mask=rows2, other=0)
+                           for p in range(ek_ref.shape[0]))
+                w = _dot_parts(Tb_parts, ek) if bf16 else dot(Tb, ek[0].astype(F32))
+                for p, part in enumerate(_bf16_parts(w) if w_ref.shape[0] == 2 else (w,)):
+                    store(w_ref.at[jnp.int32(p), tok, h, cols], part, rows2)
+                return carry
+
+            def u_columns(c, carry):
+                cols = pl.ds(c * prep_cols, prep_cols)
+                v = plgpu.load(v_ref.at[tok, h, cols], mask=rows2, other=0)
+                store(u_ref.at[tok, h, cols],
+                      _dot_bf16x2(Tb, v) if bf16 else dot(Tb, v.astype(F32)), rows2)
+                return carry
+
+            lax.fori_loop(0, ek_ref.shape[-1] // prep_cols, w_columns, 0)
+            lax.fori_loop(0, v_ref.shape[-1] // prep_cols, u_columns, 0)
         else:
             # GDN: q and k stay raw; their L2 norms and the decays are per-row factors applied
             # to the products (for 16-bit inputs the raw rows are exact tensor-core operands).
@@ -1037,7 +1045,7 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
     half_inverse = _half_inverse(spec, blocked)
     *outs, _, redo = pl.pallas_call(
         functools.partial(_prep_kernel, spec=spec, blocked_inverse=blocked,
-                          interpret=interpret),
+                          prep_cols=min(block.prep_cols, K, V), interpret=interpret),
         out_shape=(only(not kda, (T_total, HV, CHUNK)),          # T beta = (I + A)^-1 beta
                    # W, in parts like e^G k
                    only(kda, (_kda_parts(v.dtype), T_total, HV, K), v.dtype),
@@ -1144,8 +1152,8 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
                   A_log=None, dt_bias=None, initial_state=None, pool=None, slots=None,
                   state_dtype=jnp.float32, interpret: bool = False):
     """Run the kernels on packed, validated inputs (the caller checks shapes; see the module
-    docstring): prep and scan, KDA's intra-chunk kernel before them, and for GDN with 16-bit
-    inputs the prep's TF32 redo pass between them.
+    docstring): prep and scan, KDA's intra-chunk kernel before them, and for GDN the q/k tame
+    pass first (with the L2 norm) and the prep's TF32 redo pass between them (16-bit inputs).
 
     q, k [T, HK, K]; v [T, HV, V]; g [T, HV] (KDA: [T, HV, K]), beta [T, HV] (raw a, b with
     A_log [HV] and dt_bias [HV] (KDA: [HV * K]) when spec.raw_gates); cu_seqlens [N + 1] int32. Pooled: pool [P, HV, K, V] (donated, updated in

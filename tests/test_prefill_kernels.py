@@ -51,9 +51,10 @@ def _spec(HK, HV, K, V, **kw):
 
 
 def _run(mode, q, k, v, g, beta, cu, spec, *, block_v=16, **kw):
-    # block_k = 16: the KDA intra kernel's channel loop takes several steps at every tested K
-    # (but K = 16)
-    block = kern.PrefillBlockSizes(block_v=min(block_v, spec.head_v_dim), block_k=16)
+    # block_k = prep_cols = 16: the KDA intra kernel's channel loop and the KDA prep's column
+    # loops take several steps at every tested K (but K = 16)
+    block = kern.PrefillBlockSizes(block_v=min(block_v, spec.head_v_dim), block_k=16,
+                                   prep_cols=16)
     return kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
                               interpret=mode == "interpret", **kw)
 
@@ -479,12 +480,13 @@ def test_unsupported_shapes_say_why():
                                                 kern.PrefillBlockSizes(block_v=24))
     assert kern.unsupported_reason(_spec(2, 4, 128, 128, precise=False),
                                    kern.PrefillBlockSizes()) is None
-    # KDA with fp32 inputs at K = V = 128 needs more shared memory than an H200 has (measured);
-    # GDN's fp32 inputs run at every head dim (test_default_blocks_fit_the_gpu)
-    assert "shared memory" in kern.unsupported_reason(_spec(2, 4, 128, 128, precise=True,
-                                                            per_channel_gate=True))
-    assert kern.unsupported_reason(_spec(2, 4, 64, 64, precise=True, per_channel_gate=True)) is None
-    assert kern.unsupported_reason(_spec(2, 4, 256, 256, precise=True)) is None
+    # fp32 inputs run at every head dim, GDN and KDA (test_default_blocks_fit_the_gpu)
+    for K in (64, 128, 256):
+        for kda in (False, True):
+            spec = _spec(2, 4, K, K, precise=True, per_channel_gate=kda)
+            assert kern.unsupported_reason(spec, kern.PrefillBlockSizes.get_default(spec, 1)) is None
+    assert "prep_cols" in kern.unsupported_reason(_spec(2, 4, 64, 64, per_channel_gate=True),
+                                                  kern.PrefillBlockSizes(prep_cols=24))
     # the KDA intra kernel reads back rows it stored in the same loop step: no pipelining
     kda = _spec(2, 4, 128, 128, precise=False, per_channel_gate=True)
     assert kern.unsupported_reason(kda, kern.PrefillBlockSizes()) is None
@@ -905,8 +907,8 @@ def test_kda_prefill_pool_lower_bound_gate(mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kda,dtype", [(False, BF16), (False, F32), (True, BF16)],
-                         ids=["gdn", "gdn_fp32", "kda"])
+@pytest.mark.parametrize("kda,dtype", [(False, BF16), (False, F32), (True, BF16), (True, F32)],
+                         ids=["gdn", "gdn_fp32", "kda", "kda_fp32"])
 @pytest.mark.parametrize("K", [128, 256])
 @pytest.mark.parametrize("lens", [[130], [70] * 32], ids=["few_pairs", "many_pairs"])
 def test_default_blocks_fit_the_gpu(kda, dtype, K, lens):
@@ -955,14 +957,14 @@ def test_prefill_entry_points_without_a_kernel():
     assert np.asarray(chunks.count).tolist() == [1, 1]
 
 
-def test_front_door_declines_kda_fp32_above_64_only():
-    """The chunked family's support check sees the gate form: fp32 inputs at K = V = 128 run for
-    GDN and are declined (with the reason) for KDA, whose prep would overflow shared memory."""
+def test_front_door_takes_fp32_inputs_at_every_head_dim():
+    """The chunked family's support check sees the gate form: fp32 inputs at K = V = 128 and 256
+    run for GDN and for KDA (whose prep forms W and U in column blocks and whose scan takes one
+    pipeline stage for fp32 rows, so both fit an H200's shared memory), and so do bf16 ones."""
     from gdn_jax.prefill import CHUNKED_FAMILY, prefill_call
-    q = jnp.zeros((1, 8, 2, 128), F32)
-    v = jnp.zeros((1, 8, 4, 128), F32)
-    assert CHUNKED_FAMILY.supports(prefill_call(q, v, jnp.zeros((1, 8, 4)))) is None
-    why = CHUNKED_FAMILY.supports(prefill_call(q, v, jnp.zeros((1, 8, 4, 128))))
-    assert "KDA" in why and "shared memory" in why
-    assert CHUNKED_FAMILY.supports(prefill_call(q.astype(BF16), v.astype(BF16),
-                                                jnp.zeros((1, 8, 4, 128)))) is None
+    for K in (128, 256):
+        q = jnp.zeros((1, 8, 2, K), F32)
+        v = jnp.zeros((1, 8, 4, K), F32)
+        for g in (jnp.zeros((1, 8, 4)), jnp.zeros((1, 8, 4, K))):
+            assert CHUNKED_FAMILY.supports(prefill_call(q, v, g)) is None
+            assert CHUNKED_FAMILY.supports(prefill_call(q.astype(BF16), v.astype(BF16), g)) is None
