@@ -282,8 +282,9 @@ def _dot_bf16x2(a, b, *, trans_a=False, trans_b=False):
 
 
 def _dot_parts(a, b):
-    """a @ b for operands given as tuples of bf16 parts (hi, lo) or (exact,): the products of
-    every pair of parts but lo x lo, summed in fp32 (~16 significand bits on both sides)."""
+    """a @ b for operands given as tuples of bf16 parts ((hi, lo) from `_split_bf16`, or
+    (exact,)): the products of every pair of parts but lo x lo, summed in fp32 (~16 significand
+    bits on both sides)."""
     dot = functools.partial(_dot, precise=False)
     out = None
     for i, x in enumerate(a):
@@ -293,9 +294,16 @@ def _dot_parts(a, b):
     return out
 
 
-def _bf16_parts(x):
-    """fp32 x as its two bf16 parts, a tuple for `_dot_parts`."""
-    return tuple(_split_bf16(x))
+def _store_parts(ref, at, x, mask):
+    """x into ref[p, *at] for each of its parts p: ref's leading axis (`_kda_parts`) holds x
+    itself, or (2) its bf16 hi and lo parts."""
+    for p, part in enumerate(_split_bf16(x) if ref.shape[0] == 2 else (x,)):
+        plgpu.store(ref.at[(jnp.int32(p), *at)], part.astype(ref.dtype), mask=mask)
+
+
+def _load_parts(load, ref, at, mask):
+    """The parts `_store_parts` wrote, a tuple for `_dot_parts`, each read by load(ref, mask)."""
+    return tuple(load(ref.at[(jnp.int32(p), *at)], mask) for p in range(ref.shape[0]))
 
 
 def _kda_parts(rows_dtype) -> int:
@@ -608,17 +616,16 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
                 kk = load(kk_ref.at[tok, h, :], rows2)
             Tb = invert(beta[:, None] * kk, kk_out_ref) * beta[None, :]
             bf16 = _bf16_rows(ek_ref, v_ref)  # bf16 rows enter the products as they are
-            Tb_parts = _bf16_parts(Tb) if bf16 else None
+            Tb_parts = _split_bf16(Tb) if bf16 else None
 
             # W and U prep_cols columns at a time: a loop body's registers are reused, so the
             # kernel holds [C, prep_cols] products rather than [C, K] and [C, V] ones
             def w_columns(c, carry):
                 cols = pl.ds(c * prep_cols, prep_cols)
-                ek = tuple(plgpu.load(ek_ref.at[jnp.int32(p), tok, h, cols], mask=rows2, other=0)
-                           for p in range(ek_ref.shape[0]))
+                ek = _load_parts(lambda ref, mask: plgpu.load(ref, mask=mask, other=0), ek_ref,
+                                 (tok, h, cols), rows2)
                 w = _dot_parts(Tb_parts, ek) if bf16 else dot(Tb, ek[0].astype(F32))
-                for p, part in enumerate(_bf16_parts(w) if w_ref.shape[0] == 2 else (w,)):
-                    store(w_ref.at[jnp.int32(p), tok, h, cols], part, rows2)
+                _store_parts(w_ref, (tok, h, cols), w, rows2)
                 return carry
 
             def u_columns(c, carry):
@@ -768,11 +775,6 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             kk, qk = acc
             cols = pl.ds(c * block_k, block_k)
             put = lambda ref, x: plgpu.store(ref.at[tok, h, cols], x.astype(ref.dtype), mask=live)
-
-            def put_parts(ref, x):  # ref [parts, T, HV, K]: x, or its bf16 hi and lo parts
-                for p, y in enumerate(_bf16_parts(x) if ref.shape[0] == 2 else (x,)):
-                    plgpu.store(ref.at[jnp.int32(p), tok, h, cols], y.astype(ref.dtype),
-                                mask=live)
             G = _split_cumsum(gate(cols))                                  # rows past n add 0
             kn = load(k_ref.at[tok, hk, cols]) * tk[:, None] * rk[:, None]
             qn = load(q_ref.at[tok, hk, cols]) * tq[:, None] * rq[:, None]
@@ -809,7 +811,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             qk = jnp.where(same_block, qk + qk_d, qk)
             eG = jnp.exp(G[0] + G[1])
             put(fq_ref, qn * eG)
-            put_parts(ek_ref, kn * eG)
+            _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
             put(fk_ref, kn * jnp.exp(rel(lasts[-1], G)))
             # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
             decay_ref[s, h, cols] = jnp.exp(lasts[-1][0] + lasts[-1][1])[0]
@@ -944,10 +946,9 @@ def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, v_ref, t
         if spec.per_channel_gate:  # decayed, normalised q and k rows come from the prep
             # W in parts (`_kda_parts`): for bf16 inputs W S takes its hi and lo parts against
             # the split state (three bf16 products)
-            w = tuple(load(w_ref.at[jnp.int32(p), tok, h, :], rows2)
-                      for p in range(w_ref.shape[0]))
+            w = _load_parts(load, w_ref, (tok, h, slice(None)), rows2)
             u, aqk = load32(u_ref.at[tok, h, cols], rows2), load32(aqk_ref.at[tok, h, :], rows2)
-            delta = u - (_dot_parts(w, _bf16_parts(S)) if bf16_rows else dot(w[0], S))
+            delta = u - (_dot_parts(w, _split_bf16(S)) if bf16_rows else dot(w[0], S))
             q, k = load(fq_ref.at[tok, h, :], rows2), load32(fk_ref.at[tok, h, :], rows2)
             o = row_dot(q, S) + dot(aqk, delta)
             S = S * decay_ref[first + c, h, :][:, None] + dot(k, delta, trans_a=True)
