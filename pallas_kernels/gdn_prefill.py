@@ -155,9 +155,12 @@ class PrefillBlockSizes:
     prep_cols: int = 64
     num_stages_intra: int = 1  # KDA intra kernel: 1 only (unsupported_reason says why)
     # GDN scan, 16-bit inputs: each product of rows with the split state as one tensor-core
-    # product of twice the width (`_dot_bf16x2`'s paired form); pays where the scan is a serial
-    # chain of small products, with few (sequence, head) pairs (BENCHMARKS.md)
+    # product of twice the width (`_dot_bf16x2`'s paired form): fewer tensor-core passes and
+    # waits in the scan's serial chain of small products (the default for GDN; BENCHMARKS.md).
+    # pair_group: the halves' columns alternate in groups of this many (1 or 8; see
+    # `_dot_bf16x2`): 8 with many (sequence, head) pairs, 1 (slightly faster there) with few.
     paired_halves: bool = False
+    pair_group: int = 8
     # prep: (I + A)^-1 by `_invert_unit_lower_blocked` (True) or `_invert_unit_lower` (False);
     # None: blocked for KDA, register-only for GDN (`blocked_inverse_for`)
     blocked_inverse: bool | None = None
@@ -184,9 +187,9 @@ class PrefillBlockSizes:
         if num_sequences * spec.num_v_heads < 128:
             return PrefillBlockSizes(block_v=min(32, spec.head_v_dim),
                                      num_stages_scan=1 if one_stage else 3, block_k=block_k,
-                                     paired_halves=not spec.per_channel_gate)
+                                     paired_halves=not spec.per_channel_gate, pair_group=1)
         return PrefillBlockSizes(block_v=min(64, spec.head_v_dim), num_stages_scan=1,
-                                 block_k=block_k)
+                                 block_k=block_k, paired_halves=not spec.per_channel_gate)
 
 
 def _pow2(n: int) -> bool:
@@ -217,6 +220,8 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
                     f"back, within each channel step, reference rows it stored in that step "
                     f"(a store, a barrier, loads); pipelined loads could run before the store, "
                     f"so only 1 stage is supported")
+        if block.pair_group not in (1, PAIR_GROUP):
+            return f"pair_group={block.pair_group} must be 1 or {PAIR_GROUP}"
         if spec.per_channel_gate and block.paired_halves:
             return ("paired_halves is for GDN's scan (KDA's was slower with it, and its "
                     "pipelined stages did not fit the H200's shared memory)")
@@ -276,16 +281,23 @@ def _split_bf16(x):
     return hi, (x - hi.astype(F32)).astype(jnp.bfloat16)
 
 
-def _dot_bf16x2(a, b, *, trans_a=False, paired=False):
+PAIR_GROUP = 8  # see `_dot_bf16x2`
+
+
+def _dot_bf16x2(a, b, *, trans_a=False, paired=0):
     """a @ b for one exact bf16 operand and one fp32 operand, as two bf16 tensor-core products
     (b split by `_split_bf16`) summed in fp32: ~2^-17 relative on the fp32 side where one-pass
     TF32 rounds it to 2^-11, for the tensor-core time of one TF32 pass (bf16 runs at twice TF32's
     rate) and without widening the bf16 operand to fp32 registers.
 
-    paired (the fp32 operand on the right): both products as one of twice the width, the halves'
-    columns interleaved into one operand and the result's column pairs summed: one tensor-core
-    pass and one wait instead of two, for a serial chain of small products (the GDN scan with
-    few (sequence, head) pairs; `PrefillBlockSizes.paired_halves`)."""
+    paired (the fp32 operand on the right; 0: off): both products as one of twice the width,
+    one tensor-core pass and one wait instead of two, for a serial chain of small products (the
+    GDN scan; `PrefillBlockSizes.paired_halves`), the halves' columns alternating in groups of
+    `paired` columns. With groups of PAIR_GROUP (8), each column's hi and lo results land in the
+    same thread (the tensor cores' accumulator gives a thread column pairs 8 apart), where the
+    unpaired product would have put them, so summing them moves no data between threads; single
+    columns (1) make a result whose every use in that layout shuffles it across threads, and
+    measured 1% faster only where the scan has one program an SM."""
     dot = functools.partial(_dot, precise=False, trans_a=trans_a)
     if a.dtype == F32:
         hi, lo = _split_bf16(a)
@@ -294,9 +306,14 @@ def _dot_bf16x2(a, b, *, trans_a=False, paired=False):
     if not paired:
         return dot(a, hi) + dot(a, lo)
     k, n = b.shape
-    r = dot(a, lax.reshape(jnp.stack((hi, lo), axis=-1), (k, 2 * n)))
-    r_hi, r_lo = lax.unstack(lax.reshape(r, (r.shape[0], n, 2)), axis=-1)
-    return r_hi + r_lo
+    g = min(paired, n)
+    if g == 1:  # Triton's join and split of a last axis of two
+        r = dot(a, lax.reshape(jnp.stack((hi, lo), axis=-1), (k, 2 * n)))
+        r_hi, r_lo = lax.unstack(lax.reshape(r, (r.shape[0], n, 2)), axis=-1)
+        return r_hi + r_lo
+    halves = jnp.stack((hi.reshape(k, n // g, g), lo.reshape(k, n // g, g)), axis=-1)
+    r = dot(a, jnp.transpose(halves, (0, 1, 3, 2)).reshape(k, 2 * n))
+    return jnp.sum(r.reshape(r.shape[0], n // g, 2, g), axis=2).reshape(r.shape[0], n)
 
 
 def _dot_parts(a, b):
@@ -919,7 +936,7 @@ def _exact_diagonal_blocks(kn, qn, G, exchange, buf):
 
 def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, v_ref, tb_ref, w_ref,
                  u_ref, aqk_ref, fq_ref, fk_ref, fw_ref, decay_ref, h0_ref, o_ref, hT_ref, hb_ref,
-                 *, spec: PrefillSpec, block_v: int, paired_halves: bool, interpret: bool):
+                 *, spec: PrefillSpec, block_v: int, pair_group: int, interpret: bool):
     # One program per (sequence, value head, column block), launched column blocks fastest, then
     # heads, then sequences longest first (`order_ref`): the GPU starts programs in launch order,
     # so a packed batch's longest walks start in the first wave rather than wait for a late one
@@ -949,7 +966,7 @@ def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, v_ref, t
     # bf16 rows (raw q and k; KDA's W and decayed q, stored in the input dtype) enter the
     # products as they are, against the fp32 state and deltas split in two bf16 halves.
     bf16_rows = _bf16_rows(q_ref, k_ref, v_ref)
-    row_dot = functools.partial(_dot_bf16x2, paired=paired_halves) if bf16_rows else dot
+    row_dot = functools.partial(_dot_bf16x2, paired=pair_group) if bf16_rows else dot
 
     def chunk(c, S):
         t0 = bos + c * C
@@ -1153,7 +1170,8 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
     bshape = (num_boundary, HV, K, V) if spec.boundary_states else (1, 1, 1, 1)
     return pl.pallas_call(
         functools.partial(_scan_kernel, spec=spec, block_v=block.block_v,
-                          paired_halves=block.paired_halves, interpret=interpret),
+                          pair_group=block.pair_group if block.paired_halves else 0,
+                          interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((T_total, HV, V), v.dtype),
                    jax.ShapeDtypeStruct(final_shape, final_dtype),
                    jax.ShapeDtypeStruct(bshape, F32)),  # fp32: a prefix continues from it

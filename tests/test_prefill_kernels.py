@@ -50,14 +50,14 @@ def _spec(HK, HV, K, V, **kw):
                             scale=K ** -0.5, **kw)
 
 
-def _run(mode, q, k, v, g, beta, cu, spec, *, block_v=16, paired_halves=None, **kw):
+def _run(mode, q, k, v, g, beta, cu, spec, *, block_v=16, paired_halves=None, pair_group=8, **kw):
     # block_k = prep_cols = 16: the KDA intra kernel's channel loop and the KDA prep's column
     # loops take several steps at every tested K (but K = 16). GDN's scan takes its products
-    # with the split state paired (the few-pairs default) unless told otherwise.
+    # with the split state paired (its default) unless told otherwise.
     if paired_halves is None:
         paired_halves = not spec.per_channel_gate
     block = kern.PrefillBlockSizes(block_v=min(block_v, spec.head_v_dim), block_k=16,
-                                   prep_cols=16, paired_halves=paired_halves)
+                                   prep_cols=16, paired_halves=paired_halves, pair_group=pair_group)
     return kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
                               interpret=mode == "interpret", **kw)
 
@@ -103,14 +103,16 @@ def test_prefill_matches_float64(mode, lens, HK, HV, K, init):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("paired", [True, False], ids=["paired", "unpaired"])
-def test_bf16_inputs_against_float64(mode, paired):
-    """bf16 rows against the split state: both forms of the scan's products
-    (`PrefillBlockSizes.paired_halves`)."""
+@pytest.mark.parametrize("paired,group", [(True, 8), (True, 1), (False, 8)],
+                         ids=["paired8", "paired1", "unpaired"])
+def test_bf16_inputs_against_float64(mode, paired, group):
+    """bf16 rows against the split state: every form of the scan's products
+    (`PrefillBlockSizes.paired_halves`, `pair_group`)."""
     lens = [200, 37]
     q, k, v, g, beta, h0, cu = _packed_inputs(2, lens, HK=2, HV=4, K=64, V=64, dtype=BF16)
     spec = _spec(2, 4, 64, 64, has_initial_state=True, precise=False)
-    o, hT, _, _ = _run(mode, q, k, v, g, beta, cu, spec, initial_state=h0, paired_halves=paired)
+    o, hT, _, _ = _run(mode, q, k, v, g, beta, cu, spec, initial_state=h0, paired_halves=paired,
+                       pair_group=group)
     assert o.dtype == BF16
     ro, rs = _oracle(q, k, v, g, beta, h0, cu)
     assert rel_err(o, ro) <= 5e-3
@@ -498,12 +500,14 @@ def test_unsupported_shapes_say_why():
     assert kern.unsupported_reason(kda, kern.PrefillBlockSizes()) is None
     assert "num_stages_intra=2" in kern.unsupported_reason(
         kda, kern.PrefillBlockSizes(num_stages_intra=2))
-    # paired products in the scan: GDN's (the few-pairs default), not KDA's
+    # paired products in the scan: GDN's default with few and with many pairs, not KDA's
     assert "paired_halves" in kern.unsupported_reason(kda, kern.PrefillBlockSizes(paired_halves=True))
     few, many = (kern.PrefillBlockSizes.get_default(_spec(2, 4, 128, 128, precise=False), n)
                  for n in (1, 64))
-    assert few.paired_halves and not many.paired_halves
-    assert not kern.PrefillBlockSizes.get_default(kda, 1).paired_halves
+    assert few.paired_halves and many.paired_halves and few.block_v != many.block_v
+    assert (few.pair_group, many.pair_group) == (1, 8)
+    assert "pair_group" in kern.unsupported_reason(_spec(2, 4, 64, 64), kern.PrefillBlockSizes(pair_group=4))
+    assert not any(kern.PrefillBlockSizes.get_default(kda, n).paired_halves for n in (1, 64))
 
 
 def test_chunk_table_packs_sequences_without_padding():
