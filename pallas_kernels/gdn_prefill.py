@@ -140,6 +140,9 @@ class PrefillSpec:
     precise: bool = True             # fp32 inputs: three-pass TF32 dots
 
 
+PAIR_GROUP = 8  # the paired products' column group with many pairs; see `_dot_bf16x2`
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefillBlockSizes:
     """Launch shape: the scan kernel's programs each own `block_v` value columns of one head."""
@@ -160,7 +163,7 @@ class PrefillBlockSizes:
     # pair_group: the halves' columns alternate in groups of this many (1 or 8; see
     # `_dot_bf16x2`): 8 with many (sequence, head) pairs, 1 (slightly faster there) with few.
     paired_halves: bool = False
-    pair_group: int = 8
+    pair_group: int = PAIR_GROUP
     # prep: (I + A)^-1 by `_invert_unit_lower_blocked` (True) or `_invert_unit_lower` (False);
     # None: blocked for KDA, register-only for GDN (`blocked_inverse_for`)
     blocked_inverse: bool | None = None
@@ -281,9 +284,6 @@ def _split_bf16(x):
     return hi, (x - hi.astype(F32)).astype(jnp.bfloat16)
 
 
-PAIR_GROUP = 8  # see `_dot_bf16x2`
-
-
 def _dot_bf16x2(a, b, *, trans_a=False, paired=0):
     """a @ b for one exact bf16 operand and one fp32 operand, as two bf16 tensor-core products
     (b split by `_split_bf16`) summed in fp32: ~2^-17 relative on the fp32 side where one-pass
@@ -297,7 +297,7 @@ def _dot_bf16x2(a, b, *, trans_a=False, paired=0):
     same thread (the tensor cores' accumulator gives a thread column pairs 8 apart), where the
     unpaired product would have put them, so summing them moves no data between threads; single
     columns (1) make a result whose every use in that layout shuffles it across threads, and
-    measured 1% faster only where the scan has one program an SM."""
+    measured slightly faster only where the scan has one program an SM."""
     dot = functools.partial(_dot, precise=False, trans_a=trans_a)
     if a.dtype == F32:
         hi, lo = _split_bf16(a)
