@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # Test workers: one per CPU core of this machine (override: make test JOBS=4).
 JOBS ?= $(shell nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)
 
-.PHONY: demo test test-gpu check env clean
+.PHONY: demo test test-full test-gpu check env clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; v = sys.version_info; sys.exit(0 if v >= (3, 12) else f"gdn_jax needs Python >= 3.12; {sys.executable} is {v.major}.{v.minor}")'
@@ -20,6 +20,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n $(JOBS)
+
+# The whole CPU matrix: `make test` plus the cases marked `full` (tests/conftest.py).
+test-full: $(VENV)/.installed
+	$(PY) -m pytest -q -n $(JOBS) --full
 
 check: $(VENV)/.installed
 	$(PY) -m gdn_jax check

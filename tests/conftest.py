@@ -58,11 +58,40 @@ def lower_for_h200(monkeypatch):
 LONGEST_FIRST = ("test_tensor_parallel.py::test_on_host_devices",)
 
 
+# The CPU suite in two tiers. `make test` (CI) runs every kernel, code path and option value at
+# least once and stays within its time budget on two cores; `make test-full` (`pytest --full`)
+# adds the cases marked `full`: further combinations of values the default cases already cover
+# one by one, the second notebook and the slowest tool runs. Run it before merging a change to
+# the kernels or the tools.
+FULL = pytest.mark.full
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="also run the tests marked `full` (the whole CPU matrix)")
+
+
+def full_run(config) -> bool:
+    return bool(config.getoption("--full"))
+
+
+FULL_RUN = False  # set for the session by pytest_configure (test modules are imported after it)
+
+
+def pytest_configure(config):
+    global FULL_RUN
+    FULL_RUN = full_run(config)
+
+
 def pytest_collection_modifyitems(config, items):
     if ON_GPU:
         return
     items.sort(key=lambda item: not any(name in item.nodeid for name in LONGEST_FIRST))
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the GPU machine)")
+    skip_full = pytest.mark.skip(reason="in the full CPU matrix only (make test-full)")
+    full = full_run(config)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+        elif "full" in item.keywords and not full:
+            item.add_marker(skip_full)

@@ -16,6 +16,8 @@ import gdn_jax
 from gdn_jax import check
 from gdn_jax.cli import main
 
+from conftest import FULL
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--batch", "2", "--num-k-heads", "1", "--num-v-heads", "2", "--head-k-dim", "16",
          "--head-v-dim", "16", "--dtypes", "float32", "--quiet"]
@@ -83,6 +85,7 @@ def test_check_passes_and_writes_json(tmp_path, capsys):
     assert all(r["rel_err"] is not None for r in rows if r["status"] == "pass")
 
 
+@FULL  # each of these kernels has its own tests; this is the check command's longest run
 def test_check_runs_the_prefill_kernels_and_carried_verify(tmp_path):
     """T > 1 under impl="pallas" is the chunked prefill kernel (dense, packed, into a pool), and
     carried verify goes through a DeltaPool: every such row runs (interpret mode) and passes."""

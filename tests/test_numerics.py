@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import conftest
 from conftest import KERNEL_MODES, interpret_flag
 from gdn_jax import reference as ref
 from helpers import rel_err
@@ -488,8 +489,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 
 
-def examples(n):
-    """Hypothesis settings: n examples, reproducible (derandomised, no example database)."""
+def examples(n, full=None):
+    """Hypothesis settings: n examples (`full` of them in the full CPU matrix), reproducible
+    (derandomised, no example database)."""
+    n = full if full is not None and conftest.FULL_RUN else n
     return settings(max_examples=n, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck))
 
@@ -529,7 +532,7 @@ def _f64_problem(q, k, v, g, beta, h0):
     return scan_f64(qn, kn, v, g, beta, h0)
 
 
-@examples(7)
+@examples(4, full=7)
 @given(problem=delta_problems(), chunk=st.sampled_from([16, 64]))
 def test_property_chunked_and_scan_match_float64(problem, chunk):
     q, k, v, g, beta, h0 = problem
@@ -539,7 +542,7 @@ def test_property_chunked_and_scan_match_float64(problem, chunk):
         assert rel_err(o, want_o) <= 1e-5 and rel_err(s, want_s) <= 1e-5
 
 
-@examples(5)
+@examples(3, full=5)
 @given(problem=delta_problems(), data=st.data())
 def test_property_prefill_decode_schedules(problem, data):
     """Any split of the sequence into prefill pieces (chunk form or scan) and single decode
@@ -607,7 +610,7 @@ def test_drift_curves_show_the_stall_and_its_removal():
     assert rne > 0.2 and sr < 0.1 and rne > 4 * sr
 
 
-@examples(8)
+@examples(4, full=8)
 @given(problem=delta_problems(k_dims=(16, 32), v_dims=(16,)), data=st.data())
 def test_property_kernels_in_interpret_mode(problem, data):
     """The Pallas kernels (interpret mode) on random problems and schedules: prefill pieces run

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import FULL
 from gdn_jax import reference as ref
 from helpers import rel_err
 from pallas_kernels import gdn_prefill as kern
@@ -103,7 +104,8 @@ def test_prefill_matches_float64(mode, lens, HK, HV, K, init):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("paired,group", [(True, 8), (True, 1), (False, 8)],
+@pytest.mark.parametrize("paired,group", [(True, 8), (True, 1),
+                                          pytest.param(False, 8, marks=FULL)],
                          ids=["paired8", "paired1", "unpaired"])
 def test_bf16_inputs_against_float64(mode, paired, group):
     """bf16 rows against the split state: every form of the scan's products
@@ -120,7 +122,8 @@ def test_bf16_inputs_against_float64(mode, paired, group):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+# fp32 rows: full matrix (the tame kernel's fp32 rows: test_tame_rows_kernel_is_tame_huge_rows...)
+@pytest.mark.parametrize("dtype", [pytest.param(F32, marks=FULL), BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_huge_rows_equal_rows_tamed_before_the_call(mode, dtype, kda):
     """q/k rows far above the L2-norm overflow bound (squares overflow fp32), mixed with ordinary
@@ -188,7 +191,7 @@ def test_extreme_gates_no_nan(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [pytest.param(F32, marks=FULL), BF16], ids=["fp32", "bf16"])
 def test_repeated_keys_with_beta_near_one(mode, dtype):
     """A prompt that repeats a few tokens: near-equal keys, beta ~ 1, gates ~ 0. The chunk's
     (I + A) is then near singular along the repeats and a series in A's powers loses digits;
@@ -698,7 +701,8 @@ def test_kda_prefill_matches_float64(mode, lens, HK, HV, K, spread):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("lower_bound", [None, -5.0])
+# Each gate form once in the default run, each in both tests in the full matrix.
+@pytest.mark.parametrize("lower_bound", [None, pytest.param(-5.0, marks=FULL)])
 def test_kda_raw_gates_bf16_against_float64(mode, lower_bound):
     lens = [100, 30]
     HK, HV, K = 1, 2, 32
@@ -737,7 +741,7 @@ def _diag_spans(g, cu):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("lower_bound", [pytest.param(None, marks=FULL), -5.0])
 def test_kda_raw_gates_spanning_orders_of_magnitude(mode, lower_bound):
     """Raw per-channel gates (Kimi Linear's softplus form, GLM-5.3-Flash's lower bound -5), fp32:
     inside every chunk some channels decay by ~1e-9 per token and others sit at the bound (or,

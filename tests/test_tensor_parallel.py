@@ -29,6 +29,8 @@ from gdn_jax.layers import GDNConfig, KDAConfig, KimiDeltaAttention, Qwen3NextGa
 from gdn_jax.layers import tensor_parallel as tp
 from gdn_jax.loading import SafetensorsCheckpoint
 
+from conftest import FULL, full_run
+
 HOST_DEVICES = 4
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 # Mesh vs unsharded, fp32, relative L2. The two differ by summation order only: XLA's dot over a
@@ -48,7 +50,7 @@ CHILD_SHARDS = {"serving": "test_serving_matches_unsharded",
 
 
 @pytest.mark.parametrize("shard", sorted(CHILD_SHARDS))
-def test_on_host_devices(shard):
+def test_on_host_devices(shard, request):
     """Run this file (one shard of it) in a child process with 4 host CPU devices; every test
     there must pass and none may be skipped for want of devices."""
     if len(jax.devices()) >= 2:
@@ -56,15 +58,19 @@ def test_on_host_devices(shard):
     flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={HOST_DEVICES}"
     env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full = full_run(request.config)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
-                        "-rs", "-k", CHILD_SHARDS[shard], os.path.abspath(__file__)], env=env,
+                        "-rs", "-k", CHILD_SHARDS[shard], *(["--full"] if full else []),
+                        os.path.abspath(__file__)], env=env,
                        cwd=root, capture_output=True, text=True, timeout=1200)
     out = r.stdout[-8000:] + r.stderr[-3000:]
     assert r.returncode == 0, out
     passed = re.search(r"(\d+) passed", r.stdout)
-    cpu = lambda cases: sum(1 for c in cases if not hasattr(c, "marks"))
+    runs = lambda marks: not any(m.name == "gpu" or (m.name == "full" and not full) for m in marks)
+    cpu = lambda cases: sum(1 for c in cases if runs(getattr(c, "marks", ())))
     # serving: every CPU serving case; rest: every CPU forward case plus the file's other tests
-    expected = cpu(SERVING_CASES) if shard == "serving" else cpu(FORWARD_CASES) + 9
+    # (two of them in the full matrix only)
+    expected = cpu(SERVING_CASES) if shard == "serving" else cpu(FORWARD_CASES) + (9 if full else 7)
     assert passed and int(passed.group(1)) >= expected, out
     assert "needs several devices" not in r.stdout and "needs 4 devices" not in r.stdout, out
 
@@ -182,10 +188,13 @@ class Compiled:
 # devices, kept few because each case compiles a dozen sharded programs on the CPU. On GPUs every
 # block runs compiled on 2.
 # Kept few (the suite's time budget): each block variant, each mode and both mesh sizes appear.
-FORWARD_CASES = [(2, "qwen3_next", "reference"), (2, "qwen3_5_split", "interpret"),
-                 (4, "kda", "interpret")]
+# The full matrix adds the KDA serving case (KDA's mesh path is in the forward cases) and the
+# references' forward case (references and kernels share the blocks' mesh code, which the other
+# cases run).
+FORWARD_CASES = [pytest.param(2, "qwen3_next", "reference", marks=FULL),
+                 (2, "qwen3_5_split", "interpret"), (4, "kda", "interpret")]
 FORWARD_CASES += [pytest.param(2, b, "gpu", marks=pytest.mark.gpu) for b in BLOCKS]
-SERVING_CASES = [(2, "qwen3_next", "interpret"), (4, "kda", "reference")]
+SERVING_CASES = [(2, "qwen3_next", "interpret"), pytest.param(4, "kda", "reference", marks=FULL)]
 SERVING_CASES += [pytest.param(2, b, "gpu", marks=pytest.mark.gpu) for b in BLOCKS]
 
 
@@ -298,7 +307,7 @@ def _count_collectives(text):
 
 
 @several
-@pytest.mark.parametrize("name", ["qwen3_next", "kda"])
+@pytest.mark.parametrize("name", ["qwen3_next", pytest.param("kda", marks=FULL)])
 def test_one_all_reduce_no_gather(name):
     """Each block call compiles to exactly one all-reduce (the output projection's partial
     sums) and no all-gather / all-to-all / permute: the state never leaves its device.
@@ -466,6 +475,7 @@ def test_shard_gather_round_trip():
 
 
 @several
+@FULL
 def test_bench_block_mesh_smoke(tmp_path):
     """`gdn-jax bench block --smoke --mesh 2`: the serving decode, the T=1 call and prefill on 1
     and 2 devices, finite ratios, the mesh's output equal to one device's within bf16."""

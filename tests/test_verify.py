@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import MODES, ON_GPU
+from conftest import FULL, MODES, ON_GPU
 from gdn_jax import carry
 from gdn_jax import conv_carry
 from gdn_jax import decode as dec
@@ -241,13 +241,18 @@ SCHEDULES = [
     ("kda-f32-fast", Case(kind="kda", exact=False), (3,), ("reference", "interpret")),
 ]
 _GPU = pytest.mark.gpu
+# In the full CPU matrix only: each family, flavour, state dtype and mode keeps a default case
+# (the fast GDN flavour also in test_fast_flavour_matches_reference_interpret).
+SCHEDULES_FULL = {"gdn-f32-exact-reference", "kda-f16-exact-reference", "gdn-f32-fast-interpret",
+                  "kda-f32-exact-interpret"}
 
 
 def _schedule_params():
     for name, case, widths, modes in SCHEDULES:
         for mode in (*modes, "gpu"):
-            yield pytest.param(mode, case, widths, id=f"{name}-{mode}",
-                               marks=(_GPU,) if mode == "gpu" else ())
+            case_id = f"{name}-{mode}"
+            marks = (_GPU,) if mode == "gpu" else (FULL,) if case_id in SCHEDULES_FULL else ()
+            yield pytest.param(mode, case, widths, id=case_id, marks=marks)
 
 
 @pytest.mark.parametrize("mode,case,widths", list(_schedule_params()))
@@ -258,7 +263,8 @@ def test_carried_schedule_matches_sequential_decode(mode, case, widths, request)
                  rounds=10 if mode == "interpret" else 16, widths=widths)
 
 
-@pytest.mark.parametrize("mode,kind,sdt", [("reference", "gdn", F32), ("interpret", "kda", BF16),
+@pytest.mark.parametrize("mode,kind,sdt", [pytest.param("reference", "gdn", F32, marks=FULL),
+                                           ("interpret", "kda", BF16),
                                            pytest.param("gpu", "gdn", F32, marks=_GPU),
                                            pytest.param("gpu", "kda", BF16, marks=_GPU)])
 def test_intermediate_states_schedule_matches_sequential_decode(mode, kind, sdt):
@@ -534,7 +540,7 @@ def test_decode_and_convert_of_a_pool_with_pending_rows_fold_them_first():
 
 # --------------------------------------------------------------------------- conv carry
 
-@pytest.mark.parametrize("conv_dtype,x_dtype", [(F32, BF16), (BF16, BF16)])
+@pytest.mark.parametrize("conv_dtype,x_dtype", [pytest.param(F32, BF16, marks=FULL), (BF16, BF16)])
 def test_conv_carry_schedule_matches_sequential_conv_steps(conv_dtype, x_dtype):
     rng = np.random.default_rng(3)
     B, S, C, W, rounds = 4, 6, 24, 4, 12

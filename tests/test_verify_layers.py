@@ -18,6 +18,7 @@ from flax import nnx
 import gdn_jax
 from gdn_jax.layers import GDNConfig, KDAConfig, KimiDeltaAttention, Qwen3NextGatedDeltaNet
 from gdn_jax.state import GDNState, KDAState, ServingState
+from conftest import FULL
 from helpers import jit_block, rel_err
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -78,7 +79,7 @@ def _seed_pool(rng, state):
 
 @pytest.mark.parametrize("kind,carry,exact,impl", [
     ("gdn", True, True, "reference"),
-    ("kda", True, False, "reference"),
+    pytest.param("kda", True, False, "reference", marks=FULL),
     ("gdn", False, True, "reference"),      # declines: intermediate states + commit
     ("kda", True, True, "pallas"),          # kernels (interpret on CPU) through the block
     pytest.param("gdn", True, True, "pallas", marks=pytest.mark.gpu, id="gdn-pallas-gpu"),
