@@ -164,6 +164,12 @@ class PrefillBlockSizes:
     # `_dot_bf16x2`): 8 with many (sequence, head) pairs, 1 (slightly faster there) with few.
     paired_halves: bool = False
     pair_group: int = PAIR_GROUP
+    # The per-chunk kernels (prep, its redo pass, KDA's intra kernel) launch a chunk's value
+    # heads back to back (True) or a head's chunks (False): with the heads adjacent, the programs
+    # that share a key head's q/k rows run together and their [T, HV, ...] stores fill
+    # neighbouring pieces of the same token rows. Measured faster for KDA, and for GDN with many
+    # (sequence, head) pairs; slower for GDN with few (BENCHMARKS.md).
+    heads_fastest: bool = True
     # prep: (I + A)^-1 by `_invert_unit_lower_blocked` (True) or `_invert_unit_lower` (False);
     # None: blocked for KDA, register-only for GDN (`blocked_inverse_for`)
     blocked_inverse: bool | None = None
@@ -190,7 +196,8 @@ class PrefillBlockSizes:
         if num_sequences * spec.num_v_heads < 128:
             return PrefillBlockSizes(block_v=min(32, spec.head_v_dim),
                                      num_stages_scan=1 if one_stage else 3, block_k=block_k,
-                                     paired_halves=not spec.per_channel_gate, pair_group=1)
+                                     paired_halves=not spec.per_channel_gate, pair_group=1,
+                                     heads_fastest=spec.per_channel_gate)
         return PrefillBlockSizes(block_v=min(64, spec.head_v_dim), num_stages_scan=1,
                                  block_k=block_k, paired_halves=not spec.per_channel_gate)
 
@@ -553,6 +560,17 @@ def _raw_log_decay(x, A_log, dt, spec: PrefillSpec):
 
 # --------------------------------------------------------------------------- kernel 1: chunk prep
 
+def _chunk_grid(num_slots: int, num_heads: int, heads_fastest: bool):
+    """The per-chunk kernels' grid (`PrefillBlockSizes.heads_fastest`)."""
+    return (num_heads, num_slots) if heads_fastest else (num_slots, num_heads)
+
+
+def _slot_and_head(heads_fastest: bool):
+    """This program's (chunk slot, value head) in `_chunk_grid`."""
+    a, b = pl.program_id(0), pl.program_id(1)
+    return (b, a) if heads_fastest else (a, b)
+
+
 def _chunk_beta(beta_ref, tok, h, rows, spec: PrefillSpec):
     """The chunk's write strengths [C] (sigmoid of the raw projection when spec.raw_gates),
     0 past the chunk."""
@@ -609,8 +627,8 @@ def _half_inverse(spec: PrefillSpec, blocked_inverse: bool) -> bool:
 def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log_ref, dt_ref,
                  kk_ref, ek_ref, tb_ref, w_ref, u_ref, aqk_ref, fq_ref, fk_ref, fw_ref, decay_ref,
                  kk_out_ref, redo_ref, *, spec: PrefillSpec, blocked_inverse: bool,
-                 prep_cols: int, interpret: bool):
-    s, h = pl.program_id(0), pl.program_id(1)
+                 prep_cols: int, heads_fastest: bool, interpret: bool):
+    s, h = _slot_and_head(heads_fastest)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
     C = CHUNK
@@ -697,12 +715,13 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
 
 
 def _prep_redo_kernel(start_ref, len_ref, k_ref, g_ref, beta_ref, A_log_ref, dt_ref, redo_ref,
-                      tb_in_ref, tb_ref, *, spec: PrefillSpec, interpret: bool):
+                      tb_in_ref, tb_ref, *, spec: PrefillSpec, heads_fastest: bool,
+                      interpret: bool):
     """T beta again, with the one-pass TF32 inverse, for the GDN chunks the prep flagged (its
     fp16 inverse did not fit: `_half_inverse_fits`); the other chunks' rows stay as they are
     (tb_ref aliases tb_in_ref)."""
     del tb_in_ref
-    s, h = pl.program_id(0), pl.program_id(1)
+    s, h = _slot_and_head(heads_fastest)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
 
@@ -722,7 +741,7 @@ def _prep_redo_kernel(start_ref, len_ref, k_ref, g_ref, beta_ref, A_log_ref, dt_
 
 def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, kk_ref,
                       aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, rows_ref, *, spec: PrefillSpec,
-                      block_k: int, interpret: bool):
+                      block_k: int, heads_fastest: bool, interpret: bool):
     """KDA's per-channel work for chunk slot s, value head h, on whole-chunk [C, block_k] tiles.
 
     Writes kk_ij = sum_c kn_ic kn_jc e^{G_ic - G_jc} (j < i, zero elsewhere, without beta) and
@@ -753,7 +772,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
     per tile row) that give every row of a tile its own block's row. Picking a row out of a
     register tile instead takes a reduction across the tile's rows, which crosses warps (shared
     memory and a barrier each); a gather replaces the select chain that spread the rows back."""
-    s, h = pl.program_id(0), pl.program_id(1)
+    s, h = _slot_and_head(heads_fastest)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
     C, K = CHUNK, spec.head_k_dim
@@ -1032,6 +1051,7 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
     num_slots = start.shape[0]
     *outputs, _ = pl.pallas_call(
         functools.partial(_kda_intra_kernel, spec=spec, block_k=block.block_k,
+                          heads_fastest=block.heads_fastest,
                           interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),  # k k^T e^{G_i - G_j}, j < i
                    # q k^T e^{G_i - G_j}, j <= i
@@ -1045,7 +1065,7 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
                    # quarter of k k^T's size at block_k 32), not returned
                    jax.ShapeDtypeStruct((num_slots, HV, 2, REF_SLOTS * CHUNK // SUB,
                                          block.block_k), F32)),
-        grid=(num_slots, HV),
+        grid=_chunk_grid(num_slots, HV, block.heads_fastest),
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_intra,
                                              num_stages=block.num_stages_intra),
         interpret=interpret,
@@ -1081,6 +1101,7 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
     half_inverse = _half_inverse(spec, blocked)
     *outs, _, redo = pl.pallas_call(
         functools.partial(_prep_kernel, spec=spec, blocked_inverse=blocked,
+                          heads_fastest=block.heads_fastest,
                           prep_cols=min(block.prep_cols, K, V), interpret=interpret),
         out_shape=(only(not kda, (T_total, HV, CHUNK)),          # T beta = (I + A)^-1 beta
                    # W, in parts like e^G k
@@ -1095,7 +1116,7 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
                    # 1 where the fp16 inverse did not fit (_half_inverse_fits)
                    jax.ShapeDtypeStruct((start.shape[0], HV) if half_inverse else (1, 1),
                                         jnp.int32)),
-        grid=(start.shape[0], HV),
+        grid=_chunk_grid(start.shape[0], HV, block.heads_fastest),
         input_output_aliases={9: 8} if kda_scratch else {},
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
         interpret=interpret,
@@ -1104,9 +1125,10 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
     tb, w, u, *gdn_outputs = outs
     if half_inverse:
         tb = pl.pallas_call(
-            functools.partial(_prep_redo_kernel, spec=spec, interpret=interpret),
+            functools.partial(_prep_redo_kernel, spec=spec, heads_fastest=block.heads_fastest,
+                              interpret=interpret),
             out_shape=jax.ShapeDtypeStruct(tb.shape, tb.dtype),
-            grid=(start.shape[0], HV),
+            grid=_chunk_grid(start.shape[0], HV, block.heads_fastest),
             input_output_aliases={8: 0},
             compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
             interpret=interpret,

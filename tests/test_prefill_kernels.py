@@ -51,14 +51,16 @@ def _spec(HK, HV, K, V, **kw):
                             scale=K ** -0.5, **kw)
 
 
-def _run(mode, q, k, v, g, beta, cu, spec, *, block_v=16, paired_halves=None, pair_group=8, **kw):
+def _run(mode, q, k, v, g, beta, cu, spec, *, block_v=16, paired_halves=None, pair_group=8,
+         heads_fastest=True, **kw):
     # block_k = prep_cols = 16: the KDA intra kernel's channel loop and the KDA prep's column
     # loops take several steps at every tested K (but K = 16). GDN's scan takes its products
     # with the split state paired (its default) unless told otherwise.
     if paired_halves is None:
         paired_halves = not spec.per_channel_gate
     block = kern.PrefillBlockSizes(block_v=min(block_v, spec.head_v_dim), block_k=16,
-                                   prep_cols=16, paired_halves=paired_halves, pair_group=pair_group)
+                                   prep_cols=16, paired_halves=paired_halves, pair_group=pair_group,
+                                   heads_fastest=heads_fastest)
     return kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
                               interpret=mode == "interpret", **kw)
 
@@ -122,7 +124,29 @@ def test_bf16_inputs_against_float64(mode, paired, group):
 
 
 @pytest.mark.parametrize("mode", MODES)
-# fp32 rows: full matrix (the tame kernel's fp32 rows: test_tame_rows_kernel_is_tame_huge_rows...)
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_chunk_kernels_launch_order_keeps_the_bits(mode, kda):
+    """`PrefillBlockSizes.heads_fastest` only orders the per-chunk programs (prep, redo pass, KDA
+    intra kernel): both orders give the same bits, through a packed batch with raw gates."""
+    lens, HK, HV, K = [70, 1, 130], 1, 2, 32
+    q, k, v, g, beta, h0, cu = _packed_inputs(31, lens, HK=HK, HV=HV, K=K, V=K, dtype=BF16)
+    if kda:
+        g = jnp.asarray(np.random.default_rng(32).standard_normal((q.shape[0], HV, K)), F32)
+    spec = _spec(HK, HV, K, K, precise=False, raw_gates=True, per_channel_gate=kda,
+                 gate_lower_bound=-5.0 if kda else None, has_initial_state=True)
+    raw = dict(A_log=jnp.asarray([0.3, -0.2], F32),
+               dt_bias=jnp.asarray(np.linspace(-0.5, 0.5, HV * K if kda else HV), F32))
+    runs = [_run(mode, q, k, v, g, beta, cu, spec, heads_fastest=order, initial_state=h0, **raw)
+            for order in (True, False)]
+    (o1, s1, _, _), (o2, s2, _, _) = runs
+    assert np.all(np.isfinite(np.asarray(o1, np.float32)))
+    np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
+    np.testing.assert_array_equal(np.asarray(s1), np.asarray(s2))
+
+
+# fp32 rows in the full matrix (the default run tames fp32 rows in
+# test_tame_rows_kernel_is_tame_huge_rows_bit_for_bit)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [pytest.param(F32, marks=FULL), BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_huge_rows_equal_rows_tamed_before_the_call(mode, dtype, kda):
@@ -511,6 +535,9 @@ def test_unsupported_shapes_say_why():
     assert (few.pair_group, many.pair_group) == (1, 8)
     assert "pair_group" in kern.unsupported_reason(_spec(2, 4, 64, 64), kern.PrefillBlockSizes(pair_group=4))
     assert not any(kern.PrefillBlockSizes.get_default(kda, n).paired_halves for n in (1, 64))
+    # the per-chunk kernels' launch order: heads fastest but for GDN with few pairs
+    assert (few.heads_fastest, many.heads_fastest) == (False, True)
+    assert all(kern.PrefillBlockSizes.get_default(kda, n).heads_fastest for n in (1, 64))
 
 
 def test_chunk_table_packs_sequences_without_padding():
