@@ -14,6 +14,7 @@ import re
 import jax
 import pytest
 
+from conftest import FULL
 from gdn_jax.bench import common
 from gdn_jax.cli import _bench_names
 
@@ -102,6 +103,7 @@ def test_decode_smoke(tmp_path, capsys):
     assert sweep and all(re.search(r"\d+/\d+/\d+ [\d.]+", ln) for ln in sweep)
 
 
+@FULL  # the other bench commands' smoke runs stay in the default run; this one is the longest
 def test_block_smoke(tmp_path):
     """bench block --smoke: decode through the one-launch kernel (interpret mode) beside its
     parts, prefill beside the prefill kernel, outputs checked against the unfused chain."""

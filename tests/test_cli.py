@@ -136,6 +136,7 @@ def test_oracle_matches_the_reference_scan():
     assert check.rel_err(np.full(3, np.nan), np.ones(3)) == float("inf")
 
 
+@FULL  # the checkpoint and the check command run in other default tests; this joins them
 def test_make_checkpoint_and_check_its_block(tmp_path, capsys):
     ckpt = tmp_path / "tiny"
     assert main(["demo", "--make-checkpoint", str(ckpt)]) == 0

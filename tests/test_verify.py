@@ -705,7 +705,8 @@ def _fast_variant_rounds(case, block, *, seed, rounds=3, widths=None):
     return worst
 
 
-@pytest.mark.parametrize("kind", ["gdn", "kda"])
+# KDA's fast flavour in the default run: test_carried_schedule_matches_sequential_decode
+@pytest.mark.parametrize("kind", ["gdn", pytest.param("kda", marks=FULL)])
 def test_fast_flavour_matches_reference_interpret(kind):
     """The fast kernel (GDN: WY scalars solved in the kernel; KDA: from the XLA prelude) in
     interpret mode against the pure-JAX fast reference. Two widths (compiles dominate here):
