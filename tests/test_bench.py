@@ -14,7 +14,6 @@ import re
 import jax
 import pytest
 
-from conftest import FULL
 from gdn_jax.bench import common
 from gdn_jax.cli import _bench_names
 
@@ -103,7 +102,9 @@ def test_decode_smoke(tmp_path, capsys):
     assert sweep and all(re.search(r"\d+/\d+/\d+ [\d.]+", ln) for ln in sweep)
 
 
-@FULL  # the other bench commands' smoke runs stay in the default run; this one is the longest
+# the other bench commands' smoke runs stay in the default run; this one is the longest. (The
+# mark by name: a peer subprocess imports this module without the tests folder on its path.)
+@pytest.mark.full
 def test_block_smoke(tmp_path):
     """bench block --smoke: decode through the one-launch kernel (interpret mode) beside its
     parts, prefill beside the prefill kernel, outputs checked against the unfused chain."""
