@@ -187,7 +187,8 @@ class Compiled:
 # (devices, block, mode): each block through the references and the kernels, on 2 and 4
 # devices, kept few because each case compiles a dozen sharded programs on the CPU. On GPUs every
 # block runs compiled on 2.
-# Kept few (the suite's time budget): each block variant, each mode and both mesh sizes appear.
+# Kept few (the suite's time budget): each block variant, each mode and both mesh sizes appear
+# (the reference mode in the full matrix only).
 # The full matrix adds the KDA serving case (KDA's mesh path is in the forward cases) and the
 # references' forward case (references and kernels share the blocks' mesh code, which the other
 # cases run).
