@@ -21,8 +21,8 @@ form of the delta rule):
    T beta, the masked intra-chunk attention matrix, three row factors (q: norm * scale * e^G;
    k: norm * e^{G_C - G} and norm * e^G) and the chunk's total decay e^{G_C}. With 16-bit
    inputs its inverse takes fp16 operands and it flags the chunks where those did not fit;
-   `_prep_redo_kernel`, a second pass over the same grid, forms those chunks' T beta again in
-   one-pass TF32 (the others' programs only read their flag).
+   `_prep_redo_kernel`, a second pass, forms those chunks' T beta again in one-pass TF32 (its
+   programs each read the flags of REDO_SLOTS chunks at once and stop when none is set).
 2. `_scan_kernel` (one program per sequence, value head and block of value columns) walks the
    chunks of its sequence in order with the [K, block_v] state slab in registers: five matrix
    products per chunk on the tensor cores (k S, the deltas, q S, the intra-chunk matrix times
@@ -112,6 +112,7 @@ REF_SLOTS = 4            # KDA intra kernel: rows per SUB-row block in each buff
 DIAG_EXP_LIMIT = 40.0    # KDA: largest |G - G_mid| for the factored diagonal blocks (e^80 < 3e38)
 HALF_INVERSE_MAX_A = 4.0     # the fp16 inverse is kept when max |A| and max |T| are within these:
 HALF_INVERSE_MAX_T = 128.0   # every fp16 operand then stays below C * 4 * 128 = 32768 < 65504
+REDO_SLOTS = 16          # GDN's TF32 redo pass: chunk slots per program
 GATE_FLOOR = -88.0
 GATE_QUANTUM = 16.0      # hi parts of the gates are multiples of 1 / GATE_QUANTUM
 L2NORM_EPS = 1e-6
@@ -633,6 +634,11 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
     t0, n = start_ref[s], len_ref[s]
     C = CHUNK
 
+    if _half_inverse(spec, blocked_inverse):
+        @pl.when(n == 0)  # an unused chunk slot: nothing to redo
+        def _():
+            redo_ref[s, h] = jnp.zeros((), redo_ref.dtype)
+
     @pl.when(n > 0)
     def _():
         rows = lax.broadcasted_iota(jnp.int32, (C,), 0) < n
@@ -715,26 +721,38 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
 
 
 def _prep_redo_kernel(start_ref, len_ref, k_ref, g_ref, beta_ref, A_log_ref, dt_ref, redo_ref,
-                      tb_in_ref, tb_ref, *, spec: PrefillSpec, heads_fastest: bool,
-                      interpret: bool):
+                      tb_in_ref, tb_ref, *, spec: PrefillSpec, interpret: bool):
     """T beta again, with the one-pass TF32 inverse, for the GDN chunks the prep flagged (its
     fp16 inverse did not fit: `_half_inverse_fits`); the other chunks' rows stay as they are
-    (tb_ref aliases tb_in_ref)."""
+    (tb_ref aliases tb_in_ref). One program per REDO_SLOTS chunk slots of one value head: it
+    reads their flags in one load and, in the rare case that one is set, walks them. (A program
+    per chunk spent its time on the dependent loads of the flag: tens of microseconds at a few
+    thousand chunks, for a pass that usually does nothing.)"""
     del tb_in_ref
-    s, h = _slot_and_head(heads_fastest)
+    blk, h = pl.program_id(0), pl.program_id(1)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
-    t0, n = start_ref[s], len_ref[s]
+    num_slots = redo_ref.shape[0]
+    s0 = blk * REDO_SLOTS
+    here = s0 + lax.broadcasted_iota(jnp.int32, (REDO_SLOTS,), 0) < num_slots
+    flags = plgpu.load(redo_ref.at[pl.ds(s0, REDO_SLOTS), h], mask=here, other=0)
 
-    @pl.when(n > 0)
+    @pl.when(jnp.max(flags) != 0)
     def _():
-        @pl.when(redo_ref[s, h] != 0)
-        def _():
-            k_in, rk, _, decay, beta = _gdn_chunk(
-                k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, n, h, hk, spec)
-            A = _gdn_system(k_in, rk, decay, beta, precise=False, interpret=interpret)
-            T = _invert_unit_lower(A, False, interpret)
-            rows = (lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n)[:, None]
-            plgpu.store(tb_ref.at[pl.ds(t0, CHUNK), h, :], T * beta[None, :], mask=rows)
+        def slot(i, carry):
+            s = jnp.minimum(s0 + i, num_slots - 1)
+            t0, n = start_ref[s], len_ref[s]
+
+            @pl.when((s0 + i < num_slots) & (n > 0) & (redo_ref[s, h] != 0))
+            def _():
+                k_in, rk, _, decay, beta = _gdn_chunk(
+                    k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, n, h, hk, spec)
+                A = _gdn_system(k_in, rk, decay, beta, precise=False, interpret=interpret)
+                T = _invert_unit_lower(A, False, interpret)
+                rows = (lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n)[:, None]
+                plgpu.store(tb_ref.at[pl.ds(t0, CHUNK), h, :], T * beta[None, :], mask=rows)
+            return carry
+
+        lax.fori_loop(0, REDO_SLOTS, slot, 0)
 
 
 # ---------------------------------------------------------------- KDA: intra-chunk products
@@ -1125,10 +1143,9 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
     tb, w, u, *gdn_outputs = outs
     if half_inverse:
         tb = pl.pallas_call(
-            functools.partial(_prep_redo_kernel, spec=spec, heads_fastest=block.heads_fastest,
-                              interpret=interpret),
+            functools.partial(_prep_redo_kernel, spec=spec, interpret=interpret),
             out_shape=jax.ShapeDtypeStruct(tb.shape, tb.dtype),
-            grid=_chunk_grid(start.shape[0], HV, block.heads_fastest),
+            grid=(pl.cdiv(start.shape[0], REDO_SLOTS), HV),
             input_output_aliases={8: 0},
             compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
             interpret=interpret,

@@ -380,8 +380,10 @@ def test_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
     decay, so (I + A)^-1 holds (-2)^(i - j) up to 2^63 (fp16's range ends at 2^16; A = 3 and
     the powers of two are exact in TF32, so the ill-conditioning costs no accuracy there); value
     head 1 sees the same key with typical gates and beta below 1/4 (|A| < 1: fp16 holds its
-    inverse). Every chunk's T beta against float64."""
-    lens, HK, HV, K = [64, 100], 1, 2, 32
+    inverse). Every chunk's T beta against float64; more chunk slots than one redo program
+    takes (`REDO_SLOTS`), so flagged chunks lie in a full and in a partial block of slots."""
+    lens, HK, HV, K = [64, 100, 1100], 1, 2, 32
+    assert sum(-(-n // kern.CHUNK) for n in lens) > kern.REDO_SLOTS
     q, k, v, g, beta, _, cu = _packed_inputs(12, lens, HK=HK, HV=HV, K=K, V=K, dtype=BF16)
     T_total = sum(lens)
     g, beta = np.array(g), np.array(beta)
