@@ -59,11 +59,13 @@ def _l2n(x: np.ndarray) -> np.ndarray:
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def oracle_delta_rule(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=True):
+def oracle_delta_rule(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=True,
+                      keep_states=True):
     """The recurrence of gdn_jax.reference in float64 NumPy, token by token.
 
     q, k [B, T, HK, K]; v [B, T, HV, V]; g [B, T, HV] or [B, T, HV, K]; beta [B, T, HV];
-    state [B, HV, K, V]. Returns (o [B, T, HV, V], states [B, T, HV, K, V]) in float64."""
+    state [B, HV, K, V]. Returns (o [B, T, HV, V], states [B, T, HV, K, V]) in float64, or with
+    keep_states=False (o, the final state [B, HV, K, V]), which long sequences can afford."""
     f = lambda x: np.asarray(x, np.float64)
     q, k, v, g, beta, S = map(f, (q, k, v, g, beta, state))
     if use_qk_l2norm:
@@ -78,8 +80,9 @@ def oracle_delta_rule(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=True
         u = beta[:, t, :, None] * (v[:, t] - np.einsum("bhk,bhkv->bhv", k[:, t], S))
         S = S + k[:, t, :, :, None] * u[:, :, None, :]
         outs.append(np.einsum("bhk,bhkv->bhv", q[:, t], S))
-        states.append(S)
-    return np.stack(outs, 1), np.stack(states, 1)
+        if keep_states:
+            states.append(S)
+    return np.stack(outs, 1), (np.stack(states, 1) if keep_states else S)
 
 
 def rel_err(a, b) -> float:

@@ -12,6 +12,7 @@ import pathlib
 import re
 
 import jax
+import numpy as np
 import pytest
 
 from gdn_jax.bench import common
@@ -229,6 +230,26 @@ def test_prefill_short_smoke_compares_the_two_kernels(tmp_path):
         assert r["serial_us"] > 0 and r["chunked_us"] > 0
         assert r["rel_err_serial_vs_chunked"] <= common.PEER_TOL
     assert set(data["meta"]["crossover"]) == {"1", "2"}
+
+
+def test_prefill_accuracy_smoke_against_float64(tmp_path):
+    """bench prefill --accuracy --smoke: both cases, each impl asked, errors against the float64
+    oracle measured (nonzero: bf16 outputs) and within the bf16 bound; the ill-conditioned case
+    is what it says (three distinct keys, q = k) and every input is a bf16 value."""
+    import ml_dtypes
+    from gdn_jax.bench import prefill
+    q, k, v, g, beta = prefill._accuracy_inputs("repeated keys", 40, 2, 4, 16)
+    assert all(len(np.unique(k[0, :, h], axis=0)) == 3 for h in range(2)) and np.array_equal(q, k)
+    for a in (q, k, v, beta):
+        assert np.array_equal(a.astype(ml_dtypes.bfloat16).astype(np.float64), a)
+    path = tmp_path / "acc.json"
+    assert prefill.main(["--accuracy", "--smoke", "--impls", "chunked,pallas", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["case"], r["who"]) for r in rows] == [
+        (c, f"ours impl={i}") for c in prefill.ACCURACY_CASES for i in ("chunked", "pallas")]
+    for r in rows:
+        assert 0 < r["rel_err_o"] <= prefill.BF16_BOUND and r["within_bound"], r
+        assert 0 < r["rel_err_state"] <= prefill.BF16_BOUND, r
 
 
 @pytest.mark.skipif(len(jax.devices()) >= 2, reason="the message for too few devices")
