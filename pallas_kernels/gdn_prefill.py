@@ -165,7 +165,7 @@ class PrefillBlockSizes:
     # `_dot_bf16x2`): 8 with many (sequence, head) pairs, 1 (slightly faster there) with few.
     paired_halves: bool = False
     pair_group: int = PAIR_GROUP
-    # The per-chunk kernels (prep, its redo pass, KDA's intra kernel) launch a chunk's value
+    # The per-chunk kernels (the prep and KDA's intra kernel) launch a chunk's value
     # heads back to back (True) or a head's chunks (False): with the heads adjacent, the programs
     # that share a key head's q/k rows run together and their [T, HV, ...] stores fill
     # neighbouring pieces of the same token rows. Measured faster for KDA, and for GDN with many

@@ -126,7 +126,7 @@ def test_bf16_inputs_against_float64(mode, paired, group):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_chunk_kernels_launch_order_keeps_the_bits(mode, kda):
-    """`PrefillBlockSizes.heads_fastest` only orders the per-chunk programs (prep, redo pass, KDA
+    """`PrefillBlockSizes.heads_fastest` only orders the per-chunk programs (the prep, KDA's
     intra kernel): both orders give the same bits, through a packed batch with raw gates."""
     lens, HK, HV, K = [70, 1, 130], 1, 2, 32
     q, k, v, g, beta, h0, cu = _packed_inputs(31, lens, HK=HK, HV=HV, K=K, V=K, dtype=BF16)
