@@ -232,24 +232,33 @@ def test_prefill_short_smoke_compares_the_two_kernels(tmp_path):
     assert set(data["meta"]["crossover"]) == {"1", "2"}
 
 
-def test_prefill_accuracy_smoke_against_float64(tmp_path):
-    """bench prefill --accuracy --smoke: both cases, each impl asked, errors against the float64
-    oracle measured (nonzero: bf16 outputs) and within the bf16 bound; the ill-conditioned case
-    is what it says (three distinct keys, q = k) and every input is a bf16 value."""
+@pytest.mark.parametrize("name", ["prefill", "kda"])
+def test_accuracy_smoke_against_float64(name, tmp_path):
+    """bench prefill / kda --accuracy --smoke: both cases, each impl asked, errors against the
+    float64 oracle measured (nonzero: bf16 outputs) and within the bf16 bound."""
+    bench = importlib.import_module(f"gdn_jax.bench.{name}")
+    path = tmp_path / "acc.json"
+    assert bench.main(["--accuracy", "--smoke", "--impls", "chunked,pallas", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["case"], r["who"]) for r in rows] == [
+        (c, f"ours impl={i}") for c in common.ACCURACY_CASES for i in ("chunked", "pallas")]
+    for r in rows:
+        assert 0 < r["rel_err_o"] <= common.BF16_BOUND and r["within_bound"], r
+        assert 0 < r["rel_err_state"] <= common.BF16_BOUND, r
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_accuracy_inputs_are_what_they_say(per_channel):
+    """The ill-conditioned case has three distinct keys per head and q = k; every input but g is
+    a bf16 value (what each implementation and the oracle take exactly); g has the gate's shape."""
     import ml_dtypes
-    from gdn_jax.bench import prefill
-    q, k, v, g, beta = prefill._accuracy_inputs("repeated keys", 40, 2, 4, 16)
+    q, k, v, g, beta = common.accuracy_inputs("repeated keys", 40, 2, 4, 16, per_channel=per_channel)
     assert all(len(np.unique(k[0, :, h], axis=0)) == 3 for h in range(2)) and np.array_equal(q, k)
     for a in (q, k, v, beta):
         assert np.array_equal(a.astype(ml_dtypes.bfloat16).astype(np.float64), a)
-    path = tmp_path / "acc.json"
-    assert prefill.main(["--accuracy", "--smoke", "--impls", "chunked,pallas", "--json", str(path)]) == 0
-    rows = json.loads(path.read_text())["rows"]
-    assert [(r["case"], r["who"]) for r in rows] == [
-        (c, f"ours impl={i}") for c in prefill.ACCURACY_CASES for i in ("chunked", "pallas")]
-    for r in rows:
-        assert 0 < r["rel_err_o"] <= prefill.BF16_BOUND and r["within_bound"], r
-        assert 0 < r["rel_err_state"] <= prefill.BF16_BOUND, r
+    assert g.shape == ((1, 40, 4, 16) if per_channel else (1, 40, 4))
+    q, *_ = common.accuracy_inputs("random", 40, 2, 4, 16, per_channel=per_channel)
+    assert np.allclose(np.linalg.norm(q, axis=-1), 1.0, atol=1e-2)
 
 
 @pytest.mark.skipif(len(jax.devices()) >= 2, reason="the message for too few devices")

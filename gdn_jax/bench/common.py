@@ -45,6 +45,109 @@ PEERS = {
 }
 
 
+# --------------------------------------------------------------------------- --accuracy
+# `bench prefill --accuracy` and `bench kda --accuracy`: no timing; ours and the peers against
+# the float64 token loop (`gdn_jax.check.oracle_delta_rule`) on the same bf16 values.
+ACCURACY_T, ACCURACY_SMOKE_T = 512, 70
+ACCURACY_CASES = ("random", "repeated keys")
+BF16_BOUND = 5e-3     # the bound `gdn-jax check` holds bf16 inputs to against float64 (docs/tools.md)
+ACCURACY_DESCRIPTION = """\
+--accuracy: no timing; ours (each impl of --impls that can take the call) and the peers against
+a float64 token loop (`gdn_jax.check.oracle_delta_rule`) on two B=1, T=512 cases at the bench's
+head sizes: random inputs, and an ill-conditioned one (three distinct keys, q = k, beta 0.999,
+gates -1e-3: a state overwritten again and again and read back on the keys just written). q and k
+are L2-normalised and, like v and beta, rounded to bf16 beforehand, so that every implementation
+and the oracle take the same values; printed: the output's and the final state's relative L2
+error, against the library's bound for bf16 inputs (5e-3)."""
+
+
+def accuracy_inputs(case: str, t: int, hk: int, hv: int, kd: int, *, per_channel: bool = False):
+    """One --accuracy case, B=1, as float64 arrays of values every implementation takes exactly:
+    q, k L2-normalised, then q, k, v and beta rounded to bf16; g (one decay per value head, or
+    per key channel with per_channel) fp32. Returns (q, k, v, g, beta)."""
+    import ml_dtypes
+    r = np.random.default_rng(ACCURACY_CASES.index(case))
+    q, k = r.standard_normal((1, t, hk, kd)), r.standard_normal((1, t, hk, kd))
+    v = r.standard_normal((1, t, hv, kd))
+    gate_shape = (1, t, hv, kd) if per_channel else (1, t, hv)
+    if case == "repeated keys":
+        k = k[:, r.integers(0, 3, t)]
+        q = k.copy()
+        g, beta = np.full(gate_shape, -1e-3), np.full((1, t, hv), 0.999)
+    else:
+        g = -0.3 * np.log1p(np.exp(r.standard_normal(gate_shape)))
+        beta = 1.0 / (1.0 + np.exp(-r.standard_normal((1, t, hv))))
+    bf16 = lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float64)
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    return bf16(unit(q)), bf16(unit(k)), bf16(v), g.astype(np.float32).astype(np.float64), bf16(beta)
+
+
+def accuracy_cases(args, heads: dict[str, int], *, per_channel: bool) -> list[dict]:
+    """The --accuracy cases as JSON dicts (what a peer subprocess gets)."""
+    t = ACCURACY_SMOKE_T if args.smoke else ACCURACY_T
+    return [dict(key=f"a{i}", case=c, T=t, per_channel=per_channel, **heads)
+            for i, c in enumerate(ACCURACY_CASES)]
+
+
+def run_accuracy(rep: "Report", cases: list[dict], *, ours: Callable, impls: Sequence[str],
+                 fla: dict, fla_name: str, jla: Callable | None = None) -> str:
+    """Ours (`ours(impl, q, k, v, g, beta) -> (o, final)` on bf16 q/k/v and fp32 g, beta, for each
+    impl), FLA's outputs (`fla`: run_peer's results for `cases`) and jla (`jla(q, k, v, g, beta)`,
+    beta in bf16, or None) against the float64 oracle; one row each. Returns the markdown."""
+    import jax.numpy as jnp
+    from gdn_jax.check import oracle_delta_rule
+
+    def row(c, who, o, state, want):
+        err_o, err_s = rel_err(o, want[0]), rel_err(state, want[1])
+        rep.add(case=c["case"], who=who, T=c["T"], rel_err_o=err_o, rel_err_state=err_s,
+                within_bound=err_o <= BF16_BOUND)
+        rep.progress(f"{c['case']}: {who}: o {err_o:.2e}, state {err_s:.2e} against float64")
+
+    for c in cases:
+        x = accuracy_inputs(c["case"], c["T"], c["hk"], c["hv"], c["k"], per_channel=c["per_channel"])
+        want = oracle_delta_rule(*x, np.zeros((1, c["hv"], c["k"], c["k"])), use_qk_l2norm=False,
+                                 keep_states=False)
+        q, k, v = (jnp.asarray(a, jnp.bfloat16) for a in x[:3])
+        g, beta = jnp.asarray(x[3], jnp.float32), jnp.asarray(x[4], jnp.float32)
+        for impl in impls:
+            try:
+                row(c, f"ours impl={impl}", *ours(impl, q, k, v, g, beta), want)
+            except ValueError as e:   # an impl that cannot take the call: one line
+                rep.note(f"{c['case']}: impl={impl} declined: {str(e)[:200]}")
+        r = fla.get(c["key"])
+        if r is not None and "samples" in r:
+            row(c, f"FLA {fla_name}", r["samples"]["o"], r["samples"]["state"], want)
+        elif r is not None:
+            rep.note(f"{c['case']}: FLA failed: {r.get('error')}")
+        if jla is not None:
+            try:
+                row(c, "jla mosaic_gpu", *jla(q, k, v, g, beta.astype(jnp.bfloat16)), want)
+            except Exception as e:  # noqa: BLE001 - a peer's failure is one line, not a traceback
+                rep.note(f"{c['case']}: jla failed: {type(e).__name__}: {str(e)[:200]}")
+    c = cases[0]
+    heads = f"HK={c['hk']}, HV={c['hv']}" if c["hk"] != c["hv"] else f"H={c['hv']}"
+    lines = [f"{rep.meta['device']}, {rep.meta['date']}, jax {rep.meta['jax']}; B=1, T={c['T']}, "
+             f"{heads}, K=V={c['k']}; q/k L2-normalised and rounded to bf16 beforehand, bf16 v and "
+             f"beta, fp32 {'per-channel ' if c['per_channel'] else ''}g, no initial state; relative "
+             f"L2 error against a float64 token loop. The library's bound for bf16 inputs: "
+             f"{BF16_BOUND:g}." + (" SMOKE RUN (interpret mode / tiny shapes)." if rep.args.smoke
+                                    else ""), "",
+             "| case | who | o vs float64 | final state vs float64 | o within the bound |",
+             "|---|---|---|---|---|"]
+    for r in rep.rows:
+        lines.append(f"| {r['case']} | {r['who']} | {r['rel_err_o']:.2e} | {r['rel_err_state']:.2e} "
+                     f"| {'yes' if r['within_bound'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def torch_accuracy_inputs(c: dict):
+    """In a peer subprocess: the case's inputs as CUDA tensors, q/k/v bf16, g and beta fp32."""
+    import torch
+    x = accuracy_inputs(c["case"], c["T"], c["hk"], c["hv"], c["k"], per_channel=c["per_channel"])
+    dev = lambda a, dt: torch.from_numpy(a.astype(np.float32)).to("cuda", dt)
+    return (*(dev(a, torch.bfloat16) for a in x[:3]), dev(x[3], torch.float32),
+            dev(x[4], torch.float32))
+
 # --------------------------------------------------------------------------- flags
 
 def int_list(text: str) -> list[int]:

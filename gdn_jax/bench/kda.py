@@ -64,12 +64,53 @@ def _fla_peer(cases: list[dict], out_dir: str) -> None:
     common.peer_cases(cases, out_dir, run_case, tag="fla")
 
 
+def _fla_accuracy_peer(cases: list[dict], out_dir: str) -> None:
+    """Runs in a subprocess: FLA's chunk_kda on the --accuracy cases; its outputs."""
+    from fla.ops.kda import chunk_kda
+
+    def run_case(c):
+        q, k, v, g, beta = common.torch_accuracy_inputs(c)
+        o, s = chunk_kda(q, k, v, g=g, beta=beta, output_final_state=True)
+        return {}, dict(o=o.float().cpu().numpy(), state=s.float().cpu().numpy())
+
+    common.peer_cases(cases, out_dir, run_case, tag="fla")
+
+
+def _accuracy(args) -> int:
+    """--accuracy: ours and FLA's chunk_kda against the float64 oracle (common.run_accuracy)."""
+    import jax
+    import gdn_jax
+
+    rep = common.Report("kda", args)
+    h, kd = (SMOKE["h"], SMOKE["k"]) if args.smoke else (H, K)
+    cases = common.accuracy_cases(args, dict(hk=h, hv=h, k=kd), per_channel=True)
+    rep.meta.update(heads=dict(H=h, K=kd, V=kd), T=cases[0]["T"], mode="accuracy")
+    peers = common.usable_peers(args, rep, supported=("fla",),
+                                why_not="this bench compares FLA only (jla has no KDA call here)")
+    fla = {}
+    if peers:
+        rep.progress("running FLA in a subprocess ...")
+        fla = common.run_peer("gdn_jax.bench.kda:_fla_accuracy_peer", cases, progress=rep.progress)
+    interpret = jax.default_backend() != "gpu"
+
+    def ours(impl, q, k, v, g, beta):
+        with gdn_jax.interpret(interpret):
+            return gdn_jax.kda(q, k, v, g, beta, output_final_state=True, impl=impl)
+
+    impls = [x.strip() for x in args.impls.split(",") if x.strip()]
+    md = common.run_accuracy(rep, cases, ours=ours, impls=impls, fla=fla, fla_name="chunk_kda")
+    return rep.finish("KDA prefill accuracy against float64: ours and FLA", md)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = common.make_parser("kda", __doc__, batches="128", seq_lens="8192", dtype="bfloat16",
-                           peers="fla")
+    p = common.make_parser("kda", __doc__ + "\n" + common.ACCURACY_DESCRIPTION, batches="128",
+                           seq_lens="8192", dtype="bfloat16", peers="fla")
     p.add_argument("--impls", default="chunked,pallas",
                    help="our prefill impls, comma-separated (default %(default)s)")
     p.add_argument("--unroll", type=int, default=20, help="decode steps chained per jitted call")
+    p.add_argument("--accuracy", action="store_true",
+                   help="no timing: ours and FLA against a float64 token loop on a random and an "
+                        "ill-conditioned case (see the description)")
     return p
 
 
@@ -77,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = common.parse_here("kda", build_parser(), argv)
     if args is None:
         return 2
+    if args.accuracy:
+        return _accuracy(args)
 
     import jax
     import jax.numpy as jnp

@@ -17,14 +17,6 @@ peer's outputs (first and last 256 tokens, final states) are checked against our
 FLOPs: the chunk form's matmuls (gdn_jax.bench.common.chunk_flops, chunk 64); % roofline is
 against a dense bf16 peak of 790 TFLOP/s (H200).
 
---accuracy: no timing; ours (each impl of --impls that can take the call) and the peers against
-a float64 token loop (`gdn_jax.check.oracle_delta_rule`) on two B=1, T=512 cases at the bench's
-head sizes: random inputs, and an ill-conditioned one (three distinct keys, q = k, beta 0.999,
-gates -1e-3: a state overwritten again and again and read back on the keys just written). q and k
-are L2-normalised and, like v and beta, rounded to bf16 beforehand, so that every implementation
-and the oracle take the same values (jla has no in-kernel norm); printed: the output's and the
-final state's relative L2 error, against the library's bound for bf16 inputs (5e-3).
-
 --short: short prompts, the token-serial kernel against the chunked kernel (no peers). For B in
 {1, 8, 32, 128} and T in {2, 4, 8, 16, 32, 64, 128} (--batches / --seq-lens replace either grid
 when given), both run `gdn_prefill_pool(..., kernel=...)` from an fp32 pool of B slots (the
@@ -51,9 +43,6 @@ SMOKE = dict(hk=2, hv=4, k=32, v=32, cases=((1, 64), (2, 40)), pieces=4, total=9
 SHORT_BATCHES = (1, 8, 32, 128)
 SHORT_SEQ_LENS = (2, 4, 8, 16, 32, 64, 128)
 SHORT_SMOKE = dict(batches=(1, 2), seq_lens=(3,))
-ACCURACY_T, ACCURACY_SMOKE_T = 512, 70
-ACCURACY_CASES = ("random", "repeated keys")
-BF16_BOUND = 5e-3     # the bound `gdn-jax check` holds bf16 inputs to against float64 (docs/tools.md)
 
 
 def _cases(args, pieces: int, total: int, seed: int = 0):
@@ -104,109 +93,52 @@ def _fla_peer(cases: list[dict], out_dir: str) -> None:
     common.peer_cases(cases, out_dir, run_case, tag="fla")
 
 
-def _accuracy_inputs(case: str, t: int, hk: int, hv: int, kd: int):
-    """One --accuracy case, B=1, as float64 arrays of values every implementation takes exactly:
-    q, k L2-normalised, then q, k, v and beta rounded to bf16; g fp32. (q, k, v, g, beta)."""
-    import ml_dtypes
-    r = np.random.default_rng(ACCURACY_CASES.index(case))
-    q, k = r.standard_normal((1, t, hk, kd)), r.standard_normal((1, t, hk, kd))
-    v = r.standard_normal((1, t, hv, kd))
-    if case == "repeated keys":
-        k = k[:, r.integers(0, 3, t)]
-        q = k.copy()
-        g, beta = np.full((1, t, hv), -1e-3), np.full((1, t, hv), 0.999)
-    else:
-        g = -0.3 * np.log1p(np.exp(r.standard_normal((1, t, hv))))
-        beta = 1.0 / (1.0 + np.exp(-r.standard_normal((1, t, hv))))
-    bf16 = lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float64)
-    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-    return bf16(unit(q)), bf16(unit(k)), bf16(v), g.astype(np.float32).astype(np.float64), bf16(beta)
-
-
 def _fla_accuracy_peer(cases: list[dict], out_dir: str) -> None:
     """Runs in a subprocess: FLA's chunked GDN on the --accuracy cases; its outputs."""
-    import torch
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     def run_case(c):
-        q, k, v, g, beta = _accuracy_inputs(c["case"], c["T"], c["hk"], c["hv"], c["k"])
-        dev = lambda x, dt: torch.from_numpy(x.astype(np.float32)).to("cuda", dt)
-        o, s = chunk_gated_delta_rule(dev(q, torch.bfloat16), dev(k, torch.bfloat16),
-                                      dev(v, torch.bfloat16), g=dev(g, torch.float32),
-                                      beta=dev(beta, torch.float32), output_final_state=True)
+        q, k, v, g, beta = common.torch_accuracy_inputs(c)
+        o, s = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True)
         return {}, dict(o=o.float().cpu().numpy(), state=s.float().cpu().numpy())
 
     common.peer_cases(cases, out_dir, run_case, tag="fla")
 
 
 def _accuracy(args) -> int:
-    """--accuracy: ours and the peers against the float64 oracle (see the description)."""
+    """--accuracy: ours, FLA and jla against the float64 oracle (common.run_accuracy)."""
     import jax
-    import jax.numpy as jnp
     import gdn_jax
-    from gdn_jax.check import oracle_delta_rule, rel_err
 
     rep = common.Report("prefill", args)
     hk, hv, kd = (SMOKE["hk"], SMOKE["hv"], SMOKE["k"]) if args.smoke else (HK, HV, K)
-    t = ACCURACY_SMOKE_T if args.smoke else ACCURACY_T
-    rep.meta.update(heads=dict(HK=hk, HV=hv, K=kd, V=kd), T=t, mode="accuracy")
+    cases = common.accuracy_cases(args, dict(hk=hk, hv=hv, k=kd), per_channel=False)
+    rep.meta.update(heads=dict(HK=hk, HV=hv, K=kd, V=kd), T=cases[0]["T"], mode="accuracy")
     peers = common.usable_peers(args, rep)
     fla = {}
     if "fla" in peers:
         rep.progress("running FLA in a subprocess ...")
-        fla = common.run_peer("gdn_jax.bench.prefill:_fla_accuracy_peer", [
-            dict(key=f"a{i}", case=c, T=t, hk=hk, hv=hv, k=kd) for i, c in enumerate(ACCURACY_CASES)],
-            progress=rep.progress)
-    impls = [x.strip() for x in args.impls.split(",") if x.strip()]
+        fla = common.run_peer("gdn_jax.bench.prefill:_fla_accuracy_peer", cases,
+                              progress=rep.progress)
     interpret = jax.default_backend() != "gpu"
 
-    def row(case, who, o, state, want):
-        err_o, err_s = rel_err(o, want[0]), rel_err(state, want[1])
-        rep.add(case=case, who=who, T=t, rel_err_o=err_o, rel_err_state=err_s,
-                within_bound=err_o <= BF16_BOUND)
-        rep.progress(f"{case}: {who}: o {err_o:.2e}, state {err_s:.2e} against float64")
+    def ours(impl, q, k, v, g, beta):
+        with gdn_jax.interpret(interpret):
+            return gdn_jax.gated_delta_rule(q, k, v, g, beta, output_final_state=True, impl=impl)
 
-    for i, case in enumerate(ACCURACY_CASES):
-        x = _accuracy_inputs(case, t, hk, hv, kd)
-        want = oracle_delta_rule(*x, np.zeros((1, hv, kd, kd)), use_qk_l2norm=False,
-                                 keep_states=False)
-        q, k, v = (jnp.asarray(a, jnp.bfloat16) for a in x[:3])
-        g, beta = jnp.asarray(x[3], jnp.float32), jnp.asarray(x[4], jnp.float32)
-        for impl in impls:
-            try:
-                with gdn_jax.interpret(interpret):
-                    o, s = gdn_jax.gated_delta_rule(q, k, v, g, beta, output_final_state=True,
-                                                    impl=impl)
-                row(case, f"ours impl={impl}", o, s, want)
-            except ValueError as e:   # an impl that cannot take the call: one line
-                rep.note(f"{case}: impl={impl} declined: {str(e)[:200]}")
-        r = fla.get(f"a{i}")
-        if r is not None and "samples" in r:
-            row(case, "FLA chunk_gated_delta_rule", r["samples"]["o"], r["samples"]["state"], want)
-        elif r is not None:
-            rep.note(f"{case}: FLA failed: {r.get('error')}")
-        if "jla" in peers:
-            try:
-                o, s = jax.jit(_jla_call)(q, k, v, g, beta.astype(jnp.bfloat16))
-                row(case, "jla mosaic_gpu", o, s, want)
-            except Exception as e:  # noqa: BLE001 - a peer's failure is one line, not a traceback
-                rep.note(f"{case}: jla failed: {type(e).__name__}: {str(e)[:200]}")
+    md = common.run_accuracy(rep, cases, ours=ours, impls=_impls(args), fla=fla,
+                             fla_name="chunk_gated_delta_rule",
+                             jla=jax.jit(_jla_call) if "jla" in peers else None)
+    return rep.finish("GDN prefill accuracy against float64: ours, FLA and jla", md)
 
-    lines = [f"{rep.meta['device']}, {rep.meta['date']}, jax {rep.meta['jax']}; B=1, T={t}, "
-             f"HK={hk}, HV={hv}, K=V={kd}; q/k L2-normalised and rounded to bf16 beforehand, bf16 "
-             f"v and beta, fp32 g, no initial state; relative L2 error against a float64 token "
-             f"loop. The library's bound for bf16 inputs: {BF16_BOUND:g}."
-             + (" SMOKE RUN (interpret mode / tiny shapes)." if args.smoke else ""), "",
-             "| case | who | o vs float64 | final state vs float64 | o within the bound |",
-             "|---|---|---|---|---|"]
-    for r in rep.rows:
-        lines.append(f"| {r['case']} | {r['who']} | {r['rel_err_o']:.2e} | {r['rel_err_state']:.2e} | "
-                     f"{'yes' if r['within_bound'] else 'no'} |")
-    return rep.finish("GDN prefill accuracy against float64: ours, FLA and jla", "\n".join(lines))
+
+def _impls(args) -> list[str]:
+    return [x.strip() for x in args.impls.split(",") if x.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = common.make_parser("prefill", __doc__, batches="1,8,1", seq_lens="8192,4096,32768",
+    p = common.make_parser("prefill", __doc__ + "\n" + common.ACCURACY_DESCRIPTION,
+                           batches="1,8,1", seq_lens="8192,4096,32768",
                            dtype="bfloat16", peers="fla,jla")
     p.add_argument("--impls", default="chunked,pallas",
                    help="our impls to time, comma-separated from reference, chunked, pallas, auto "
@@ -325,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hk, hv, kd, vd = SMOKE["hk"], SMOKE["hv"], SMOKE["k"], SMOKE["v"]
         pieces, total = SMOKE["pieces"], SMOKE["total"]
         args.batches, args.seq_lens = [b for b, _ in SMOKE["cases"]], [t for _, t in SMOKE["cases"]]
-    impls = [x.strip() for x in args.impls.split(",") if x.strip()]
+    impls = _impls(args)
     cases = _cases(args, pieces, total)
     peers = common.usable_peers(args, rep)
 
