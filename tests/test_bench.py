@@ -247,6 +247,20 @@ def test_accuracy_smoke_against_float64(name, tmp_path):
         assert 0 < r["rel_err_state"] <= common.BF16_BOUND, r
 
 
+def test_fla_accuracy_peer_plumbing():
+    """The FLA --accuracy peer in a fresh process takes the JSON cases and answers each by key:
+    with FLA, its outputs; without torch (this machine), one error line per case."""
+    cases = common.accuracy_cases(argparse.Namespace(smoke=True), dict(hk=1, hv=2, k=16),
+                                  per_channel=True)
+    res = common.run_peer("gdn_jax.bench.common:fla_accuracy_peer", cases, progress=lambda _: None)
+    assert set(res) == {c["key"] for c in cases}
+    for r in res.values():
+        if common.peer_available("fla") is None:
+            assert r["samples"]["o"].shape == (1, cases[0]["T"], 2, 16), r
+        else:
+            assert "error" in r and "samples" not in r, r
+
+
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
 def test_accuracy_inputs_are_what_they_say(per_channel):
     """The ill-conditioned case has three distinct keys per head and q = k; every input but g is

@@ -140,13 +140,24 @@ def run_accuracy(rep: "Report", cases: list[dict], *, ours: Callable, impls: Seq
     return "\n".join(lines)
 
 
-def torch_accuracy_inputs(c: dict):
-    """In a peer subprocess: the case's inputs as CUDA tensors, q/k/v bf16, g and beta fp32."""
-    import torch
-    x = accuracy_inputs(c["case"], c["T"], c["hk"], c["hv"], c["k"], per_channel=c["per_channel"])
-    dev = lambda a, dt: torch.from_numpy(a.astype(np.float32)).to("cuda", dt)
-    return (*(dev(a, torch.bfloat16) for a in x[:3]), dev(x[3], torch.float32),
-            dev(x[4], torch.float32))
+def fla_accuracy_peer(cases: list[dict], out_dir: str) -> None:
+    """Runs in a subprocess (`run_peer`): FLA's chunked kernel (`chunk_kda` for per-channel
+    gates, else `chunk_gated_delta_rule`) on the --accuracy cases, q/k/v bf16, g and beta fp32;
+    its outputs."""
+    def run_case(c):
+        import torch
+        if c["per_channel"]:
+            from fla.ops.kda import chunk_kda as chunk
+        else:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
+        x = accuracy_inputs(c["case"], c["T"], c["hk"], c["hv"], c["k"], per_channel=c["per_channel"])
+        dev = lambda a, dt: torch.from_numpy(a.astype(np.float32)).to("cuda", dt)
+        q, k, v = (dev(a, torch.bfloat16) for a in x[:3])
+        o, s = chunk(q, k, v, g=dev(x[3], torch.float32), beta=dev(x[4], torch.float32),
+                     output_final_state=True)
+        return {}, dict(o=o.float().cpu().numpy(), state=s.float().cpu().numpy())
+
+    peer_cases(cases, out_dir, run_case, tag="fla")
 
 # --------------------------------------------------------------------------- flags
 

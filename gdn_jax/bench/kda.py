@@ -64,18 +64,6 @@ def _fla_peer(cases: list[dict], out_dir: str) -> None:
     common.peer_cases(cases, out_dir, run_case, tag="fla")
 
 
-def _fla_accuracy_peer(cases: list[dict], out_dir: str) -> None:
-    """Runs in a subprocess: FLA's chunk_kda on the --accuracy cases; its outputs."""
-    from fla.ops.kda import chunk_kda
-
-    def run_case(c):
-        q, k, v, g, beta = common.torch_accuracy_inputs(c)
-        o, s = chunk_kda(q, k, v, g=g, beta=beta, output_final_state=True)
-        return {}, dict(o=o.float().cpu().numpy(), state=s.float().cpu().numpy())
-
-    common.peer_cases(cases, out_dir, run_case, tag="fla")
-
-
 def _accuracy(args) -> int:
     """--accuracy: ours and FLA's chunk_kda against the float64 oracle (common.run_accuracy)."""
     import jax
@@ -90,7 +78,7 @@ def _accuracy(args) -> int:
     fla = {}
     if peers:
         rep.progress("running FLA in a subprocess ...")
-        fla = common.run_peer("gdn_jax.bench.kda:_fla_accuracy_peer", cases, progress=rep.progress)
+        fla = common.run_peer("gdn_jax.bench.common:fla_accuracy_peer", cases, progress=rep.progress)
     interpret = jax.default_backend() != "gpu"
 
     def ours(impl, q, k, v, g, beta):

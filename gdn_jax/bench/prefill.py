@@ -93,18 +93,6 @@ def _fla_peer(cases: list[dict], out_dir: str) -> None:
     common.peer_cases(cases, out_dir, run_case, tag="fla")
 
 
-def _fla_accuracy_peer(cases: list[dict], out_dir: str) -> None:
-    """Runs in a subprocess: FLA's chunked GDN on the --accuracy cases; its outputs."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    def run_case(c):
-        q, k, v, g, beta = common.torch_accuracy_inputs(c)
-        o, s = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True)
-        return {}, dict(o=o.float().cpu().numpy(), state=s.float().cpu().numpy())
-
-    common.peer_cases(cases, out_dir, run_case, tag="fla")
-
-
 def _accuracy(args) -> int:
     """--accuracy: ours, FLA and jla against the float64 oracle (common.run_accuracy)."""
     import jax
@@ -118,7 +106,7 @@ def _accuracy(args) -> int:
     fla = {}
     if "fla" in peers:
         rep.progress("running FLA in a subprocess ...")
-        fla = common.run_peer("gdn_jax.bench.prefill:_fla_accuracy_peer", cases,
+        fla = common.run_peer("gdn_jax.bench.common:fla_accuracy_peer", cases,
                               progress=rep.progress)
     interpret = jax.default_backend() != "gpu"
 
