@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from gdn_jax.check import rel_err  # noqa: F401  (the benches' peer checks use the same measure)
+from gdn_jax.check import TOLERANCE, rel_err  # noqa: F401  (the benches' peer checks use the same measure)
 
 # Relative L2 error above which a peer's output is marked as a mismatch: the outputs are bf16
 # and the two implementations accumulate in different orders, so a few 1e-3 are expected.
@@ -50,7 +50,7 @@ PEERS = {
 # the float64 token loop (`gdn_jax.check.oracle_delta_rule`) on the same bf16 values.
 ACCURACY_T, ACCURACY_SMOKE_T = 512, 70
 ACCURACY_CASES = ("random", "repeated keys")
-BF16_BOUND = 5e-3     # the bound `gdn-jax check` holds bf16 inputs to against float64 (docs/tools.md)
+BF16_BOUND = TOLERANCE["bfloat16"]   # what `gdn-jax check` holds bf16 inputs to against float64
 ACCURACY_DESCRIPTION = """\
 --accuracy: no timing; ours (each impl of --impls that can take the call) and the peers against
 a float64 token loop (`gdn_jax.check.oracle_delta_rule`) on two B=1, T=512 cases at the bench's
@@ -160,6 +160,11 @@ def fla_accuracy_peer(cases: list[dict], out_dir: str) -> None:
     peer_cases(cases, out_dir, run_case, tag="fla")
 
 # --------------------------------------------------------------------------- flags
+
+def impl_list(args) -> list[str]:
+    """--impls as a list of names."""
+    return [x.strip() for x in args.impls.split(",") if x.strip()]
+
 
 def int_list(text: str) -> list[int]:
     try:

@@ -85,8 +85,8 @@ def _accuracy(args) -> int:
         with gdn_jax.interpret(interpret):
             return gdn_jax.kda(q, k, v, g, beta, output_final_state=True, impl=impl)
 
-    impls = [x.strip() for x in args.impls.split(",") if x.strip()]
-    md = common.run_accuracy(rep, cases, ours=ours, impls=impls, fla=fla, fla_name="chunk_kda")
+    md = common.run_accuracy(rep, cases, ours=ours, impls=common.impl_list(args), fla=fla,
+                             fla_name="chunk_kda")
     return rep.finish("KDA prefill accuracy against float64: ours and FLA", md)
 
 
@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rep.progress(f"{label}: FLA {us if us is not None else float('nan'):.1f} us, output vs ours "
                      f"{common.peer_verdict(err)}" + (f" ({r['error']})" if "error" in r else ""))
 
-    impls = [x.strip() for x in args.impls.split(",") if x.strip()]
+    impls = common.impl_list(args)
     for c in cases:
         x = common.np_inputs(c["seed"], c["B"], c["T"], h, h, kd, vd, per_channel=True,
                              state=c["mode"] == "decode")

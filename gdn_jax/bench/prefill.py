@@ -114,14 +114,10 @@ def _accuracy(args) -> int:
         with gdn_jax.interpret(interpret):
             return gdn_jax.gated_delta_rule(q, k, v, g, beta, output_final_state=True, impl=impl)
 
-    md = common.run_accuracy(rep, cases, ours=ours, impls=_impls(args), fla=fla,
+    md = common.run_accuracy(rep, cases, ours=ours, impls=common.impl_list(args), fla=fla,
                              fla_name="chunk_gated_delta_rule",
                              jla=jax.jit(_jla_call) if "jla" in peers else None)
     return rep.finish("GDN prefill accuracy against float64: ours, FLA and jla", md)
-
-
-def _impls(args) -> list[str]:
-    return [x.strip() for x in args.impls.split(",") if x.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hk, hv, kd, vd = SMOKE["hk"], SMOKE["hv"], SMOKE["k"], SMOKE["v"]
         pieces, total = SMOKE["pieces"], SMOKE["total"]
         args.batches, args.seq_lens = [b for b, _ in SMOKE["cases"]], [t for _, t in SMOKE["cases"]]
-    impls = _impls(args)
+    impls = common.impl_list(args)
     cases = _cases(args, pieces, total)
     peers = common.usable_peers(args, rep)
 
