@@ -189,9 +189,11 @@ class PrefillBlockSizes:
         # software pipelining of the next chunk's loads pays; with many pairs the GPU is full
         # and wider blocks read each chunk's rows fewer times (BENCHMARKS.md, prefill sweep).
         # Pipelined stages hold the chunk's rows in shared memory once per stage: K = 256, and
-        # KDA's fp32 rows (W, q e^G, k e^{G_C - G}; 304 KiB for 3 stages at K = 128), leave
-        # room for one stage only on an H200.
-        one_stage = spec.head_k_dim > 128 or (spec.per_channel_gate and spec.precise)
+        # KDA's fp32 rows (W, q e^G, k e^{G_C - G} for fp32 inputs, 304 KiB for 3 stages at
+        # K = 128; k e^{G_C - G} and the intra-chunk matrix for 16-bit inputs whose values are
+        # not bounded by one, 272 KiB), leave room for one stage only on an H200.
+        one_stage = spec.head_k_dim > 128 or (spec.per_channel_gate
+                                              and (spec.precise or not _bounded_by_one(spec)))
         # KDA's intra kernel: 32 key channels per step (BENCHMARKS.md, KDA launch sweep).
         block_k = min(32, spec.head_k_dim)
         if num_sequences * spec.num_v_heads < 128:

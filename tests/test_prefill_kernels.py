@@ -65,6 +65,12 @@ def _run(mode, q, k, v, g, beta, cu, spec, *, block_v=16, paired_halves=None, pa
                               interpret=mode == "interpret", **kw)
 
 
+def _unit_rows(x):
+    """x's rows scaled to unit L2 norm, in x's dtype (rows for calls without the in-kernel norm)."""
+    x32 = jnp.asarray(x, F32)
+    return (x32 / jnp.linalg.norm(x32, axis=-1, keepdims=True)).astype(x.dtype)
+
+
 def _oracle(q, k, v, g, beta, h0, cu, *, l2=True):
     """float64 token loop per packed sequence: (o [T, HV, V], states [N, HV, K, V])."""
     outs, states = [], []
@@ -956,25 +962,30 @@ def test_kda_prefill_pool_lower_bound_gate(mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kda,dtype", [(False, BF16), (False, F32), (True, BF16), (True, F32)],
-                         ids=["gdn", "gdn_fp32", "kda", "kda_fp32"])
+@pytest.mark.parametrize("kda,dtype,l2", [(False, BF16, True), (False, F32, True), (True, BF16, True),
+                                          (True, F32, True), (False, BF16, False),
+                                          (True, BF16, False)],
+                         ids=["gdn", "gdn_fp32", "kda", "kda_fp32", "gdn_no_norm", "kda_no_norm"])
 @pytest.mark.parametrize("K", [128, 256])
 @pytest.mark.parametrize("lens", [[130], [70] * 32], ids=["few_pairs", "many_pairs"])
-def test_default_blocks_fit_the_gpu(kda, dtype, K, lens):
+def test_default_blocks_fit_the_gpu(kda, dtype, l2, K, lens):
     """The default launch shapes compile and run at the production head dims, on both sides of
-    the block-size rule (few and many (sequence, head) pairs): a shared-memory overflow shows
-    only when the kernel is built for a real GPU."""
+    the block-size rule (few and many (sequence, head) pairs), with and without the in-kernel
+    q/k L2 norm (without it KDA's 16-bit calls carry fp32 intermediates): a shared-memory
+    overflow shows only when the kernel is built for a real GPU."""
     HK, HV = 2, 4
     inputs = (_kda_inputs(31, lens, HK=HK, HV=HV, K=K, dtype=dtype) if kda else
               _packed_inputs(31, lens, HK=HK, HV=HV, K=K, V=K, dtype=dtype))
     q, k, v, g, beta, h0, cu = inputs
+    if not l2:  # unit rows given, as a caller that normalises q and k itself passes them
+        q, k = (_unit_rows(x) for x in (q, k))
     spec = _spec(HK, HV, K, K, has_initial_state=True, precise=dtype == F32,
-                 per_channel_gate=kda)
+                 per_channel_gate=kda, use_qk_l2norm=l2)
     block = kern.PrefillBlockSizes.get_default(spec, len(lens))
     assert kern.unsupported_reason(spec, block) is None
     o, hT, _, _ = kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
                                      initial_state=h0)
-    ro, rs = _oracle(q, k, v, g, beta, h0, cu)
+    ro, rs = _oracle(q, k, v, g, beta, h0, cu, l2=l2)
     tol = 1e-5 if dtype == F32 else 5e-3
     assert rel_err(o, ro) <= tol
     assert rel_err(hT, rs) <= tol
