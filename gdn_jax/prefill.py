@@ -48,11 +48,9 @@ KERNELS = ("serial", "chunked")
 # prep pass, no intermediates through memory): it wins on short prompts. The rows follow the
 # crossover `gdn-jax bench prefill --short` measured on the H200 (BENCHMARKS.md).
 SERIAL_PREFILL_TABLE: tuple[tuple[int, int], ...] = (
-    (1, 16),
-    (8, 32),
-    (32, 32),
-    (128, 16),
-    (1 << 30, 16),
+    (1, 12),
+    (8, 8),
+    (1 << 30, 12),
 )
 
 __all__ = ["ChunkStates", "PrefillCall", "gdn_prefill", "gdn_prefill_pool",

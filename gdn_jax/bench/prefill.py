@@ -20,8 +20,10 @@ against a dense bf16 peak of 790 TFLOP/s (H200).
 --short: short prompts, the token-serial kernel against the chunked kernel (no peers). For B in
 {1, 8, 32, 128} and T in {2, 4, 8, 16, 32, 64, 128} (--batches / --seq-lens replace either grid
 when given), both run `gdn_prefill_pool(..., kernel=...)` from an fp32 pool of B slots (the
-serving prefill), jitted with the pool donated and chained from call to call; their outputs and
-pools from one shared start are checked against each other. Printed: the table of times and, per
+serving prefill): SHORT_STEPS prefills chained in one jitted program (each lands in the pool the
+next one reads; the pool donated and chained from call to call), so that the time is the
+device's, not a jitted call's host dispatch; their outputs and pools from one shared start are
+checked against each other. Printed: the table of times and, per
 B, the crossover (the longest T up to which the token-serial kernel is faster) next to today's
 `gdn_jax.prefill.SERIAL_PREFILL_TABLE` limit.
 """
@@ -43,6 +45,7 @@ SMOKE = dict(hk=2, hv=4, k=32, v=32, cases=((1, 64), (2, 40)), pieces=4, total=9
 SHORT_BATCHES = (1, 8, 32, 128)
 SHORT_SEQ_LENS = (2, 4, 8, 16, 32, 64, 128)
 SHORT_SMOKE = dict(batches=(1, 2), seq_lens=(3,))
+SHORT_STEPS = 10      # prefills chained in one jitted program for --short
 
 
 def _cases(args, pieces: int, total: int, seed: int = 0):
@@ -150,18 +153,26 @@ def _short(args, argv) -> int:
                 SHORT_SMOKE["seq_lens"] if args.smoke else SHORT_SEQ_LENS)
     hk, hv, kd, vd = (SMOKE["hk"], SMOKE["hv"], SMOKE["k"], SMOKE["v"]) if args.smoke else (HK, HV, K, V)
     rep = common.Report("prefill", args)
-    calls, repeats = (1, 1) if args.smoke else (20, args.repeats)
+    calls, steps, repeats = (1, 2, 1) if args.smoke else (10, SHORT_STEPS, args.repeats)
     rep.meta.update(heads=dict(HK=hk, HV=hv, K=kd, V=vd), dtype=args.dtype, mode="short",
-                    timing=f"{calls} chained calls (pool donated), one sync, median of {repeats}")
+                    timing=f"{steps} chained prefills per jitted call (pool donated), {calls} "
+                           f"calls, one sync, median of {repeats}, per prefill")
     interpret = jax.default_backend() != "gpu"
 
-    def runner(kernel):
+    def runner(kernel, steps):
+        # `steps` prefills chained in one jitted program (each lands in the pool the next reads):
+        # short prompts take microseconds, less than a jitted call's host dispatch, so calls
+        # timed one per jit would measure the host.
         def call(q, k, v, g, beta, pool, slots):
-            return pf.gdn_prefill_pool(q, k, v, g, beta, pool, slots, use_qk_l2norm=True,
-                                       kernel=kernel, impl="pallas", interpret=interpret)
+            def step(_, carry):
+                return pf.gdn_prefill_pool(q, k, v, g, beta, carry[1], slots, use_qk_l2norm=True,
+                                           kernel=kernel, impl="pallas", interpret=interpret)
+            first = step(0, (None, pool))
+            return jax.lax.fori_loop(1, steps, step, first) if steps > 1 else first
         return jax.jit(call, donate_argnums=(5,))
 
-    fns = {kern: runner(kern) for kern in ("serial", "chunked")}
+    fns = {kern: runner(kern, 1) for kern in ("serial", "chunked")}
+    timed = {kern: runner(kern, steps) for kern in ("serial", "chunked")}
     chain = lambda out, a: tuple(a[:5]) + (out[1],) + tuple(a[6:])
     times: dict[tuple[int, int], dict[str, float]] = {}
     for b in batches:
@@ -177,8 +188,9 @@ def _short(args, argv) -> int:
                 try:
                     o, pool = jax.block_until_ready(fn(q, k, v, g, beta, jnp.copy(pool0), slots))
                     outs[kern] = (np.asarray(o, np.float32), np.asarray(pool))
-                    row[kern] = 1e6 * common.time_jax(fn, q, k, v, g, beta, jnp.copy(pool0), slots,
-                                                      calls=calls, repeats=repeats, chain=chain)
+                    row[kern] = 1e6 * common.time_jax(timed[kern], q, k, v, g, beta,
+                                                      jnp.copy(pool0), slots, calls=calls,
+                                                      repeats=repeats, chain=chain) / steps
                 except Exception as e:  # noqa: BLE001 - one line per failed kernel, keep going
                     rep.note(f"B={b} T={t} kernel={kern} failed: {type(e).__name__}: {str(e)[:200]}")
             err = (max(common.rel_err(outs["serial"][i], outs["chunked"][i]) for i in range(2))
