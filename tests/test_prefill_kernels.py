@@ -18,7 +18,7 @@ from helpers import rel_err
 from pallas_kernels import gdn_prefill as kern
 from test_reference import numpy_delta_rule
 
-F32, BF16 = jnp.float32, jnp.bfloat16
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 MODES = [pytest.param("interpret", id="interpret"),
          pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
 
@@ -964,8 +964,10 @@ def test_kda_prefill_pool_lower_bound_gate(mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kda,dtype,l2", [(False, BF16, True), (False, F32, True), (True, BF16, True),
                                           (True, F32, True), (False, BF16, False),
-                                          (True, BF16, False)],
-                         ids=["gdn", "gdn_fp32", "kda", "kda_fp32", "gdn_no_norm", "kda_no_norm"])
+                                          (True, BF16, False), (False, F16, True),
+                                          (True, F16, True)],
+                         ids=["gdn", "gdn_fp32", "kda", "kda_fp32", "gdn_no_norm", "kda_no_norm",
+                              "gdn_fp16", "kda_fp16"])
 @pytest.mark.parametrize("K", [128, 256])
 @pytest.mark.parametrize("lens", [[130], [70] * 32], ids=["few_pairs", "many_pairs"])
 def test_default_blocks_fit_the_gpu(kda, dtype, l2, K, lens):
