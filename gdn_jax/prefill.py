@@ -48,9 +48,9 @@ KERNELS = ("serial", "chunked")
 # prep pass, no intermediates through memory): it wins on short prompts. The rows follow the
 # crossover `gdn-jax bench prefill --short` measured on the H200 (BENCHMARKS.md).
 SERIAL_PREFILL_TABLE: tuple[tuple[int, int], ...] = (
-    (1, 12),
-    (8, 8),
-    (1 << 30, 12),
+    (1, 16),
+    (8, 24),
+    (1 << 30, 16),
 )
 
 __all__ = ["ChunkStates", "PrefillCall", "gdn_prefill", "gdn_prefill_pool",
@@ -112,7 +112,8 @@ def _serial_supports(call: PrefillCall) -> str | None:
         return "chunk_states=True needs the chunked kernel"
     spec = serial_kern.DecodeSpec(num_k_heads=1, num_v_heads=1, head_k_dim=call.head_k_dim,
                                   head_v_dim=call.head_v_dim, scale=1.0, tokens=True)
-    block = serial_kern.default_serial_block_sizes(call.num_seqs, 1, call.head_v_dim)
+    block = serial_kern.default_serial_block_sizes(call.num_seqs, 1, call.head_v_dim,
+                                                   call.head_k_dim)
     why = serial_kern.unsupported_reason(spec, block, call.state_dtype)
     if why is not None or call.kernel == "serial":
         return why

@@ -287,21 +287,35 @@ TUNING_TABLE: tuple[tuple[int, int, bool, DecodeBlockSizes], ...] = (
 
 
 # Token-serial prefill: (largest number of (sequence, value head) pairs) -> block sizes. First
-# match wins. A program walks all of its sequence's tokens, so few pairs want narrow column
-# blocks (more programs in flight); the state slab of a [K, block_v] block lives in registers for
-# the whole walk. Initial estimates, to be replaced by `gdn-jax bench prefill --short` sweeps.
+# match wins. A program walks all of its sequence's tokens with its [K, block_v] state slab in
+# registers, so each token costs the latency of its chain of reductions over K, not bandwidth:
+# one warp per program keeps every reduction inside the warp (no shared memory, no barriers),
+# which the single-token decode, streaming the state, cannot afford. Sweep on the H200
+# (K = V = 128, HV = 32; BENCHMARKS.md): one warp is the fastest from 256 pairs up (1.3-2.2x
+# the 4-warp shapes), and a narrow block with 2 stages at 32 pairs, where programs are few.
 SERIAL_TUNING_TABLE: tuple[tuple[int, DecodeBlockSizes], ...] = (
-    (256, DecodeBlockSizes(block_v=16, num_warps=4)),
-    (1 << 30, DecodeBlockSizes(block_v=32, num_warps=4)),
+    (32, DecodeBlockSizes(block_v=16, num_warps=1, num_stages=2)),
+    (1 << 30, DecodeBlockSizes(block_v=32, num_warps=1)),
 )
 
 
-def default_serial_block_sizes(num_seqs: int, num_v_heads: int, head_v_dim: int) -> DecodeBlockSizes:
-    """The token-serial prefill's tuning-table entry for this call, clipped to the head size."""
+# The token-serial slab's fp32 values per thread at most (K * block_v / threads): the table's
+# one-warp shapes hold 64-128 at K = 128; a larger K takes more warps rather than spill.
+SERIAL_VALUES_PER_THREAD = 128
+
+
+def default_serial_block_sizes(num_seqs: int, num_v_heads: int, head_v_dim: int,
+                               head_k_dim: int = 128) -> DecodeBlockSizes:
+    """The token-serial prefill's tuning-table entry for this call, clipped to the head size,
+    with enough warps that the state slab fits SERIAL_VALUES_PER_THREAD values per thread."""
     for max_pairs, bs in SERIAL_TUNING_TABLE:
         if num_seqs * num_v_heads <= max_pairs:
             break
-    return dataclasses.replace(bs, block_v=min(bs.block_v, head_v_dim), tile_v=None)
+    block_v = min(bs.block_v, head_v_dim)
+    warps = bs.num_warps
+    while head_k_dim * block_v > SERIAL_VALUES_PER_THREAD * 32 * warps and warps < 4:
+        warps *= 2
+    return dataclasses.replace(bs, block_v=block_v, tile_v=None, num_warps=warps)
 
 
 def default_block_sizes(batch: int, head_v_dim: int, state_dtype, fused_norm: bool) -> DecodeBlockSizes:
@@ -818,7 +832,7 @@ def serial_prefill(q_rows, k_rows, v_rows, g_rows, beta_rows, seq_start, seq_end
     state_dtype = jnp.dtype(state_dtype or (state.dtype if state is not None else jnp.float32))
     if spec.pooled:
         state_dtype = jnp.dtype(state.dtype)
-    block = block or default_serial_block_sizes(n, HV, V)
+    block = block or default_serial_block_sizes(n, HV, V, K)
     reason = (unsupported_reason(spec, block, state_dtype)
               or index_overflow_reason(max(n * HV * K * V, 0 if state is None else state.size,
                                            rows * max(HV * V, v_rows.shape[1], q_rows.shape[1]))))

@@ -391,3 +391,30 @@ def test_serial_variants_lower_to_triton_ir(lower_for_h200, variant):
         block=dk.default_serial_block_sizes(2, HV, K), out_dtype=jnp.dtype(BF16),
         state_dtype=jnp.dtype(F32), interpret=False).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("K", [16, 64, 128, 256])
+@pytest.mark.parametrize("num_seqs", [1, 8, 128])
+def test_serial_block_sizes_keep_the_slab_in_registers(K, num_seqs):
+    """The token-serial tuning table's one-warp shapes take more warps at a large K, so that the
+    [K, block_v] fp32 slab never asks more than SERIAL_VALUES_PER_THREAD values of a thread."""
+    block = dk.default_serial_block_sizes(num_seqs, 32, K, K)
+    assert block.block_v <= K and K % block.block_v == 0
+    assert K * block.block_v <= dk.SERIAL_VALUES_PER_THREAD * 32 * block.num_warps
+    if K <= 128:  # the table's own shape where it fits
+        want = next(bs for n, bs in dk.SERIAL_TUNING_TABLE if num_seqs * 32 <= n)
+        assert block.num_warps == want.num_warps and block.num_stages == want.num_stages
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [128, 256])
+@pytest.mark.parametrize("lens", [[13], [12] * 16], ids=["few_pairs", "many_pairs"])
+def test_serial_default_blocks_at_production_head_dims(K, lens):
+    """The token-serial kernel's default launch shapes (one warp at K = 128, more at K = 256),
+    compiled at the production head dims, on both sides of the tuning table's pair bound."""
+    q, k, v, g, beta, h0, cu = _inputs(5, lens, HK=4, HV=8, K=K, dtype=BF16)
+    o, hT, _ = pf.gdn_prefill(q, k, v, g, beta, initial_state=h0, use_qk_l2norm=True,
+                              cu_seqlens=cu, kernel="serial", impl="pallas")
+    ro, rs = _oracle(q, k, v, g, beta, h0, cu)
+    assert rel_err(o, ro) <= 5e-3
+    assert rel_err(hT, rs) <= 5e-3
