@@ -6,7 +6,8 @@ Both validate once into a `DeltaSpec` and ask `gdn_jax.dispatch` which implement
   "chunked"    pure-JAX WY/UT chunk form, chunk 64 (gdn_jax.reference.chunked_delta_rule)
   "pallas"     a registered kernel family: the single-token decode kernel (T = 1, not packed),
                else the token-serial prefill kernel for short prompts (by
-               gdn_jax.prefill.SERIAL_PREFILL_TABLE on the number of sequences and the longest),
+               gdn_jax.prefill.SERIAL_PREFILL_TABLE, KDA_SERIAL_PREFILL_TABLE for kda, on the
+               number of sequences and the longest),
                else the chunked prefill kernels (gdn_jax.prefill; any T, packed or not)
   "auto"       a kernel when one takes the call (a GPU, or interpret mode, and head dims the
                kernels take), else the scan for T < 16 and the chunk form above

@@ -9,11 +9,12 @@
                                                        updated in place (pool donated); optional
                                                        the states after requested token counts
     prefill_kernel_reason(...)                         why the kernels cannot take a call (or None)
-    SERIAL_PREFILL_TABLE                               when "auto" picks the token-serial kernel
+    SERIAL_PREFILL_TABLE, KDA_SERIAL_PREFILL_TABLE     when "auto" picks the token-serial kernel
 
 Which kernel. Both entry points are dispatch operations ("gdn_prefill", "gdn_prefill_pool") with
 two kernel families, asked in this order: "serial prefill" (the token-serial kernel) takes a call
-when N sequences' longest has at most SERIAL_PREFILL_TABLE's length for N, and "chunked
+when N sequences' longest has at most SERIAL_PREFILL_TABLE's length for N (KDA's table for a
+per-channel gate), and "chunked
 prefill" takes the rest. `kernel="serial"` or `"chunked"` forces one. `gated_delta_rule` / `kda`
 carry the same two families (after the single-token decode). `gdn_jax.explain` shows the choice,
 and `Choice.detail` the table row that made it.
@@ -52,10 +53,18 @@ SERIAL_PREFILL_TABLE: tuple[tuple[int, int], ...] = (
     (8, 24),
     (1 << 30, 16),
 )
+# The same for KDA (a per-channel gate), from `gdn-jax bench kda --short`: its chunked kernels
+# (three, the intra-chunk one first) cost about twice GDN's at these lengths, so the token-serial
+# kernel keeps the lead about twice as long.
+KDA_SERIAL_PREFILL_TABLE: tuple[tuple[int, int], ...] = (
+    (1, 32),
+    (8, 48),
+    (1 << 30, 32),
+)
 
 __all__ = ["ChunkStates", "PrefillCall", "gdn_prefill", "gdn_prefill_pool",
            "reference_prefill_pool", "reference_states_after", "prefill_kernel_reason",
-           "serial_prefill_limit", "SERIAL_PREFILL_TABLE", "CHUNK", "KERNELS"]
+           "serial_prefill_limit", "SERIAL_PREFILL_TABLE", "KDA_SERIAL_PREFILL_TABLE", "CHUNK", "KERNELS"]
 
 
 class ChunkStates(NamedTuple):
@@ -81,9 +90,11 @@ def prefill_kernel_reason(*, head_k_dim: int, head_v_dim: int, backend: str,
 
 # --------------------------------------------------------------------------- the choice
 
-def serial_prefill_limit(num_seqs: int) -> int:
-    """The longest sequence "auto" gives the token-serial kernel in a call of N sequences."""
-    for max_seqs, max_len in SERIAL_PREFILL_TABLE:
+def serial_prefill_limit(num_seqs: int, per_channel_gate: bool = False) -> int:
+    """The longest sequence "auto" gives the token-serial kernel in a call of N sequences (KDA's
+    per-channel gate: KDA_SERIAL_PREFILL_TABLE)."""
+    table = KDA_SERIAL_PREFILL_TABLE if per_channel_gate else SERIAL_PREFILL_TABLE
+    for max_seqs, max_len in table:
         if num_seqs <= max_seqs:
             return max_len
     return 0
@@ -117,18 +128,23 @@ def _serial_supports(call: PrefillCall) -> str | None:
     why = serial_kern.unsupported_reason(spec, block, call.state_dtype)
     if why is not None or call.kernel == "serial":
         return why
-    limit = serial_prefill_limit(call.num_seqs)
+    limit = serial_prefill_limit(call.num_seqs, call.per_channel_gate)
     if call.max_seq_len > limit:
         return (f"longest sequence {call.max_seq_len} > {limit} tokens for N={call.num_seqs} "
-                "sequences (SERIAL_PREFILL_TABLE)")
+                f"sequences ({_serial_table_name(call)})")
     return None
+
+
+def _serial_table_name(call: PrefillCall) -> str:
+    return "KDA_SERIAL_PREFILL_TABLE" if call.per_channel_gate else "SERIAL_PREFILL_TABLE"
 
 
 def _serial_rule(call: PrefillCall) -> str:
     if call.kernel == "serial":
         return "kernel='serial' was asked for"
-    return (f"longest sequence {call.max_seq_len} <= {serial_prefill_limit(call.num_seqs)} tokens "
-            f"for N={call.num_seqs} sequences (SERIAL_PREFILL_TABLE)")
+    limit = serial_prefill_limit(call.num_seqs, call.per_channel_gate)
+    return (f"longest sequence {call.max_seq_len} <= {limit} tokens "
+            f"for N={call.num_seqs} sequences ({_serial_table_name(call)})")
 
 
 def _chunked_supports(call: PrefillCall) -> str | None:

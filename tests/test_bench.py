@@ -217,13 +217,17 @@ def test_run_peer_plumbing():
     assert len(lines) == 1 and "CUDA not available" in lines[0]
 
 
-def test_prefill_short_smoke_compares_the_two_kernels(tmp_path):
-    """bench prefill --short --smoke: the token-serial and the chunked kernel on the same short
-    prompts, checked against each other, a crossover per batch."""
-    from gdn_jax.bench import prefill
+@pytest.mark.parametrize("bench", ["prefill", "kda"])
+def test_prefill_short_smoke_compares_the_two_kernels(tmp_path, bench):
+    """bench prefill|kda --short --smoke: the token-serial and the chunked kernel on the same
+    short prompts (GDN's gate, KDA's per-channel gate), checked against each other, a crossover
+    per batch beside the family's table."""
+    import importlib
     path = tmp_path / "short.json"
-    assert prefill.main(["--short", "--smoke", "--json", str(path)]) == 0
+    assert importlib.import_module(f"gdn_jax.bench.{bench}").main(
+        ["--short", "--smoke", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
+    assert data["meta"]["mode"] == "short"
     rows = data["rows"]
     assert [(r["B"], r["T"]) for r in rows] == [(1, 3), (2, 3)]
     for r in rows:

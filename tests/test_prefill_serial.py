@@ -234,6 +234,12 @@ def test_auto_rule_is_a_table(monkeypatch):
     assert "SERIAL_PREFILL_TABLE" in why(1, limit + 1).detail
     assert why(1, 1).family == "decode"
     assert why(3, 2, op="kda").family == "serial prefill"
+    # KDA reads its own table (its chunked kernels cost more): a length past GDN's limit.
+    kda_limit = pf.serial_prefill_limit(1, per_channel_gate=True)
+    assert kda_limit > limit
+    assert why(1, kda_limit, op="kda").family == "serial prefill"
+    assert "KDA_SERIAL_PREFILL_TABLE" in why(1, kda_limit, op="kda").detail
+    assert why(1, kda_limit + 1, op="kda").family == "chunked prefill"
     # Packed: the longest sequence decides when the offsets are concrete; traced offsets count T.
     limit2 = pf.serial_prefill_limit(2)                   # two packed sequences
     cu = np.array([0, 3, limit2 + 3], np.int32)

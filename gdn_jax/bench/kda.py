@@ -13,6 +13,9 @@ donated), against FLA `fused_recurrent_kda(q, k, v, g=g, beta=beta, initial_stat
 output_final_state=True, use_qk_l2norm_in_kernel=True)` with do_bench; GB/s of state read +
 written against the device copy bandwidth measured in the same run.
 
+--short: KDA's token-serial kernel against its chunked kernels on short prompts, as
+`bench prefill --short` does for GDN (no peers), beside KDA_SERIAL_PREFILL_TABLE's limits.
+
 Every peer's outputs are checked against ours in the run (relative L2 error; MISMATCH above
 2e-2). Peers run in a subprocess (torch and JAX would compete for GPU memory).
 """
@@ -99,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accuracy", action="store_true",
                    help="no timing: ours and FLA against a float64 token loop on a random and an "
                         "ill-conditioned case (see the description)")
+    p.add_argument("--short", action="store_true",
+                   help="short prompts: KDA's token-serial vs chunked kernel and their crossover "
+                        "per batch (as `bench prefill --short`)")
     return p
 
 
@@ -108,6 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.accuracy:
         return _accuracy(args)
+    if args.short:
+        import sys
+        from gdn_jax.bench import prefill as bench_prefill
+        return bench_prefill._short(args, sys.argv[1:] if argv is None else argv, per_channel=True,
+                                    heads=(H, H, K, V), name="kda")
 
     import jax
     import jax.numpy as jnp

@@ -140,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _short(args, argv) -> int:
-    """--short: the token-serial and the chunked prefill kernels side by side on short prompts."""
+def _short(args, argv, *, per_channel: bool = False, heads=(HK, HV, K, V), name="prefill") -> int:
+    """--short: the token-serial and the chunked prefill kernels side by side on short prompts
+    (GDN; KDA's per-channel gate with `per_channel`, for `bench kda --short`)."""
     import jax
     import jax.numpy as jnp
     from gdn_jax import prefill as pf
@@ -151,8 +152,10 @@ def _short(args, argv) -> int:
                SHORT_SMOKE["batches"] if args.smoke else SHORT_BATCHES)
     seq_lens = (args.seq_lens if given("--seq-lens") else
                 SHORT_SMOKE["seq_lens"] if args.smoke else SHORT_SEQ_LENS)
-    hk, hv, kd, vd = (SMOKE["hk"], SMOKE["hv"], SMOKE["k"], SMOKE["v"]) if args.smoke else (HK, HV, K, V)
-    rep = common.Report("prefill", args)
+    hk, hv, kd, vd = (SMOKE["hk"], SMOKE["hv"], SMOKE["k"], SMOKE["v"]) if args.smoke else heads
+    rep = common.Report(name, args)
+    family = "KDA" if per_channel else "GDN"
+    limit = functools.partial(pf.serial_prefill_limit, per_channel_gate=per_channel)
     calls, steps, repeats = (1, 2, 1) if args.smoke else (10, SHORT_STEPS, args.repeats)
     rep.meta.update(heads=dict(HK=hk, HV=hv, K=kd, V=vd), dtype=args.dtype, mode="short",
                     timing=f"{steps} chained prefills per jitted call (pool donated), {calls} "
@@ -180,7 +183,8 @@ def _short(args, argv) -> int:
         pool0 = 0.1 * jax.random.normal(key, (b, hv, kd, vd), jnp.float32)
         slots = jnp.arange(b, dtype=jnp.int32)
         for t in seq_lens:
-            x = common.np_inputs(b * 1000 + t, b, t, hk, hv, kd, vd, state=False)
+            x = common.np_inputs(b * 1000 + t, b, t, hk, hv, kd, vd, state=False,
+                                 per_channel=per_channel)
             q, k, v = (jnp.asarray(x[n]).astype(args.dtype) for n in ("q", "k", "v"))
             g, beta = jnp.asarray(x["g"]), jnp.asarray(x["beta"])
             outs, row = {}, {}
@@ -202,7 +206,7 @@ def _short(args, argv) -> int:
                          f"{row.get('chunked', float('nan')):.1f} us, outputs and pools agree to "
                          f"{common.peer_verdict(err)}")
     fmt = lambda x: "-" if x is None else f"{x:.1f}"
-    lines = [f"{rep.meta['device']}, {rep.meta['date']}, jax {rep.meta['jax']}; HK={hk}, HV={hv}, "
+    lines = [f"{rep.meta['device']}, {rep.meta['date']}, jax {rep.meta['jax']}; {family}, HK={hk}, HV={hv}, "
              f"K=V={kd}, {args.dtype} q/k/v, fp32 g/beta and pool, in-call q/k L2 norm; "
              f"gdn_prefill_pool into B slots, {rep.meta['timing']}."
              + (" SMOKE RUN (interpret mode / tiny shapes): times mean nothing." if args.smoke
@@ -213,7 +217,8 @@ def _short(args, argv) -> int:
         cells = [f"{fmt(times[(b, t)].get('serial'))} / {fmt(times[(b, t)].get('chunked'))}"
                  for t in seq_lens]
         lines.append(f"| {b} | " + " | ".join(cells) + " |")
-    lines += ["", "| B | token-serial faster up to T | SERIAL_PREFILL_TABLE limit now |",
+    table = "KDA_SERIAL_PREFILL_TABLE" if per_channel else "SERIAL_PREFILL_TABLE"
+    lines += ["", f"| B | token-serial faster up to T | {table} limit now |",
               "|---|---|---|"]
     for b in batches:
         faster = [t for t in seq_lens if times[(b, t)].get("serial") is not None
@@ -226,10 +231,11 @@ def _short(args, argv) -> int:
                 break
             upto = t
         rep.meta.setdefault("crossover", {})[b] = upto
-        lines.append(f"| {b} | {upto or 'never'} | {pf.serial_prefill_limit(b)} |")
+        lines.append(f"| {b} | {upto or 'never'} | {limit(b)} |")
         rep.progress(f"B={b}: token-serial faster up to T={upto or 'never'} "
-                     f"(table limit now {pf.serial_prefill_limit(b)})")
-    return rep.finish("GDN short-prompt prefill: token-serial vs chunked kernel", "\n".join(lines))
+                     f"(table limit now {limit(b)})")
+    return rep.finish(f"{family} short-prompt prefill: token-serial vs chunked kernel",
+                      "\n".join(lines))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -330,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif "jla" in peers:
             rep.progress(f"{label}: jla not run (this bench calls it without cu_seqlens)")
 
-    lines = [f"{rep.meta['device']}, {rep.meta['date']}, jax {rep.meta['jax']}; HK={hk}, HV={hv}, "
+    lines = [f"{rep.meta['device']}, {rep.meta['date']}, jax {rep.meta['jax']}; {family}, HK={hk}, HV={hv}, "
              f"K=V={kd}, {args.dtype} q/k/v, fp32 g/beta, in-call q/k L2 norm, no initial state. "
              f"Times: back-to-back calls and one sync (not chained), median of {args.repeats}; FLA "
              f"by triton do_bench. TFLOP/s from the chunk form's matmul FLOPs; % of a "
