@@ -336,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif "jla" in peers:
             rep.progress(f"{label}: jla not run (this bench calls it without cu_seqlens)")
 
-    lines = [f"{rep.meta['device']}, {rep.meta['date']}, jax {rep.meta['jax']}; {family}, HK={hk}, HV={hv}, "
+    lines = [f"{rep.meta['device']}, {rep.meta['date']}, jax {rep.meta['jax']}; HK={hk}, HV={hv}, "
              f"K=V={kd}, {args.dtype} q/k/v, fp32 g/beta, in-call q/k L2 norm, no initial state. "
              f"Times: back-to-back calls and one sync (not chained), median of {args.repeats}; FLA "
              f"by triton do_bench. TFLOP/s from the chunk form's matmul FLOPs; % of a "
