@@ -64,7 +64,7 @@ KDA_SERIAL_PREFILL_TABLE: tuple[tuple[int, int], ...] = (
 
 __all__ = ["ChunkStates", "PrefillCall", "gdn_prefill", "gdn_prefill_pool",
            "reference_prefill_pool", "reference_states_after", "prefill_kernel_reason",
-           "serial_prefill_limit", "SERIAL_PREFILL_TABLE", "KDA_SERIAL_PREFILL_TABLE", "CHUNK", "KERNELS"]
+           "serial_prefill_limit", "serial_prefill_table", "SERIAL_PREFILL_TABLE", "KDA_SERIAL_PREFILL_TABLE", "CHUNK", "KERNELS"]
 
 
 class ChunkStates(NamedTuple):
@@ -90,11 +90,18 @@ def prefill_kernel_reason(*, head_k_dim: int, head_v_dim: int, backend: str,
 
 # --------------------------------------------------------------------------- the choice
 
+def serial_prefill_table(per_channel_gate: bool = False) -> tuple[str, tuple[tuple[int, int], ...]]:
+    """(name, rows) of the short-prompt table for a gate form: KDA_SERIAL_PREFILL_TABLE for a
+    per-channel gate, else SERIAL_PREFILL_TABLE."""
+    if per_channel_gate:
+        return "KDA_SERIAL_PREFILL_TABLE", KDA_SERIAL_PREFILL_TABLE
+    return "SERIAL_PREFILL_TABLE", SERIAL_PREFILL_TABLE
+
+
 def serial_prefill_limit(num_seqs: int, per_channel_gate: bool = False) -> int:
-    """The longest sequence "auto" gives the token-serial kernel in a call of N sequences (KDA's
-    per-channel gate: KDA_SERIAL_PREFILL_TABLE)."""
-    table = KDA_SERIAL_PREFILL_TABLE if per_channel_gate else SERIAL_PREFILL_TABLE
-    for max_seqs, max_len in table:
+    """The longest sequence "auto" gives the token-serial kernel in a call of N sequences (from
+    `serial_prefill_table(per_channel_gate)`)."""
+    for max_seqs, max_len in serial_prefill_table(per_channel_gate)[1]:
         if num_seqs <= max_seqs:
             return max_len
     return 0
@@ -131,12 +138,8 @@ def _serial_supports(call: PrefillCall) -> str | None:
     limit = serial_prefill_limit(call.num_seqs, call.per_channel_gate)
     if call.max_seq_len > limit:
         return (f"longest sequence {call.max_seq_len} > {limit} tokens for N={call.num_seqs} "
-                f"sequences ({_serial_table_name(call)})")
+                f"sequences ({serial_prefill_table(call.per_channel_gate)[0]})")
     return None
-
-
-def _serial_table_name(call: PrefillCall) -> str:
-    return "KDA_SERIAL_PREFILL_TABLE" if call.per_channel_gate else "SERIAL_PREFILL_TABLE"
 
 
 def _serial_rule(call: PrefillCall) -> str:
@@ -144,7 +147,7 @@ def _serial_rule(call: PrefillCall) -> str:
         return "kernel='serial' was asked for"
     limit = serial_prefill_limit(call.num_seqs, call.per_channel_gate)
     return (f"longest sequence {call.max_seq_len} <= {limit} tokens "
-            f"for N={call.num_seqs} sequences ({_serial_table_name(call)})")
+            f"for N={call.num_seqs} sequences ({serial_prefill_table(call.per_channel_gate)[0]})")
 
 
 def _chunked_supports(call: PrefillCall) -> str | None:

@@ -305,7 +305,7 @@ SERIAL_VALUES_PER_THREAD = 128
 
 
 def default_serial_block_sizes(num_seqs: int, num_v_heads: int, head_v_dim: int,
-                               head_k_dim: int = 128) -> DecodeBlockSizes:
+                               head_k_dim: int) -> DecodeBlockSizes:
     """The token-serial prefill's tuning-table entry for this call, clipped to the head size,
     with enough warps that the state slab fits SERIAL_VALUES_PER_THREAD values per thread."""
     for max_pairs, bs in SERIAL_TUNING_TABLE:

@@ -65,12 +65,6 @@ def _run(mode, q, k, v, g, beta, cu, spec, *, block_v=16, paired_halves=None, pa
                               interpret=mode == "interpret", **kw)
 
 
-def _unit_rows(x):
-    """x's rows scaled to unit L2 norm, in x's dtype (rows for calls without the in-kernel norm)."""
-    x32 = jnp.asarray(x, F32)
-    return (x32 / jnp.linalg.norm(x32, axis=-1, keepdims=True)).astype(x.dtype)
-
-
 def _oracle(q, k, v, g, beta, h0, cu, *, l2=True):
     """float64 token loop per packed sequence: (o [T, HV, V], states [N, HV, K, V])."""
     outs, states = [], []
@@ -980,7 +974,7 @@ def test_default_blocks_fit_the_gpu(kda, dtype, l2, K, lens):
               _packed_inputs(31, lens, HK=HK, HV=HV, K=K, V=K, dtype=dtype))
     q, k, v, g, beta, h0, cu = inputs
     if not l2:  # unit rows given, as a caller that normalises q and k itself passes them
-        q, k = (_unit_rows(x) for x in (q, k))
+        q, k = (ref.l2norm(x).astype(x.dtype) for x in (q, k))
     spec = _spec(HK, HV, K, K, has_initial_state=True, precise=dtype == F32,
                  per_channel_gate=kda, use_qk_l2norm=l2)
     block = kern.PrefillBlockSizes.get_default(spec, len(lens))

@@ -394,7 +394,7 @@ def test_serial_variants_lower_to_triton_ir(lower_for_h200, variant):
     text = dk._launch_serial.trace(
         x, x, y, g, jnp.ones((T, HV)), A_log, dt, slots, jnp.array([0, 20], jnp.int32),
         jnp.array([20, 40], jnp.int32), state, spec=spec,
-        block=dk.default_serial_block_sizes(2, HV, K), out_dtype=jnp.dtype(BF16),
+        block=dk.default_serial_block_sizes(2, HV, K, K), out_dtype=jnp.dtype(BF16),
         state_dtype=jnp.dtype(F32), interpret=False).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
 

@@ -217,7 +217,7 @@ def _short(args, argv, *, per_channel: bool = False, heads=(HK, HV, K, V), name=
         cells = [f"{fmt(times[(b, t)].get('serial'))} / {fmt(times[(b, t)].get('chunked'))}"
                  for t in seq_lens]
         lines.append(f"| {b} | " + " | ".join(cells) + " |")
-    table = "KDA_SERIAL_PREFILL_TABLE" if per_channel else "SERIAL_PREFILL_TABLE"
+    table = pf.serial_prefill_table(per_channel)[0]
     lines += ["", f"| B | token-serial faster up to T | {table} limit now |",
               "|---|---|---|"]
     for b in batches:
