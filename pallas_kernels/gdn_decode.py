@@ -274,12 +274,12 @@ class DecodeBlockSizes:
 # on the H200 (K = V = 128, HV = 32; BENCHMARKS.md): with the column-block-fastest grid, one
 # [K, 64] register tile per program with 4 warps is the fastest shape measured from B = 32 up,
 # for fp32 and 16-bit states alike (narrower [K, 32] programs and whole-head programs are
-# 1.5-21% slower), and for 16-bit states at every batch size. fp32 states up to B = 8 take
-# [K, 32] programs; there a step costs a few microseconds of launch and latency, and [K, 32],
-# [K, 64] and one-warp programs measured within noise of each other. The fused norm needs the
-# whole head in one program: two [K, 64] tiles.
+# 1.5-21% slower), and for 16-bit states at every batch size. fp32 states up to B = 16 take
+# [K, 32] programs (5-8% ahead of [K, 64] at B = 16; below that a step is a few microseconds of
+# launch and latency, and [K, 32], [K, 64] and one-warp programs measured within noise of each
+# other). The fused norm needs the whole head in one program: two [K, 64] tiles.
 TUNING_TABLE: tuple[tuple[int, int, bool, DecodeBlockSizes], ...] = (
-    (8, 4, False, DecodeBlockSizes(block_v=32, num_warps=4)),
+    (16, 4, False, DecodeBlockSizes(block_v=32, num_warps=4)),
     (1 << 30, 4, False, DecodeBlockSizes(block_v=64, num_warps=4)),
     (1 << 30, 2, False, DecodeBlockSizes(block_v=64, num_warps=4)),
     (1 << 30, 4, True, DecodeBlockSizes(block_v=128, tile_v=64, num_warps=4)),

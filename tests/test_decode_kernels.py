@@ -353,7 +353,7 @@ def test_decode_choice_is_pure_and_explains():
     why = dispatch.explain("gdn_decode", *args, interpret=True)
     assert why.impl == "reference" and "K=48" in why.reason
     # the tuning table answers for every batch size and state dtype
-    for b in (1, 8, 9, 128, 4096):
+    for b in (1, 8, 9, 16, 17, 128, 4096):
         for sdt in (F32, F16, BF16):
             for norm in (False, True):
                 bs = kern.default_block_sizes(b, 128, sdt, norm)
