@@ -294,8 +294,8 @@ def test_traced_cu_seqlens_are_checked_in_checked_mode():
 @pytest.mark.parametrize("sdt", [F32, BF16])
 @pytest.mark.parametrize("rows", ["ordinary", "at the tame bound"])
 def test_gpu_exact_carried_verify_is_bitwise_the_public_decode(B, sdt, rows):
-    """Through the public entry points at a small and a large batch (the tuning table's rows
-    for B <= 8 and above): T = 4 exact carried verify, then accept
+    """Through the public entry points at a small and a large batch (the tuning table's fp32
+    rows for B <= 16 and above): T = 4 exact carried verify, then accept
     4 and flush, against 4 calls of the public gdn_decode_pool and of gdn_decode (outputs and
     states bit for bit). Also with every q/k row's max |x| in [2**49, 2**50): the largest rows
     the verify launcher's tame leaves alone, normalised by the decode kernel's guarded norm

@@ -128,11 +128,10 @@ def _check(b, state_dtype, block):
 def _sweep_blocks(sdt, b, best_so_far=()):
     """Block shapes to time besides the tuning-table entry: single programs of 32, 64 and 128
     value columns, and 128 columns walked in two tiles of 64 (the table holds the winners of the
-    sweeps recorded in BENCHMARKS.md; this list re-times the runners-up). At B <= 16 also
-    one-warp programs of 16 and 32 columns: with few programs a step is latency-bound, and one
-    warp keeps the reductions over K inside the warp (what the token-serial kernel gained from;
-    at B >= 32, where the step streams the state, one warp lost), and up to B = 32 two-warp
-    programs."""
+    sweeps recorded in BENCHMARKS.md; this list re-times the runners-up). With few programs a
+    step is latency-bound, so small batches also try fewer warps per program (fewer reductions
+    over K cross warps): one-warp programs of 16 and 32 columns up to B = 16 (at B >= 32, where
+    the step streams the state, one warp lost), two-warp programs of 32 and 64 up to B = 32."""
     from pallas_kernels.gdn_decode import DecodeBlockSizes as D
     few = [D(16, num_warps=1), D(32, num_warps=1)] if b <= 16 else []
     two = [D(32, num_warps=2), D(64, num_warps=2)] if b <= 32 else []
