@@ -20,9 +20,11 @@ form of the delta rule):
    q/k L2 norms (kept as row factors: q and k are never rewritten), A and its inverse; it writes
    T beta, the masked intra-chunk attention matrix, three row factors (q: norm * scale * e^G;
    k: norm * e^{G_C - G} and norm * e^G) and the chunk's total decay e^{G_C}. With 16-bit
-   inputs its inverse takes fp16 operands and it flags the chunks where those did not fit;
-   `_prep_redo_kernel`, a second pass, forms those chunks' T beta again in one-pass TF32 (its
-   programs each read the flags of REDO_SLOTS chunks at once and stop when none is set).
+   inputs the prep stores A in fp16 instead of T beta, and `_prep_inverse_kernel`, a launch of
+   its own over the same chunks, inverts it with fp16 operands, writes T beta and flags the
+   chunks where those did not fit; `_prep_redo_kernel`, a third pass, forms those chunks' T beta
+   again in one-pass TF32 from the raw rows (its programs each read the flags of REDO_SLOTS
+   chunks at once and stop when none is set).
 2. `_scan_kernel` (one program per sequence, value head and block of value columns) walks the
    chunks of its sequence in order with the [K, block_v] state slab in registers: five matrix
    products per chunk on the tensor cores (k S, the deltas, q S, the intra-chunk matrix times
@@ -458,7 +460,9 @@ def _half_inverse_fits(A, T):
     fp16 result: an operand that overflowed leaves an inf or NaN in T, which fails it (the
     counts below treat NaN as out of range). Entries below fp16's normal range (6e-5) round to
     absolute steps of 6e-8, below TF32's rounding of T's unit diagonal. q/k L2 norm and beta in
-    (0, 1) give |A| < 1; ill-conditioned chunks (T above 128) take the TF32 form."""
+    (0, 1) give |A| < 1; ill-conditioned chunks (T above 128) take the TF32 form. A itself
+    reaches the inverse in fp16 (the products round it to fp16 anyway): an entry beyond fp16's
+    range arrives as inf and fails the check too."""
     outside = lambda x, bound: jnp.sum(jnp.where(jnp.abs(x) <= bound, 0.0, 1.0))
     return (outside(A, HALF_INVERSE_MAX_A) + outside(T, HALF_INVERSE_MAX_T)) == 0.0
 
@@ -619,27 +623,23 @@ def _gdn_system(k_in, rk, decay, beta, *, precise, interpret):
 
 
 def _half_inverse(spec: PrefillSpec, blocked_inverse: bool) -> bool:
-    """Whether the prep forms (I + A)^-1 with fp16 operands and flags the chunks where that
-    does not hold for `_prep_redo_kernel` (GDN, 16-bit inputs, the register-tile inverse).
-    The TF32 fallback runs as a second pass rather than a branch in the prep: a branch's code
-    is allocated registers with the rest of the kernel, and the TF32 form's fp32 operands made
-    the prep spill to local memory on every chunk (BENCHMARKS.md)."""
+    """Whether (I + A)^-1 is formed with fp16 operands (GDN, 16-bit inputs, the register-tile
+    inverse): the prep then stores A in fp16, `_prep_inverse_kernel` inverts it and flags the
+    chunks where fp16 did not hold, for `_prep_redo_kernel`. The TF32 fallback runs as a pass
+    of its own rather than a branch: a branch's code is allocated registers with the rest of
+    the kernel, and the TF32 form's fp32 operands made the prep spill to local memory on every
+    chunk (BENCHMARKS.md)."""
     return not spec.per_channel_gate and not spec.precise and not blocked_inverse
 
 
 def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log_ref, dt_ref,
                  kk_ref, ek_ref, tb_ref, w_ref, u_ref, aqk_ref, fq_ref, fk_ref, fw_ref, decay_ref,
-                 kk_out_ref, redo_ref, *, spec: PrefillSpec, blocked_inverse: bool,
+                 kk_out_ref, a_ref, *, spec: PrefillSpec, blocked_inverse: bool,
                  prep_cols: int, heads_fastest: bool, interpret: bool):
     s, h = _slot_and_head(heads_fastest)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
     C = CHUNK
-
-    if _half_inverse(spec, blocked_inverse):
-        @pl.when(n == 0)  # an unused chunk slot: nothing to redo
-        def _():
-            redo_ref[s, h] = jnp.zeros((), redo_ref.dtype)
 
     @pl.when(n > 0)
     def _():
@@ -657,11 +657,7 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             if blocked_inverse:
                 return _invert_unit_lower_blocked(A, scratch, t0, h, n, precise=spec.precise,
                                                   interpret=interpret)
-            if not _half_inverse(spec, blocked_inverse):
-                return _invert_unit_lower(A, spec.precise, interpret)
-            T = _invert_unit_lower(A, False, interpret, half=True)
-            redo_ref[s, h] = jnp.where(_half_inverse_fits(A, T), 0, 1).astype(redo_ref.dtype)
-            return T
+            return _invert_unit_lower(A, spec.precise, interpret)
 
         if spec.per_channel_gate:
             # `_kda_intra_kernel` formed k k^T with the per-channel decays (masked to j < i)
@@ -715,11 +711,36 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             qk = dot(q_in, k_in, trans_b=True) * (rq[:, None] * rk[None, :])
             store(aqk_ref.at[tok, h, :], qk * decay, rows2)
             A = _gdn_system(k_in, rk, decay, beta, precise=spec.precise, interpret=interpret)
-            # T beta's own rows are the blocked inverse's scratch until T is in registers
-            T = invert(A, tb_ref)
-            if blocked_inverse:  # after every thread's last read of the inverse's blocks
-                _barrier(interpret)
-            store(tb_ref.at[tok, h, :], T * beta[None, :], rows2)
+            if _half_inverse(spec, blocked_inverse):
+                store(a_ref.at[tok, h, :], A, rows2)  # fp16, for `_prep_inverse_kernel`
+            else:
+                # T beta's own rows are the blocked inverse's scratch until T is in registers
+                T = invert(A, tb_ref)
+                if blocked_inverse:  # after every thread's last read of the inverse's blocks
+                    _barrier(interpret)
+                store(tb_ref.at[tok, h, :], T * beta[None, :], rows2)
+
+
+def _prep_inverse_kernel(start_ref, len_ref, beta_ref, a_ref, tb_ref, redo_ref, *,
+                         spec: PrefillSpec, interpret: bool):
+    """T beta = (I + A)^-1 beta with fp16 operands (`_invert_unit_lower(half=True)`) from the
+    fp16 A the prep stored, and the chunk's redo flag: 1 where the fp16 form did not fit
+    (`_half_inverse_fits`; `_prep_redo_kernel` then forms T beta again in TF32), 0 elsewhere
+    and for unused chunk slots. One program per chunk slot and value head, heads fastest.
+
+    A launch of its own rather than the prep's tail: the prep holds q, k and the intra-chunk
+    tiles, and with the inverse beside them it ran at the 255-register limit; apart, with A
+    passed in fp16 (which the inverse's products round it to anyway), both launches together
+    took less time than the one (BENCHMARKS.md, GDN prefill)."""
+    s, h = _slot_and_head(True)
+    t0, n = start_ref[s], len_ref[s]
+    rows = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n
+    tok = pl.ds(t0, CHUNK)
+    A = plgpu.load(a_ref.at[tok, h, :], mask=rows[:, None], other=0).astype(F32)
+    T = _invert_unit_lower(A, False, interpret, half=True)
+    redo_ref[s, h] = jnp.where(_half_inverse_fits(A, T) | (n == 0), 0, 1).astype(redo_ref.dtype)
+    beta = _chunk_beta(beta_ref, tok, h, rows, spec)
+    plgpu.store(tb_ref.at[tok, h, :], T * beta[None, :], mask=rows[:, None])
 
 
 def _prep_redo_kernel(start_ref, len_ref, k_ref, g_ref, beta_ref, A_log_ref, dt_ref, redo_ref,
@@ -1119,11 +1140,12 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
     blocked = block.blocked_inverse_for(spec)
     kda_scratch = kda and blocked
     half_inverse = _half_inverse(spec, blocked)
-    *outs, _, redo = pl.pallas_call(
+    *outs, _, A = pl.pallas_call(
         functools.partial(_prep_kernel, spec=spec, blocked_inverse=blocked,
                           heads_fastest=block.heads_fastest,
                           prep_cols=min(block.prep_cols, K, V), interpret=interpret),
-        out_shape=(only(not kda, (T_total, HV, CHUNK)),          # T beta = (I + A)^-1 beta
+        # T beta = (I + A)^-1 beta (with the fp16 inverse, `_prep_inverse_kernel` forms it)
+        out_shape=(only(not kda and not half_inverse, (T_total, HV, CHUNK)),
                    # W, in parts like e^G k
                    only(kda, (_kda_parts(v.dtype), T_total, HV, K), v.dtype),
                    only(kda, (T_total, HV, V)),                  # U
@@ -1133,9 +1155,7 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
                    only(not kda, (T_total, HV)),                 # k: norm * e^G
                    only(not kda, (start.shape[0], HV)),          # e^{G_C}
                    only(kda_scratch, kk.shape),                  # k k^T (the inverse's scratch)
-                   # 1 where the fp16 inverse did not fit (_half_inverse_fits)
-                   jax.ShapeDtypeStruct((start.shape[0], HV) if half_inverse else (1, 1),
-                                        jnp.int32)),
+                   only(half_inverse, (T_total, HV, CHUNK), jnp.float16)),  # A, for the inverse
         grid=_chunk_grid(start.shape[0], HV, block.heads_fastest),
         input_output_aliases={9: 8} if kda_scratch else {},
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
@@ -1144,6 +1164,16 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
     )(start, length, q, k, v, g, beta, A_log, dt_bias, kk, ek)
     tb, w, u, *gdn_outputs = outs
     if half_inverse:
+        tb, redo = pl.pallas_call(
+            functools.partial(_prep_inverse_kernel, spec=spec, interpret=interpret),
+            out_shape=(jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),
+                       # 1 where the fp16 inverse did not fit (_half_inverse_fits)
+                       jax.ShapeDtypeStruct((start.shape[0], HV), jnp.int32)),
+            grid=_chunk_grid(start.shape[0], HV, True),
+            compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
+            interpret=interpret,
+            name="gdn_prefill_prep_inverse",
+        )(start, length, beta, A)
         tb = pl.pallas_call(
             functools.partial(_prep_redo_kernel, spec=spec, interpret=interpret),
             out_shape=jax.ShapeDtypeStruct(tb.shape, tb.dtype),

@@ -416,6 +416,43 @@ def test_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_prep_redoes_the_chunks_whose_A_exceeds_fp16(mode):
+    """A goes from the prep to `_prep_inverse_kernel` in fp16: without the L2 norm its entries
+    can pass fp16's 65504 (here beta |k|^2 = 2^17 between the tokens of 2- and 3-token chunks,
+    whose inverses fp32 holds), and those chunks must come out of the TF32 redo pass finite and
+    right, not as inf or NaN; head 1 (beta |k|^2 = 2^-15) stays on the fp16 path."""
+    lens, HK, HV, K = [2, 3, 70], 1, 2, 16
+    q, k, v, g, beta, _, cu = _packed_inputs(13, lens, HK=HK, HV=HV, K=K, V=K, dtype=BF16)
+    T_total = sum(lens)
+    k = np.zeros((T_total, HK, K), np.float32)
+    k[:, :, 0] = 256.0                                    # |k|^2 = 2^16
+    k[5:, :, 0] = 1.0                                     # the 70-token sequence: |k|^2 = 1
+    k = jnp.asarray(k, BF16)
+    g, beta = np.zeros((T_total, HV), np.float32), np.full((T_total, HV), 2.0, np.float32)
+    beta[:, 1] = 2.0 ** -31
+    beta[5:, 0] = 0.5
+    spec = _spec(HK, HV, K, K, use_qk_l2norm=False, precise=False)
+    block = kern.PrefillBlockSizes(block_v=16)
+    assert kern._half_inverse(spec, block.blocked_inverse_for(spec))
+    start, length, _ = kern.chunk_table(cu, T_total)
+    tb = kern._prep(q, k, v, jnp.asarray(g), jnp.asarray(beta), start, length,
+                    jnp.zeros((HV,), F32), jnp.zeros((HV,), F32), spec=spec, block=block,
+                    interpret=mode == "interpret")[0]
+    tb, kf = np.asarray(tb, np.float64), np.asarray(k, np.float64)
+    for t0, n in zip(np.asarray(start), np.asarray(length)):
+        for h in range(HV):
+            if n == 0:
+                continue
+            rows, b = slice(t0, t0 + n), beta[t0:t0 + n, h].astype(np.float64)
+            A = np.tril(b[:, None] * (kf[rows, 0] @ kf[rows, 0].T), -1)
+            want = np.linalg.inv(np.eye(n) + A) * b[None, :]
+            got = tb[rows, h, :n]
+            assert np.all(np.isfinite(got)), (t0, h)
+            assert rel_err(got, want) <= 2e-3, (t0, h, rel_err(got, want))
+    assert np.abs(tb[:2, 0, :2]).max() > 2.0 ** 17        # A = 2^17 there: beyond fp16
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_unnormalised_rows_beyond_fp16_range(mode, kda):
     """Without the q/k L2 norm nothing bounds the rows: keys of entries ~1e5 (beta ~ 1 / |k|^2
