@@ -373,26 +373,12 @@ def test_half_inverse_falls_back_where_fp16_cannot_hold_it(mode):
     assert not np.all(np.isfinite(half[3]))  # the fp16 form alone overflows there
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
-    """The prep's second pass (`_prep_redo_kernel`) replaces T beta where the fp16 inverse did
-    not fit, and leaves the rest: value head 0 sees one key repeated with beta |k|^2 = 3 and no
-    decay, so (I + A)^-1 holds (-2)^(i - j) up to 2^63 (fp16's range ends at 2^16; A = 3 and
-    the powers of two are exact in TF32, so the ill-conditioning costs no accuracy there); value
-    head 1 sees the same key with typical gates and beta below 1/4 (|A| < 1: fp16 holds its
-    inverse). Every chunk's T beta against float64; more chunk slots than one redo program
-    takes (`REDO_SLOTS`), so flagged chunks lie in a full and in a partial block of slots."""
-    lens, HK, HV, K = [64, 100, 1100], 1, 2, 32
-    assert sum(-(-n // kern.CHUNK) for n in lens) > kern.REDO_SLOTS
-    q, k, v, g, beta, _, cu = _packed_inputs(12, lens, HK=HK, HV=HV, K=K, V=K, dtype=BF16)
-    T_total = sum(lens)
-    g, beta = np.array(g), np.array(beta)
-    g[:, 0], beta[:, 0] = 0.0, 0.75
-    beta[:, 1] *= 0.25
-    k = np.zeros((T_total, HK, K), np.float32)
-    k[:, :, :4] = 1.0                                      # |k|^2 = 4: beta |k|^2 = 3 in head 0
-    k = jnp.asarray(k, BF16)
-    spec = _spec(HK, HV, K, K, use_qk_l2norm=False, precise=False)
+def _prep_t_beta_against_float64(mode, q, k, v, g, beta, cu):
+    """GDN's prep (16-bit rows, no L2 norm: the fp16 inverse with its TF32 redo) on one key head
+    (k [T, 1, K]): every chunk's T beta [T, HV, 64] (float64 numpy) checked finite and within
+    2e-3 of float64's (I + A)^-1 beta; returns it."""
+    T_total, HV, K = v.shape[0], v.shape[1], k.shape[2]
+    spec = _spec(1, HV, K, K, use_qk_l2norm=False, precise=False)
     block = kern.PrefillBlockSizes(block_v=16)
     assert kern._half_inverse(spec, block.blocked_inverse_for(spec))
     start, length, _ = kern.chunk_table(cu, T_total)
@@ -412,6 +398,29 @@ def test_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
             got = tb[rows, h, :n]
             assert np.all(np.isfinite(got)), (t0, h)
             assert rel_err(got, want) <= 2e-3, (t0, h, rel_err(got, want))
+    return tb
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
+    """The prep's second pass (`_prep_redo_kernel`) replaces T beta where the fp16 inverse did
+    not fit, and leaves the rest: value head 0 sees one key repeated with beta |k|^2 = 3 and no
+    decay, so (I + A)^-1 holds (-2)^(i - j) up to 2^63 (fp16's range ends at 2^16; A = 3 and
+    the powers of two are exact in TF32, so the ill-conditioning costs no accuracy there); value
+    head 1 sees the same key with typical gates and beta below 1/4 (|A| < 1: fp16 holds its
+    inverse). Every chunk's T beta against float64; more chunk slots than one redo program
+    takes (`REDO_SLOTS`), so flagged chunks lie in a full and in a partial block of slots."""
+    lens, HK, HV, K = [64, 100, 1100], 1, 2, 32
+    assert sum(-(-n // kern.CHUNK) for n in lens) > kern.REDO_SLOTS
+    q, k, v, g, beta, _, cu = _packed_inputs(12, lens, HK=HK, HV=HV, K=K, V=K, dtype=BF16)
+    T_total = sum(lens)
+    g, beta = np.array(g), np.array(beta)
+    g[:, 0], beta[:, 0] = 0.0, 0.75
+    beta[:, 1] *= 0.25
+    k = np.zeros((T_total, HK, K), np.float32)
+    k[:, :, :4] = 1.0                                      # |k|^2 = 4: beta |k|^2 = 3 in head 0
+    k = jnp.asarray(k, BF16)
+    tb = _prep_t_beta_against_float64(mode, q, k, v, g, beta, cu)
     assert np.abs(tb[:64, 0, :64]).max() > 2.0 ** 60   # the inverse that fp16 cannot hold
 
 
@@ -431,24 +440,7 @@ def test_prep_redoes_the_chunks_whose_A_exceeds_fp16(mode):
     g, beta = np.zeros((T_total, HV), np.float32), np.full((T_total, HV), 2.0, np.float32)
     beta[:, 1] = 2.0 ** -31
     beta[5:, 0] = 0.5
-    spec = _spec(HK, HV, K, K, use_qk_l2norm=False, precise=False)
-    block = kern.PrefillBlockSizes(block_v=16)
-    assert kern._half_inverse(spec, block.blocked_inverse_for(spec))
-    start, length, _ = kern.chunk_table(cu, T_total)
-    tb = kern._prep(q, k, v, jnp.asarray(g), jnp.asarray(beta), start, length,
-                    jnp.zeros((HV,), F32), jnp.zeros((HV,), F32), spec=spec, block=block,
-                    interpret=mode == "interpret")[0]
-    tb, kf = np.asarray(tb, np.float64), np.asarray(k, np.float64)
-    for t0, n in zip(np.asarray(start), np.asarray(length)):
-        for h in range(HV):
-            if n == 0:
-                continue
-            rows, b = slice(t0, t0 + n), beta[t0:t0 + n, h].astype(np.float64)
-            A = np.tril(b[:, None] * (kf[rows, 0] @ kf[rows, 0].T), -1)
-            want = np.linalg.inv(np.eye(n) + A) * b[None, :]
-            got = tb[rows, h, :n]
-            assert np.all(np.isfinite(got)), (t0, h)
-            assert rel_err(got, want) <= 2e-3, (t0, h, rel_err(got, want))
+    tb = _prep_t_beta_against_float64(mode, q, k, v, g, beta, cu)
     assert np.abs(tb[:2, 0, :2]).max() > 2.0 ** 17        # A = 2^17 there: beyond fp16
 
 
