@@ -625,8 +625,8 @@ def test_chunk_table_matches_a_walk_over_the_sequences(seed):
 def test_variants_lower_to_triton_ir(lower_for_h200, raw, pooled, boundary, dtype, kda, blocked):
     """Every kernel lowers to Triton IR for an H200 without a GPU (only PTX needs the device):
     prep and scan, and KDA's intra-chunk kernel before them; the prep with each gate form's
-    default inverse (None) and with the other one; GDN's TF32 redo of the prep after an fp16
-    inverse."""
+    default inverse (None) and with the other one; GDN's fp16 inverse kernel and the TF32 redo
+    pass after it."""
     T, HK, HV, K = 256, 2, 4, 128
     spec = _spec(HK, HV, K, K, raw_gates=raw, pooled=pooled, boundary_states=boundary,
                  precise=dtype == F32, per_channel_gate=kda,
@@ -641,12 +641,13 @@ def test_variants_lower_to_triton_ir(lower_for_h200, raw, pooled, boundary, dtyp
                                    spec=spec, block=kern.PrefillBlockSizes(blocked_inverse=blocked),
                                    interpret=False,
                                    **kw).lower(lowering_platforms=("cuda",)).as_text()
-    # prep, scan, KDA's intra-chunk kernel, the prep's TF32 redo, and for GDN the q/k tame
-    # ahead of an in-kernel L2 norm (KDA's intra kernel tames its rows itself)
-    redo = kern._half_inverse(spec, kern.PrefillBlockSizes(blocked_inverse=blocked)
+    # prep, scan, KDA's intra-chunk kernel, GDN's fp16 inverse and its TF32 redo, and for GDN
+    # the q/k tame ahead of an in-kernel L2 norm (KDA's intra kernel tames its rows itself)
+    half = kern._half_inverse(spec, kern.PrefillBlockSizes(blocked_inverse=blocked)
                               .blocked_inverse_for(spec))
-    assert redo == (not kda and dtype == BF16 and not blocked)
-    assert hlo.count("__gpu$xla.gpu.triton") == (3 if kda else 2) + redo + 2 * (spec.use_qk_l2norm and not kda)
+    assert half == (not kda and dtype == BF16 and not blocked)
+    assert hlo.count("__gpu$xla.gpu.triton") == ((3 if kda else 2) + 2 * half
+                                                 + 2 * (spec.use_qk_l2norm and not kda))
 
 
 @pytest.mark.parametrize("K,block_k", [(64, 64), (128, 16), (256, 32), (256, 64)])
