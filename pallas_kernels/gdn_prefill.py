@@ -745,12 +745,12 @@ def _prep_inverse_kernel(start_ref, len_ref, beta_ref, a_ref, tb_ref, redo_ref, 
 
 def _prep_redo_kernel(start_ref, len_ref, k_ref, g_ref, beta_ref, A_log_ref, dt_ref, redo_ref,
                       tb_in_ref, tb_ref, *, spec: PrefillSpec, interpret: bool):
-    """T beta again, with the one-pass TF32 inverse, for the GDN chunks the prep flagged (its
-    fp16 inverse did not fit: `_half_inverse_fits`); the other chunks' rows stay as they are
-    (tb_ref aliases tb_in_ref). One program per REDO_SLOTS chunk slots of one value head: it
-    reads their flags in one load and, in the rare case that one is set, walks them. (A program
-    per chunk spent its time on the dependent loads of the flag: tens of microseconds at a few
-    thousand chunks, for a pass that usually does nothing.)"""
+    """T beta again, with the one-pass TF32 inverse, for the GDN chunks `_prep_inverse_kernel`
+    flagged (their fp16 inverse did not fit: `_half_inverse_fits`); the other chunks' rows stay
+    as they are (tb_ref aliases tb_in_ref). One program per REDO_SLOTS chunk slots of one value
+    head: it reads their flags in one load and, in the rare case that one is set, walks them. (A
+    program per chunk spent its time on the dependent loads of the flag: tens of microseconds at
+    a few thousand chunks, for a pass that usually does nothing.)"""
     del tb_in_ref
     blk, h = pl.program_id(0), pl.program_id(1)
     hk = h // (spec.num_v_heads // spec.num_k_heads)

@@ -403,7 +403,7 @@ def _prep_t_beta_against_float64(mode, q, k, v, g, beta, cu):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
-    """The prep's second pass (`_prep_redo_kernel`) replaces T beta where the fp16 inverse did
+    """The TF32 redo pass (`_prep_redo_kernel`) replaces T beta where the fp16 inverse did
     not fit, and leaves the rest: value head 0 sees one key repeated with beta |k|^2 = 3 and no
     decay, so (I + A)^-1 holds (-2)^(i - j) up to 2^63 (fp16's range ends at 2^16; A = 3 and
     the powers of two are exact in TF32, so the ill-conditioning costs no accuracy there); value
