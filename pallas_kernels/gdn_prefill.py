@@ -420,9 +420,10 @@ def _split_cumsum(g):
 
 
 def _invert_unit_lower(A, precise, interpret, *, half=False):
-    """(I + A)^-1 for a strictly lower-triangular [C, C] A, by recursive doubling of the
-    triangular block inverse: with D the inverse of I + A on the diagonal blocks of size b, and
-    L = A's entries below those blocks but inside the diagonal blocks of size 2b,
+    """(I + A)^-1 for a strictly lower-triangular [C, C] A (fp32, or fp16 with half), by
+    recursive doubling of the triangular block inverse: with D the inverse of I + A on the
+    diagonal blocks of size b, and L = A's entries below those blocks but inside the diagonal
+    blocks of size 2b,
         (I + A)^-1 on the 2b-blocks = D - D L D
     (the block formula [[X, 0], [Y, Z]]^-1 = [[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]] for every 2b-block
     at once). From b = 2 (D = I - A on the 2-blocks) that is two dependent matrix products per
@@ -736,7 +737,10 @@ def _prep_inverse_kernel(start_ref, len_ref, beta_ref, a_ref, tb_ref, redo_ref, 
     t0, n = start_ref[s], len_ref[s]
     rows = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n
     tok = pl.ds(t0, CHUNK)
-    A = plgpu.load(a_ref.at[tok, h, :], mask=rows[:, None], other=0).astype(F32)
+    # A stays fp16 in registers, as the products take it: widened to fp32 it held 32 more
+    # registers a thread, and the inverse measured 3% slower over the whole call (same bits;
+    # BENCHMARKS.md)
+    A = plgpu.load(a_ref.at[tok, h, :], mask=rows[:, None], other=0)
     T = _invert_unit_lower(A, False, interpret, half=True)
     redo_ref[s, h] = jnp.where(_half_inverse_fits(A, T) | (n == 0), 0, 1).astype(redo_ref.dtype)
     beta = _chunk_beta(beta_ref, tok, h, rows, spec)
