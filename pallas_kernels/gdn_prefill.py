@@ -738,8 +738,7 @@ def _prep_inverse_kernel(start_ref, len_ref, beta_ref, a_ref, tb_ref, redo_ref, 
     rows = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n
     tok = pl.ds(t0, CHUNK)
     # A stays fp16 in registers, as the products take it: widened to fp32 it held 32 more
-    # registers a thread, and the inverse measured 3% slower over the whole call (same bits;
-    # BENCHMARKS.md)
+    # registers a thread, and the whole call measured 3% slower (same bits; BENCHMARKS.md)
     A = plgpu.load(a_ref.at[tok, h, :], mask=rows[:, None], other=0)
     T = _invert_unit_lower(A, False, interpret, half=True)
     redo_ref[s, h] = jnp.where(_half_inverse_fits(A, T) | (n == 0), 0, 1).astype(redo_ref.dtype)
