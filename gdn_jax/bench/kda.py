@@ -2,7 +2,7 @@
 
 Prefill: B=1, T=8192 (--seq-lens), H = HK = HV = 32, K = V = 128, bf16 q/k/v, fp32 per-channel
 gate g [B, T, HV, K] and beta, q/k L2-normed in the call, no initial state:
-`gdn_jax.kda(..., impl=...)` for each impl in --impls that can take the call, timed as
+`gdn_jax.kda(..., impl=...)` for each impl in --impls that can take the call, timed as 20
 back-to-back calls and one block_until_ready, against FLA `chunk_kda(q, k, v, g=g, beta=beta,
 output_final_state=True, use_qk_l2norm_in_kernel=True)`; TFLOP/s from the chunk form's FLOPs
 against a 790 TFLOP/s bf16 roofline.
@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fn = jax.jit(functools.partial(gdn_jax.kda, output_final_state=True,
                                                use_qk_l2norm=True, impl=impl))
                 timed = common.time_impl(rep, impl, label, fn, q, k, v, g, beta,
-                                         calls=1 if args.smoke else 5,
+                                         calls=1 if args.smoke else common.PREFILL_CALLS,
                                          repeats=1 if args.smoke else args.repeats, first=ours)
                 if timed is None:
                     continue
@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     lines = [f"{rep.meta['device']}, {rep.meta['date']}, jax {rep.meta['jax']}; H={h}, K=V={kd}, "
              f"{args.dtype} q/k/v, fp32 per-channel gate and beta, in-call q/k L2 norm. Prefill: "
-             f"back-to-back calls, one sync; decode: {args.unroll} chained steps per jitted call "
+             f"{common.PREFILL_CALLS} back-to-back calls per sync; decode: {args.unroll} chained steps per jitted call "
              f"(state donated), fp32 state, bytes = state read + written. FLA by triton do_bench. "
              f"Copy bandwidth measured in this run: {copy:.0f} GB/s."
              + (" SMOKE RUN: times mean nothing." if args.smoke else ""), "",

@@ -7,7 +7,7 @@ have the same length, else every combination); plus a packed batch of 16 random 
 to 32768 (cu_seqlens) against a dense batch of the same total length (B=16, T=2048).
 
 Ours: `gdn_jax.gated_delta_rule(..., impl=...)` for each impl in --impls that can take the call
-(an impl that cannot is reported in one line), jitted, timed as back-to-back calls and one
+(an impl that cannot is reported in one line), jitted, timed as 20 back-to-back calls and one
 block_until_ready, median of --repeats. Peers: FLA `chunk_gated_delta_rule(q, k, v, g=g,
 beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=...)` with
 triton.testing.do_bench in a subprocess; jla `linear_attention("gated_deltanet", q, k, v, g=g,
@@ -277,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=rep.progress)
 
     unavailable: set[tuple[str, bool]] = set()
-    calls = 1 if args.smoke else 5
+    calls = 1 if args.smoke else common.PREFILL_CALLS
     for i, (label, b, t, cu) in enumerate(cases):
         x = common.np_inputs(i, b, t, hk, hv, kd, vd, state=False)
         q, k, v = (jnp.asarray(x[n]).astype(args.dtype) for n in ("q", "k", "v"))
@@ -338,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     lines = [f"{rep.meta['device']}, {rep.meta['date']}, jax {rep.meta['jax']}; HK={hk}, HV={hv}, "
              f"K=V={kd}, {args.dtype} q/k/v, fp32 g/beta, in-call q/k L2 norm, no initial state. "
-             f"Times: back-to-back calls and one sync (not chained), median of {args.repeats}; FLA "
+             f"Times: {calls} back-to-back calls per sync (not chained), median of {args.repeats}; FLA "
              f"by triton do_bench. TFLOP/s from the chunk form's matmul FLOPs; % of a "
              f"{common.H200_BF16_TFLOPS:.0f} TFLOP/s bf16 roofline. Copy bandwidth measured in "
              f"this run: {copy:.0f} GB/s." + (" SMOKE RUN (interpret mode / tiny shapes): times "
