@@ -37,8 +37,8 @@ from gdn_jax.check import TOLERANCE, rel_err  # noqa: F401  (the benches' peer c
 # and the two implementations accumulate in different orders, so a few 1e-3 are expected.
 PEER_TOL = 2e-2
 # Prefill benches: calls back to back per sync. A sync leaves the GPU idle while the host
-# launches the next batch; with 5 calls that gap was ~8% of a B=1, T=8192 GDN call (H200), with
-# 20 it is within the run-to-run noise (BENCHMARKS.md, GDN prefill).
+# launches the next batch (~250 us on the H200): with 5 calls ~8% of a B=1, T=8192 GDN call, with
+# 20 ~2% (BENCHMARKS.md, GDN prefill).
 PREFILL_CALLS = 20
 # Dense bf16 tensor-core peak of an H200 (SXM), TFLOP/s: the roofline of the prefill tables.
 H200_BF16_TFLOPS = 790.0

@@ -119,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gdn_jax.bench import prefill as bench_prefill
         return bench_prefill._short(args, sys.argv[1:] if argv is None else argv, per_channel=True,
                                     heads=(H, H, K, V), name="kda")
+    prefill_calls = 1 if args.smoke else common.PREFILL_CALLS
 
     import jax
     import jax.numpy as jnp
@@ -174,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fn = jax.jit(functools.partial(gdn_jax.kda, output_final_state=True,
                                                use_qk_l2norm=True, impl=impl))
                 timed = common.time_impl(rep, impl, label, fn, q, k, v, g, beta,
-                                         calls=1 if args.smoke else common.PREFILL_CALLS,
+                                         calls=prefill_calls,
                                          repeats=1 if args.smoke else args.repeats, first=ours)
                 if timed is None:
                     continue
@@ -216,8 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     lines = [f"{rep.meta['device']}, {rep.meta['date']}, jax {rep.meta['jax']}; H={h}, K=V={kd}, "
              f"{args.dtype} q/k/v, fp32 per-channel gate and beta, in-call q/k L2 norm. Prefill: "
-             f"{common.PREFILL_CALLS} back-to-back calls per sync; decode: {args.unroll} chained steps per jitted call "
-             f"(state donated), fp32 state, bytes = state read + written. FLA by triton do_bench. "
+             f"{prefill_calls} back-to-back calls per sync; decode: {args.unroll} chained "
+             f"steps per jitted call (state donated), fp32 state, bytes = state read + written. FLA by triton do_bench. "
              f"Copy bandwidth measured in this run: {copy:.0f} GB/s."
              + (" SMOKE RUN: times mean nothing." if args.smoke else ""), "",
              "| case | who | us | TFLOP/s | GB/s | chained | output vs ours |",
