@@ -218,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = [f"{rep.meta['device']}, {rep.meta['date']}, jax {rep.meta['jax']}; H={h}, K=V={kd}, "
              f"{args.dtype} q/k/v, fp32 per-channel gate and beta, in-call q/k L2 norm. Prefill: "
              f"{prefill_calls} back-to-back calls per sync; decode: {args.unroll} chained "
-             f"steps per jitted call (state donated), fp32 state, bytes = state read + written. FLA by triton do_bench. "
+             f"steps per jitted call (state donated), fp32 state, bytes = state read + written. "
+             f"FLA by triton do_bench. "
              f"Copy bandwidth measured in this run: {copy:.0f} GB/s."
              + (" SMOKE RUN: times mean nothing." if args.smoke else ""), "",
              "| case | who | us | TFLOP/s | GB/s | chained | output vs ours |",
