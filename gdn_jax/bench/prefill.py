@@ -339,10 +339,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = [f"{rep.meta['device']}, {rep.meta['date']}, jax {rep.meta['jax']}; HK={hk}, HV={hv}, "
              f"K=V={kd}, {args.dtype} q/k/v, fp32 g/beta, in-call q/k L2 norm, no initial state. "
              f"Times: {calls} back-to-back calls per sync (not chained), median of "
-             f"{args.repeats}; FLA by triton do_bench. TFLOP/s from the chunk form's matmul FLOPs; % of a "
-             f"{common.H200_BF16_TFLOPS:.0f} TFLOP/s bf16 roofline. Copy bandwidth measured in "
-             f"this run: {copy:.0f} GB/s." + (" SMOKE RUN (interpret mode / tiny shapes): times "
-                                               "mean nothing." if args.smoke else ""), "",
+             f"{args.repeats}; FLA by triton do_bench. TFLOP/s from the chunk form's matmul "
+             f"FLOPs; % of a {common.H200_BF16_TFLOPS:.0f} TFLOP/s bf16 roofline. Copy bandwidth "
+             f"measured in this run: {copy:.0f} GB/s."
+             + (" SMOKE RUN (interpret mode / tiny shapes): times mean nothing."
+                if args.smoke else ""), "",
              "| case | who | us | TFLOP/s | % roofline | output vs ours |", "|---|---|---|---|---|---|"]
     for r in rep.rows:
         check = r.get("rel_err_vs_ours", r.get("rel_err_vs_first"))
