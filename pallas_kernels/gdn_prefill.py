@@ -104,6 +104,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import gdn_prefill_mgpu as mgpu_scan
 from pallas_kernels.gdn_decode import huge_row_factor
 
 F32 = jnp.float32
@@ -141,6 +142,9 @@ class PrefillSpec:
     output_final_state: bool = True
     boundary_states: bool = False    # also the state after every chunk
     precise: bool = True             # fp32 inputs: three-pass TF32 dots
+    # every sequence starts at a multiple of mgpu_scan.ALIGN tokens (a dense batch with
+    # T % 8 == 0): what the Mosaic GPU scan needs
+    aligned_starts: bool = False
 
 
 PAIR_GROUP = 8  # the paired products' column group with many pairs; see `_dot_bf16x2`
@@ -176,6 +180,10 @@ class PrefillBlockSizes:
     # prep: (I + A)^-1 by `_invert_unit_lower_blocked` (True) or `_invert_unit_lower` (False);
     # None: blocked for KDA, register-only for GDN (`blocked_inverse_for`)
     blocked_inverse: bool | None = None
+    # GDN, bf16: the state scan in Mosaic GPU (`gdn_prefill_mgpu`; its module docstring) rather
+    # than `_scan_kernel`; the prep then writes T beta as bf16 halves and the row factors
+    # head-major
+    mosaic_scan: bool = False
 
     def blocked_inverse_for(self, spec: PrefillSpec) -> bool:
         # Measured on the H200: the blocked inverse makes KDA's prep 7-8% faster and GDN's
@@ -186,7 +194,7 @@ class PrefillBlockSizes:
         return spec.per_channel_gate
 
     @staticmethod
-    def get_default(spec: PrefillSpec, num_sequences: int) -> "PrefillBlockSizes":
+    def get_default(spec: PrefillSpec, num_sequences: int, dtype=None) -> "PrefillBlockSizes":
         # Few (sequence, head) pairs: narrower column blocks give the scan enough programs, and
         # software pipelining of the next chunk's loads pays; with many pairs the GPU is full
         # and wider blocks read each chunk's rows fewer times (BENCHMARKS.md, prefill sweep).
@@ -198,13 +206,44 @@ class PrefillBlockSizes:
                                               and (spec.precise or not _bounded_by_one(spec)))
         # KDA's intra kernel: 32 key channels per step (BENCHMARKS.md, KDA launch sweep).
         block_k = min(32, spec.head_k_dim)
+        mosaic = mosaic_scan_default(spec, num_sequences, dtype)
         if num_sequences * spec.num_v_heads < 128:
             return PrefillBlockSizes(block_v=min(32, spec.head_v_dim),
                                      num_stages_scan=1 if one_stage else 3, block_k=block_k,
                                      paired_halves=not spec.per_channel_gate, pair_group=1,
-                                     heads_fastest=spec.per_channel_gate)
+                                     heads_fastest=spec.per_channel_gate, mosaic_scan=mosaic)
         return PrefillBlockSizes(block_v=min(64, spec.head_v_dim), num_stages_scan=1,
-                                 block_k=block_k, paired_halves=not spec.per_channel_gate)
+                                 block_k=block_k, paired_halves=not spec.per_channel_gate,
+                                 mosaic_scan=mosaic)
+
+
+MOSAIC_SCAN_MIN_PAIRS = 128
+
+
+def mosaic_scan_default(spec: PrefillSpec, num_sequences: int, dtype) -> bool:
+    """Whether the default blocks take the Mosaic GPU scan: where it takes the call and there
+    are at least MOSAIC_SCAN_MIN_PAIRS (sequence, value head) pairs (BENCHMARKS.md, GDN
+    prefill)."""
+    return (dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+            and num_sequences * spec.num_v_heads >= MOSAIC_SCAN_MIN_PAIRS
+            and _mosaic_scan_reason(spec) is None)
+
+
+def _mosaic_scan_reason(spec: PrefillSpec) -> str | None:
+    why = mgpu_scan.unsupported_reason(head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim,
+                                       dtype=jnp.bfloat16)
+    if why:
+        return why
+    if spec.per_channel_gate:
+        return "the Mosaic GPU scan is GDN's (KDA's per-channel decays are not in it)"
+    if spec.precise:
+        return "the Mosaic GPU scan takes bf16 inputs (spec.precise is for fp32 ones)"
+    if spec.pooled or spec.boundary_states:
+        return "the Mosaic GPU scan writes no pool slots and no chunk-boundary states"
+    if not spec.aligned_starts:
+        return (f"the Mosaic GPU scan needs every sequence to start at a multiple of "
+                f"{mgpu_scan.ALIGN} tokens (spec.aligned_starts)")
+    return None
 
 
 def _pow2(n: int) -> bool:
@@ -240,6 +279,12 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
         if spec.per_channel_gate and block.paired_halves:
             return ("paired_halves is for GDN's scan (KDA's was slower with it, and its "
                     "pipelined stages did not fit the H200's shared memory)")
+        if block.mosaic_scan:
+            why = _mosaic_scan_reason(spec)
+            if why:
+                return f"mosaic_scan: {why}"
+            if block.blocked_inverse:
+                return "mosaic_scan: the prep's blocked inverse writes fp32 T beta, not halves"
         for w in (block.num_warps_prep, block.num_warps_scan, block.num_warps_intra):
             if w not in (1, 2, 4, 8):
                 return f"num_warps={w} must be 1, 2, 4 or 8"
@@ -346,6 +391,26 @@ def _store_parts(ref, at, x, mask):
     itself, or (2) its bf16 hi and lo parts."""
     for p, part in enumerate(_split_bf16(x) if ref.shape[0] == 2 else (x,)):
         plgpu.store(ref.at[(jnp.int32(p), *at)], part.astype(ref.dtype), mask=mask)
+
+
+def _store_split(ref, at, x, mask):
+    """x into ref[at], or, where ref has a leading axis of halves (the Mosaic GPU scan's
+    [2, T, HV, C] bf16 inputs), its bf16 hi and lo halves into ref[0, at] and ref[1, at]."""
+    if ref.ndim == 3:
+        plgpu.store(ref.at[at], x.astype(ref.dtype), mask=mask)
+        return
+    for p, part in enumerate(_split_bf16(x)):
+        plgpu.store(ref.at[(jnp.int32(p), *at)], part, mask=mask)
+
+
+def _store_factor(refs, i, tok, h, x, mask):
+    """Row factor i (0: q, 1: k, 2: e^G k) of the chunk's tokens: into refs[i] [T, HV], or, for
+    the Mosaic GPU scan, head-major into refs[0][i] [HV, T8] (one bulk copy a chunk reads all
+    three)."""
+    if refs[0].ndim == 3:
+        plgpu.store(refs[0].at[jnp.int32(i), h, tok], x.astype(refs[0].dtype), mask=mask)
+    else:
+        plgpu.store(refs[i].at[tok, h], x.astype(refs[i].dtype), mask=mask)
 
 
 def _load_parts(load, ref, at, mask):
@@ -706,11 +771,13 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             last_lo = jnp.sum(jnp.where(j == C - 1, G_lo[None, :], 0.0), axis=1)
             eG = jnp.exp(G_hi + G_lo)
             decay_ref[s, h] = jnp.exp(jnp.max(last_hi + last_lo))
-            store(fq_ref.at[tok, h], rq * eG, rows)
-            store(fk_ref.at[tok, h], rk * jnp.exp((last_hi - G_hi) + (last_lo - G_lo)), rows)
-            store(fw_ref.at[tok, h], rk * eG, rows)
+            factors = (fq_ref, fk_ref, fw_ref)
+            _store_factor(factors, 0, tok, h, rq * eG, rows)
+            _store_factor(factors, 1, tok, h, rk * jnp.exp((last_hi - G_hi) + (last_lo - G_lo)),
+                          rows)
+            _store_factor(factors, 2, tok, h, rk * eG, rows)
             qk = dot(q_in, k_in, trans_b=True) * (rq[:, None] * rk[None, :])
-            store(aqk_ref.at[tok, h, :], qk * decay, rows2)
+            _store_split(aqk_ref, (tok, h, slice(None)), qk * decay, rows2)
             A = _gdn_system(k_in, rk, decay, beta, precise=spec.precise, interpret=interpret)
             if _half_inverse(spec, blocked_inverse):
                 store(a_ref.at[tok, h, :], A, rows2)  # fp16, for `_prep_inverse_kernel`
@@ -743,7 +810,7 @@ def _prep_inverse_kernel(start_ref, len_ref, beta_ref, a_ref, tb_ref, redo_ref, 
     T = _invert_unit_lower(A, False, interpret, half=True)
     redo_ref[s, h] = jnp.where(_half_inverse_fits(A, T) | (n == 0), 0, 1).astype(redo_ref.dtype)
     beta = _chunk_beta(beta_ref, tok, h, rows, spec)
-    plgpu.store(tb_ref.at[tok, h, :], T * beta[None, :], mask=rows[:, None])
+    _store_split(tb_ref, (tok, h, slice(None)), T * beta[None, :], rows[:, None])
 
 
 def _prep_redo_kernel(start_ref, len_ref, k_ref, g_ref, beta_ref, A_log_ref, dt_ref, redo_ref,
@@ -775,7 +842,7 @@ def _prep_redo_kernel(start_ref, len_ref, k_ref, g_ref, beta_ref, A_log_ref, dt_
                 A = _gdn_system(k_in, rk, decay, beta, precise=False, interpret=interpret)
                 T = _invert_unit_lower(A, False, interpret)
                 rows = (lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n)[:, None]
-                plgpu.store(tb_ref.at[pl.ds(t0, CHUNK), h, :], T * beta[None, :], mask=rows)
+                _store_split(tb_ref, (pl.ds(t0, CHUNK), h, slice(None)), T * beta[None, :], rows)
             return carry
 
         lax.fori_loop(0, REDO_SLOTS, slot, 0)
@@ -1143,6 +1210,14 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
     blocked = block.blocked_inverse_for(spec)
     kda_scratch = kda and blocked
     half_inverse = _half_inverse(spec, blocked)
+    # the Mosaic GPU scan's layouts: T beta as bf16 halves, the row factors head-major in one
+    # array
+    mosaic = block.mosaic_scan
+    T8 = pl.cdiv(T_total, mgpu_scan.ALIGN) * mgpu_scan.ALIGN
+    # (T8 rows: the bulk copies take token axes in whole 8-row tiles; rows past T_total are
+    # never written and never used: the scan masks every row past a sequence)
+    tb_shape, tb_dtype = (((2, T8, HV, CHUNK), jnp.bfloat16) if mosaic
+                          else ((T_total, HV, CHUNK), F32))
     *outs, _, A = pl.pallas_call(
         functools.partial(_prep_kernel, spec=spec, blocked_inverse=blocked,
                           heads_fastest=block.heads_fastest,
@@ -1152,10 +1227,12 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
                    # W, in parts like e^G k
                    only(kda, (_kda_parts(v.dtype), T_total, HV, K), v.dtype),
                    only(kda, (T_total, HV, V)),                  # U
-                   only(not kda, (T_total, HV, CHUNK), _bounded_dtype(spec)),  # q k^T e^{G_i - G_j}
-                   only(not kda, (T_total, HV)),                 # q: norm * scale * e^G
-                   only(not kda, (T_total, HV)),                 # k: norm * e^{G_C - G}
-                   only(not kda, (T_total, HV)),                 # k: norm * e^G
+                   # q k^T e^{G_i - G_j}
+                   only(not kda, (T8 if mosaic else T_total, HV, CHUNK), _bounded_dtype(spec)),
+                   # q: norm * scale * e^G (Mosaic: all three factors, head-major)
+                   only(not kda, (3, HV, T8) if mosaic else (T_total, HV)),
+                   only(not kda and not mosaic, (T_total, HV)),  # k: norm * e^{G_C - G}
+                   only(not kda and not mosaic, (T_total, HV)),  # k: norm * e^G
                    only(not kda, (start.shape[0], HV)),          # e^{G_C}
                    only(kda_scratch, kk.shape),                  # k k^T (the inverse's scratch)
                    only(half_inverse, (T_total, HV, CHUNK), jnp.float16)),  # A, for the inverse
@@ -1169,7 +1246,7 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
     if half_inverse:
         tb, redo = pl.pallas_call(
             functools.partial(_prep_inverse_kernel, spec=spec, interpret=interpret),
-            out_shape=(jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),
+            out_shape=(jax.ShapeDtypeStruct(tb_shape, tb_dtype),
                        # 1 where the fp16 inverse did not fit (_half_inverse_fits)
                        jax.ShapeDtypeStruct((start.shape[0], HV), jnp.int32)),
             grid=_chunk_grid(start.shape[0], HV, True),
@@ -1238,6 +1315,24 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
     T_total, HV, V = v.shape
     K = q.shape[2]
     N = cu.shape[0] - 1
+    if block.mosaic_scan:
+        if v.dtype != jnp.bfloat16:
+            raise ValueError(f"mosaic_scan takes bf16 inputs, got v of {v.dtype}")
+        # the Mosaic scan holds S^T: the states cross its boundary transposed
+        h0t = (jnp.swapaxes(h0, -1, -2).astype(F32) if spec.has_initial_state
+               else jnp.zeros((1, 1, 1, 1), F32))
+        # the bulk copies take token axes in whole 8-row tiles: rows up to a multiple of 8
+        pad = (-T_total) % mgpu_scan.ALIGN
+        rows = lambda x: jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) if pad else x
+        o, final_t = mgpu_scan.scan(cu, _longest_first(cu), first, decay, rows(q), rows(k),
+                                    rows(v), tb, aqk, fq, h0t, num_v_heads=HV,
+                                    num_k_heads=q.shape[1],
+                                    has_initial_state=spec.has_initial_state,
+                                    warp_specialized=not interpret, interpret=interpret)
+        o = o[:T_total] if pad else o
+        final = (jnp.swapaxes(final_t, -1, -2).astype(state_dtype) if spec.output_final_state
+                 else jnp.zeros((1, 1, 1, 1), state_dtype))
+        return o, final, jnp.zeros((1, 1, 1, 1), F32)
     final_shape = (h0.shape if spec.pooled else (N, HV, K, V) if spec.output_final_state
                    else (1, 1, 1, 1))
     final_dtype = h0.dtype if spec.pooled else state_dtype

@@ -540,6 +540,84 @@ def test_pool_slots_in_place(mode):
     assert np.array_equal(new_pool[untouched], before[untouched])
 
 
+# --------------------------------------------------------------------------- Mosaic GPU scan
+
+MOSAIC_CASES = [  # lens (every start a multiple of 8), HK, HV, V, initial state, gate, L2 norm
+    # partial chunks, an empty and an 8-token sequence, a one-token one last, GVA 2x
+    ([72, 8, 0, 136, 1], 1, 2, 64, True, "normal", True),
+    # B = 3 dense, whole chunks; rows normalised beforehand (the intra-chunk matrix in fp32)
+    ([64, 64, 64], 2, 4, 128, False, "normal", False),
+    ([24] * 7, 1, 4, 64, True, "extreme", True),            # B = 7, GVA 4x, resets, huge decays
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lens,HK,HV,V,init,gate,l2", MOSAIC_CASES)
+def test_mosaic_scan_against_float64(mode, lens, HK, HV, V, init, gate, l2):
+    """The Mosaic GPU scan (`PrefillBlockSizes.mosaic_scan`; compiled: three warpgroups,
+    interpreted: one, with plain dots) through `chunk_prefill`, bf16 inputs against float64.
+    Its output is a fresh buffer: a row it failed to write holds what the memory held before
+    (on the GPU, earlier calls' data), which the finiteness and error checks catch."""
+    q, k, v, g, beta, h0, cu = _packed_inputs(3, lens, HK=HK, HV=HV, K=128, V=V, dtype=BF16,
+                                              gate=gate)
+    if not l2:
+        unit = lambda x: (x / jnp.linalg.norm(x.astype(F32), axis=-1, keepdims=True)).astype(BF16)
+        q, k = unit(q), unit(k)
+    spec = _spec(HK, HV, 128, V, has_initial_state=init, precise=False, aligned_starts=True,
+                 use_qk_l2norm=l2)
+    block = kern.PrefillBlockSizes(mosaic_scan=True)
+    assert kern.unsupported_reason(spec, block) is None
+    o, hT, _, _ = kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
+                                     initial_state=h0 if init else None,
+                                     interpret=mode == "interpret")
+    ro, rs = _oracle(q, k, v, g, beta, h0 if init else None, cu, l2=l2)
+    assert o.dtype == BF16 and hT.dtype == F32
+    assert np.isfinite(np.asarray(o, np.float32)).all()
+    assert rel_err(o, ro) <= 5e-3
+    assert rel_err(hT, rs) <= 5e-5
+
+
+def test_mosaic_scan_lowers_for_hopper():
+    """Both forms of the Mosaic GPU scan lower through Mosaic GPU (layout inference included)
+    for CUDA without a GPU; only the compile to machine code needs the device."""
+    from pallas_kernels import gdn_prefill_mgpu as mgpu
+    T, HK, HV, K, V = 200, 2, 4, 128, 128
+    x, y = jnp.ones((T, HK, K), BF16), jnp.ones((T, HV, V), BF16)
+    halves = jnp.ones((2, T, HV, 64), BF16)
+    aqk = jnp.ones((T, HV, 64), jnp.float16)
+    cu = jnp.array([0, 64, T], jnp.int32)
+    for ws in (False, True):
+        f = jax.jit(functools.partial(mgpu.scan, num_v_heads=HV, num_k_heads=HK,
+                                      has_initial_state=True, warp_specialized=ws))
+        exported = jax.export.export(f, platforms=["cuda"])(
+            cu, jnp.array([1, 0], jnp.int32), jnp.array([0, 1], jnp.int32), jnp.ones((5, HV)),
+            x, x, y, halves, aqk, jnp.ones((3, HV, T)), jnp.ones((2, HV, V, K)))
+        assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_mosaic_scan_dispatch_rule():
+    """Where the default blocks take the Mosaic GPU scan, and why not elsewhere."""
+    gdn = _spec(16, 32, 128, 128, precise=False, aligned_starts=True)
+    pick = lambda spec, n, dtype=BF16: kern.PrefillBlockSizes.get_default(spec, n, dtype).mosaic_scan
+    assert pick(gdn, kern.MOSAIC_SCAN_MIN_PAIRS // 32)
+    assert not pick(gdn, kern.MOSAIC_SCAN_MIN_PAIRS // 32 - 1)       # few pairs: Triton's scan
+    assert not pick(gdn, 8, jnp.float16) and not pick(gdn, 8, None)
+    unaligned = _spec(16, 32, 128, 128, precise=False)
+    assert not pick(unaligned, 8)
+    assert "aligned_starts" in kern.unsupported_reason(unaligned,
+                                                       kern.PrefillBlockSizes(mosaic_scan=True))
+    for spec, word in ((_spec(16, 32, 64, 64, precise=False, aligned_starts=True), "head_k_dim"),
+                       (_spec(16, 32, 128, 128, precise=False, aligned_starts=True,
+                              per_channel_gate=True), "KDA"),
+                       (_spec(16, 32, 128, 128, precise=False, aligned_starts=True,
+                              pooled=True), "pool"),
+                       (_spec(16, 32, 128, 128, aligned_starts=True), "bf16")):
+        assert not pick(spec, 8)
+        assert word in kern.unsupported_reason(spec, kern.PrefillBlockSizes(mosaic_scan=True))
+    assert "blocked" in kern.unsupported_reason(
+        gdn, kern.PrefillBlockSizes(mosaic_scan=True, blocked_inverse=True))
+
+
 def test_unsupported_shapes_say_why():
     assert "head_k_dim=96" in kern.unsupported_reason(_spec(1, 1, 96, 64))
     assert "block_v" in kern.unsupported_reason(_spec(1, 1, 64, 64),

@@ -1,0 +1,396 @@
+"""GDN prefill state scan in Pallas Mosaic GPU: the state as the tensor cores' accumulator.
+
+The same walk as `gdn_prefill._scan_kernel` (see that module for the chunked form and the prep
+that feeds it), for Gated DeltaNet with 16-bit bf16 inputs and K = 128, written for Hopper's
+asynchronous tensor-core products (wgmma) and bulk copies (TMA). Each program owns one
+(sequence, value head, block of BV = 64 value columns) and keeps the transposed state slab
+S^T [BV, K] in fp32 registers laid out as a wgmma accumulator, so the chunk's update
+`e^{G_C} S + k^T (fk D)` accumulates into it on the tensor cores.
+
+Every product takes its fp32 side as two bf16 halves (`split_bf16`: hi holds 8 significand
+bits, lo the next 8) against exact bf16 rows, and products between two fp32 matrices take
+hi x hi + hi x lo + lo x hi: about 16 significand bits on each side, at bf16's tensor-core rate
+(the Triton scan takes one-pass TF32 there, 11 bits). The prep writes T beta already split
+(`[2, T, HV, C]` bf16) and the row factors head-major (`[3, HV, T]`: q, k and e^G k factors), so
+every operand arrives by one bulk copy; the intra-chunk matrix comes as the prep stores it for
+the Triton scan (fp16 where bounded by one), and the output warpgroup splits it (half the bytes
+of stored halves, off the state's chain).
+
+Three warpgroups a program (`warp_specialized=True`), meeting at barriers in shared memory:
+- the *chain* walks the state: (k S)^T = S^T k^T, X^T = v^T - fw (k S)^T, the deltas
+  D^T = X^T (T beta)^T, then the update S^T <- e^{G_C} S^T + (fk D)^T k: three wgmma waits a
+  chunk. It publishes the chunk's starting state and its deltas (bf16 halves) in shared memory;
+- the *output* warpgroup forms O = fq (q S) + aqk D from them, untransposed (every operand from
+  shared memory), and stores it by TMA while the chain goes on with the next chunk;
+- the *copy* warpgroup streams the next chunks' rows into STAGES buffers.
+With `warp_specialized=False` one warpgroup does all three in turn (the form the interpreter
+runs: it runs no wgmma with a register operand, so with `interpret=True` the products are plain
+dots, and three simulated warpgroups stalled on a 2-core machine).
+
+Sequences must start at multiples of 8 tokens (`ALIGN`): bulk copies into swizzled shared memory
+take row offsets in whole 8-row tiles. Rows past a sequence's end in its last chunk (the next
+sequence's, or past the array, which the copies fill with zeros) are masked out of X and D; the
+output of such a chunk is stored in pieces of 32, 16, ..., 1 rows so that no other sequence's
+rows are written.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+CHUNK = 64
+HEAD_K_DIM = 128         # the only K: the state slab S^T [BV, K] and q, k rows of 256 bytes
+BLOCK_V = 64             # value columns a program: wgmma's accumulators have 64 rows
+ALIGN = 8                # sequence starts: multiples of this many tokens
+STAGES = 2               # chunks in flight in the copy warpgroup's buffers
+NUM_FACTORS = 3          # row factors: q (norm * scale * e^G), k (norm * e^{G_C - G}), e^G k
+FQ, FK, FW = range(NUM_FACTORS)
+_COPIES = 6              # bulk copies a chunk: q, k, v, T beta, aqk, factors
+
+__all__ = ["CHUNK", "HEAD_K_DIM", "BLOCK_V", "ALIGN", "unsupported_reason", "scan"]
+
+
+def unsupported_reason(*, head_k_dim: int, head_v_dim: int, dtype) -> str | None:
+    """None when `scan` takes these sizes, else why not."""
+    if head_k_dim != HEAD_K_DIM:
+        return f"the Mosaic GPU scan takes head_k_dim={HEAD_K_DIM} only (got {head_k_dim})"
+    if head_v_dim % BLOCK_V:
+        return f"the Mosaic GPU scan takes head_v_dim a multiple of {BLOCK_V} (got {head_v_dim})"
+    if jnp.dtype(dtype) != jnp.dtype(BF16):
+        return f"the Mosaic GPU scan takes bf16 inputs (got {jnp.dtype(dtype).name})"
+    return None
+
+
+def split_bf16(x):
+    """fp32 x as (hi, lo) bf16 halves, hi + lo = x to ~16 significand bits."""
+    hi = x.astype(BF16)
+    return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+def _swizzled(shape, dtype=BF16):
+    """Shared memory in wgmma's operand layout: 8 x 64-element tiles, 128-byte swizzle."""
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
+                                                plgpu.SwizzleTransform(128)))
+
+
+def _products(groups, shape, init=None, *, interpret, during=None):
+    """For each group of terms, init + sum of a @ b over its terms (a: a register bf16 array or
+    a shared-memory ref; b: a shared-memory ref, or ("T", ref) for its transpose), in fp32.
+    Compiled: one wgmma a term, one accumulator a group, then `during()` while they run, then
+    one wait for all. Returns ([one array a group], during's result)."""
+    if interpret:
+        outs = []
+        for terms in groups:
+            out = jnp.zeros(shape, F32) if init is None else init
+            for a, b in terms:
+                a = a if isinstance(a, jax.Array) else a[...]
+                b = b[1][...].T if isinstance(b, tuple) else b[...]
+                out = out + jnp.dot(a.astype(F32), b.astype(F32),
+                                    precision=lax.Precision.HIGHEST, preferred_element_type=F32)
+            outs.append(out)
+        return outs, (None if during is None else during())
+
+    def issue(*accs):
+        for acc, terms in zip(accs, groups):
+            for a, b in terms:
+                plgpu.wgmma(acc, a, b[1].transpose((1, 0)) if isinstance(b, tuple) else b)
+        result = None if during is None else during()
+        plgpu.wgmma_wait(0)
+        return result
+
+    if init is None:
+        def scoped(*accs):
+            result = issue(*accs)
+            return [acc[...] for acc in accs], result
+        return pl.run_scoped(scoped, *[plgpu.ACC(shape, F32) for _ in groups])
+    # an accumulator that starts from init is a state the products update (`run_state`), whose
+    # function returns nothing: during() must not return values
+    assert len(groups) == 1
+
+    def update(acc):
+        assert issue(acc) is None
+    return [pl.run_state(update)(plgpu.ACC.init(init))], None
+
+
+def _load(ref, layout, interpret):
+    return ref[...] if interpret else plgpu.load(ref, layout=layout)
+
+
+def _columns(vec, shape, interpret):
+    """A vector indexed by the last axis of shape, broadcast over its rows."""
+    if not interpret:
+        vec = plgpu.layout_cast(vec, plgpu.Layout.WGMMA.reduce(0))
+    return lax.broadcast_in_dim(vec, shape, (1,))
+
+
+def _rows(vec, shape, interpret):
+    """A vector indexed by the first axis of shape, broadcast over its columns."""
+    if not interpret:
+        vec = plgpu.layout_cast(vec, plgpu.Layout.WGMMA.reduce(1))
+    return lax.broadcast_in_dim(vec, shape, (0,))
+
+
+def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref, aqk_ref,
+            fac_ref, h0_ref, o_ref, hT_ref, q_s, k_s, v_s, tb_s, aqk_s, fac_s, aqk_h, pub, o_s,
+            loaded, consumed, published, out_done, h0_bar, *, num_v_heads: int,
+            num_k_heads: int, head_v_dim: int, has_initial_state: bool,
+            warp_specialized: bool, interpret: bool):
+    C, K, BV = CHUNK, HEAD_K_DIM, BLOCK_V
+    nv = head_v_dim // BV
+    p = lax.axis_index("p")
+    jv, h = p % nv, (p // nv) % num_v_heads
+    n = order_ref[p // (nv * num_v_heads)]
+    hk = h // (num_v_heads // num_k_heads)
+    bos, eos = cu_ref[n], cu_ref[n + 1]
+    num_chunks = (eos - bos + C - 1) // C
+    first = first_ref[n]
+    cols = pl.ds(pl.multiple_of(jv * BV, BV), BV)
+    (s_pub, d_pub), state_s = pub
+    wgmma_layout = None if interpret else plgpu.Layout.WGMMA
+    col = lax.broadcasted_iota(jnp.int32, (BV, C), 1)
+    if not interpret:
+        col = plgpu.layout_cast(col, plgpu.Layout.WGMMA)
+
+    def chunk_start(c):
+        return pl.multiple_of(bos + c * C, ALIGN)
+
+    def fetch(c):
+        """The copy warpgroup's work for chunk c: its rows into stage c % STAGES."""
+        slot, t0 = c % STAGES, chunk_start(c)
+        tok, bar = pl.ds(t0, C), loaded.at[slot]
+        plgpu.copy_gmem_to_smem(k_ref.at[tok, hk, :], k_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[tok, h, cols], v_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(tb_ref.at[:, tok, h, :], tb_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(fac_ref.at[:, h, tok], fac_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[tok, hk, :], q_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(aqk_ref.at[tok, h, :], aqk_s.at[slot], bar)
+
+    def chain_step(c, S):
+        """The state's walk over chunk c: publishes S and the deltas, returns the next S."""
+        slot = c % STAGES
+        decay = decay_ref[first + c, h]  # a global load: issued first, used last
+        valid = col < eos - chunk_start(c)
+        fac = fac_s.at[slot]
+        s_hi, s_lo = split_bf16(S)
+
+        def publish_state():
+            if warp_specialized:
+                @pl.when(c > 0)
+                def _():
+                    plgpu.barrier_wait(out_done)
+            s_pub[0] = s_hi
+            s_pub[1] = s_lo
+
+        def publish_state_and_load():
+            # while (k S)^T runs: the chunk's starting state for the output warpgroup (once it
+            # is done with the previous chunk's), and the loads the next steps take
+            publish_state()
+            v_t = _load(v_s.at[slot].transpose((1, 0)) if not interpret else v_s.at[slot],
+                        wgmma_layout, interpret)
+            fw = _load(fac.at[FW], None, interpret)
+            return v_t.T if interpret else v_t, fw
+
+        (ks,), (v_t, fw) = _products([[(s_hi, ("T", k_s.at[slot])),
+                                        (s_lo, ("T", k_s.at[slot]))]], (BV, C),
+                                      interpret=interpret, during=publish_state_and_load)
+        x = jnp.where(valid, v_t.astype(F32) - ks * _columns(fw, (BV, C), interpret), 0.0)
+        x_hi, x_lo = split_bf16(x)
+        tb_hi, tb_lo = ("T", tb_s.at[slot, 0]), ("T", tb_s.at[slot, 1])
+        (d,), fk = _products([[(x_hi, tb_hi), (x_hi, tb_lo), (x_lo, tb_hi)]], (BV, C),
+                             interpret=interpret,
+                             during=lambda: _load(fac.at[FK], None, interpret))  # D^T
+        d = jnp.where(valid, d, 0.0)
+        # where, not a product with the masked d: the factors past the sequence may be anything
+        u_hi, u_lo = split_bf16(jnp.where(valid, d * _columns(fk, (BV, C), interpret), 0.0))
+        d_hi, d_lo = split_bf16(d)
+
+        def publish_deltas():
+            # the deltas, while the update runs; then the output warpgroup may start
+            d_pub[0] = d_hi
+            d_pub[1] = d_lo
+            if not interpret:
+                plgpu.commit_smem()
+            if warp_specialized:
+                plgpu.barrier_arrive(published)
+
+        (S,), _ = _products([[(u_hi, k_s.at[slot]), (u_lo, k_s.at[slot])]], (BV, K), S * decay,
+                            interpret=interpret, during=publish_deltas)
+        if warp_specialized:
+            plgpu.barrier_arrive(consumed.at[slot])
+        return S
+
+    def output_step(c):
+        """The output of chunk c from the halves the chain published: O = fq (q S) + aqk D."""
+        slot, t0 = c % STAGES, chunk_start(c)
+        # the intra-chunk matrix (fp16 where bounded by one, else fp32: the prep's) as bf16
+        # halves, while the chain is still on this chunk's deltas
+        aqk_hi, aqk_lo = split_bf16(_load(aqk_s.at[slot], wgmma_layout, interpret).astype(F32))
+        aqk_h[0] = aqk_hi
+        aqk_h[1] = aqk_lo
+        if not interpret:
+            plgpu.commit_smem()
+        if warp_specialized:
+            plgpu.barrier_wait(published)
+        (qs, ad), fq = _products(
+            [[(q_s.at[slot], ("T", s_pub.at[0])), (q_s.at[slot], ("T", s_pub.at[1]))],
+             [(aqk_h.at[0], ("T", d_pub.at[0])), (aqk_h.at[0], ("T", d_pub.at[1])),
+              (aqk_h.at[1], ("T", d_pub.at[0]))]], (C, BV), interpret=interpret,
+            during=lambda: _load(fac_s.at[slot, FQ], None, interpret))
+        fq = _rows(fq, (C, BV), interpret)
+        if warp_specialized:
+            plgpu.barrier_arrive(out_done)
+            plgpu.barrier_arrive(consumed.at[slot])
+        o = (qs * fq + ad).astype(o_ref.dtype)
+        buf = c % 2
+        if not interpret:
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this buffer's last store read
+        o_s[buf] = o
+        if not interpret:
+            plgpu.commit_smem()
+        num_rows = jnp.minimum(eos - t0, C)
+
+        @pl.when(num_rows == C)
+        def _():
+            plgpu.copy_smem_to_gmem(o_s.at[buf], o_ref.at[pl.ds(t0, C), h, cols])
+
+        @pl.when(num_rows < C)
+        def _():
+            # the last chunk's rows only, in pieces of 32, 16, ..., 1 rows (a copy's size is
+            # static): the rows after it are another sequence's
+            done = num_rows - num_rows  # traced: the copies take dynamic offsets
+            size = C // 2
+            while size:
+                @pl.when(num_rows & size != 0)
+                def _(done=done, size=size):
+                    plgpu.copy_smem_to_gmem(o_s.at[buf, pl.ds(done, size)],
+                                            o_ref.at[pl.ds(t0 + done, size), h, cols])
+                done = done + (num_rows & size)
+                size //= 2
+
+    def initial_state():
+        if not has_initial_state:
+            return jnp.zeros((BV, K), F32) if interpret else plgpu.layout_cast(
+                jnp.zeros((BV, K), F32), plgpu.Layout.WGMMA)
+        plgpu.copy_gmem_to_smem(h0_ref.at[n, h, cols, :], state_s, h0_bar)
+        plgpu.barrier_wait(h0_bar)
+        return _load(state_s, wgmma_layout, interpret)
+
+    def store_final(S):
+        state_s[...] = S
+        if not interpret:
+            plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(state_s, hT_ref.at[n, h, cols, :])
+        if not interpret:
+            plgpu.wait_smem_to_gmem(0)
+
+    if not warp_specialized:
+        def step(c, S):
+            fetch(c)
+            plgpu.barrier_wait(loaded.at[c % STAGES])
+            S2 = chain_step(c, S)
+            output_step(c)
+            return S2
+
+        S = lax.fori_loop(0, num_chunks, step, initial_state())
+        store_final(S)
+        if not interpret:
+            plgpu.wait_smem_to_gmem(0)
+        return
+
+    wg = lax.axis_index("wg")
+
+    # registers: the chain and the output warpgroups take what the copy warpgroup does not need
+    # (three warpgroups would otherwise get 168 registers a thread each)
+    @pl.when(wg == 0)
+    def _chain():
+        plgpu.set_max_registers(232, action="increase")
+        S = initial_state()
+
+        def step(c, S):
+            plgpu.barrier_wait(loaded.at[c % STAGES])
+            return chain_step(c, S)
+
+        S = lax.fori_loop(0, num_chunks, step, S)
+
+        @pl.when(num_chunks > 0)
+        def _():
+            plgpu.barrier_wait(out_done)  # the published halves share memory with state_s
+        store_final(S)
+
+    @pl.when(wg == 1)
+    def _output():
+        plgpu.set_max_registers(232, action="increase")
+        def step(c, carry):
+            plgpu.barrier_wait(loaded.at[c % STAGES])
+            output_step(c)
+            return carry
+
+        lax.fori_loop(0, num_chunks, step, 0)
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _copies():
+        plgpu.set_max_registers(40, action="decrease")
+        def step(c, carry):
+            @pl.when(c >= STAGES)
+            def _():
+                plgpu.barrier_wait(consumed.at[c % STAGES])
+            fetch(c)
+            return carry
+
+        lax.fori_loop(0, num_chunks, step, 0)
+
+
+def scan(cu, order, first, decay, q, k, v, tb, aqk, factors, h0, *, num_v_heads: int,
+         num_k_heads: int, has_initial_state: bool, warp_specialized: bool = True,
+         interpret: bool = False):
+    """The scan over packed sequences whose starts are multiples of ALIGN.
+
+    cu [N + 1], order [N] (the sequences' launch order), first [N] (each sequence's first chunk
+    slot), decay [S, HV] (e^{G_C} per chunk slot); q, k [T, HK, 128], v [T, HV, V] bf16 (T a
+    multiple of ALIGN); tb [2, T, HV, C] bf16, T beta's halves; aqk [T, HV, C] fp16 or fp32, the
+    intra-chunk matrix (the output warpgroup splits it); factors [3, HV, T] fp32 (FQ, FK, FW); h0 [N, HV, V, K] fp32, the initial states *transposed* (or a placeholder).
+    Returns (o [T, HV, V] bf16, final states transposed [N, HV, V, K] fp32)."""
+    T, HV, V = v.shape
+    N = cu.shape[0] - 1
+    K = HEAD_K_DIM
+    nv = V // BLOCK_V
+    stage = lambda *shape: _swizzled((STAGES,) + shape)
+    pub = plgpu.RefUnion(
+        (_swizzled((2, BLOCK_V, K)), _swizzled((2, BLOCK_V, CHUNK))),  # S^T and D^T halves
+        plgpu.SMEM((BLOCK_V, K), F32))                                # state staging
+    scratch = (stage(CHUNK, K), stage(CHUNK, K), stage(CHUNK, BLOCK_V), stage(2, CHUNK, CHUNK),
+               plgpu.SMEM((STAGES, CHUNK, CHUNK), aqk.dtype),
+               plgpu.SMEM((STAGES, NUM_FACTORS, CHUNK), F32),
+               _swizzled((2, CHUNK, CHUNK)),                           # aqk's halves
+               pub,
+               plgpu.SMEM((2, CHUNK, BLOCK_V), BF16),                  # output staging
+               plgpu.Barrier(num_arrivals=_COPIES, num_barriers=STAGES),
+               plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
+               plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier())
+    kernel = functools.partial(_kernel, num_v_heads=HV, num_k_heads=num_k_heads, head_v_dim=V,
+                               has_initial_state=has_initial_state,
+                               warp_specialized=warp_specialized, interpret=interpret)
+    extra = {}
+    if interpret:
+        extra["interpret"] = plgpu.InterpretGPUParams()
+    return plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((T, HV, V), v.dtype),
+                  jax.ShapeDtypeStruct((N, HV, V, K), F32)),
+        scratch_types=scratch,
+        grid=(N * HV * nv,),
+        grid_names=("p",),
+        num_threads=3 if warp_specialized else 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        **extra,
+    )(cu, order, first, decay, q, k, v, tb, aqk, factors, h0)
