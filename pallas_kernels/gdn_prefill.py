@@ -35,6 +35,10 @@ form of the delta rule):
    The deltas are formed here rather than from W and U stored by the prep: T beta [C, C] is
    half of U's [C, V] fp32 bytes, W is not stored at all (the scan reads k anyway) and the prep
    does no [C, C] x [C, K] products (BENCHMARKS.md, GDN prefill).
+   GDN with bf16 inputs, K = 128 and aligned sequence starts may take the scan's Mosaic GPU
+   form instead (`PrefillBlockSizes.mosaic_scan`; `gdn_prefill_mgpu`), which keeps the state as
+   the tensor cores' accumulator; the prep then writes T beta as bf16 halves and the row
+   factors head-major.
 
 KDA (`per_channel_gate`): the decay is per key channel, e^{G_ic - G_jc}, so A and the intra-chunk
 attention matrix cannot be row-scaled products, and the per-channel work runs first in a kernel
