@@ -339,10 +339,9 @@ def _dot(a, b, precise, *, trans_a=False, trans_b=False, interpret=False):
     return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=F32)
 
 
-def _split_bf16(x):
-    """fp32 x as hi + lo, both bf16: hi holds x's top 8 significand bits, lo the next 8."""
-    hi = x.astype(jnp.bfloat16)
-    return hi, (x - hi.astype(F32)).astype(jnp.bfloat16)
+# fp32 x as hi + lo, both bf16: hi holds x's top 8 significand bits, lo the next 8 (the Mosaic
+# GPU scan takes its operands so too)
+_split_bf16 = mgpu_scan.split_bf16
 
 
 def _dot_bf16x2(a, b, *, trans_a=False, paired=0):

@@ -120,6 +120,20 @@ def _products(groups, shape, init=None, *, interpret, during=None):
     return [pl.run_state(update)(plgpu.ACC.init(init))], None
 
 
+def _commit_smem(interpret):
+    """Ordinary stores to shared memory made visible to the tensor cores and bulk copies (the
+    interpreter has no such ordering to make)."""
+    if not interpret:
+        plgpu.commit_smem()
+
+
+def _store_halves(ref, halves, *, interpret, commit=True):
+    """The (hi, lo) halves into ref[0] and ref[1], committed unless told otherwise."""
+    ref[0], ref[1] = halves
+    if commit:
+        _commit_smem(interpret)
+
+
 def _load(ref, layout, interpret):
     return ref[...] if interpret else plgpu.load(ref, layout=layout)
 
@@ -186,8 +200,8 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
                 @pl.when(c > 0)
                 def _():
                     plgpu.barrier_wait(out_done)
-            s_pub[0] = s_hi
-            s_pub[1] = s_lo
+            # committed with the deltas, before the output warpgroup is told
+            _store_halves(s_pub, (s_hi, s_lo), interpret=interpret, commit=False)
 
         def publish_state_and_load():
             # while (k S)^T runs: the chunk's starting state for the output warpgroup (once it
@@ -214,10 +228,7 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
 
         def publish_deltas():
             # the deltas, while the update runs; then the output warpgroup may start
-            d_pub[0] = d_hi
-            d_pub[1] = d_lo
-            if not interpret:
-                plgpu.commit_smem()
+            _store_halves(d_pub, (d_hi, d_lo), interpret=interpret)
             if warp_specialized:
                 plgpu.barrier_arrive(published)
 
@@ -232,11 +243,8 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
         slot, t0 = c % STAGES, chunk_start(c)
         # the intra-chunk matrix (fp16 where bounded by one, else fp32: the prep's) as bf16
         # halves, while the chain is still on this chunk's deltas
-        aqk_hi, aqk_lo = split_bf16(_load(aqk_s.at[slot], wgmma_layout, interpret).astype(F32))
-        aqk_h[0] = aqk_hi
-        aqk_h[1] = aqk_lo
-        if not interpret:
-            plgpu.commit_smem()
+        _store_halves(aqk_h, split_bf16(_load(aqk_s.at[slot], wgmma_layout,
+                                              interpret).astype(F32)), interpret=interpret)
         if warp_specialized:
             plgpu.barrier_wait(published)
         (qs, ad), fq = _products(
@@ -253,8 +261,7 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
         if not interpret:
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this buffer's last store read
         o_s[buf] = o
-        if not interpret:
-            plgpu.commit_smem()
+        _commit_smem(interpret)
         num_rows = jnp.minimum(eos - t0, C)
 
         @pl.when(num_rows == C)
@@ -285,8 +292,7 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
 
     def store_final(S):
         state_s[...] = S
-        if not interpret:
-            plgpu.commit_smem()
+        _commit_smem(interpret)
         plgpu.copy_smem_to_gmem(state_s, hT_ref.at[n, h, cols, :])
         if not interpret:
             plgpu.wait_smem_to_gmem(0)
@@ -300,9 +306,7 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
             return S2
 
         S = lax.fori_loop(0, num_chunks, step, initial_state())
-        store_final(S)
-        if not interpret:
-            plgpu.wait_smem_to_gmem(0)
+        store_final(S)  # its wait covers the output stores too
         return
 
     wg = lax.axis_index("wg")
