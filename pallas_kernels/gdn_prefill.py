@@ -397,13 +397,12 @@ def _store_parts(ref, at, x, mask):
 
 
 def _store_split(ref, at, x, mask):
-    """x into ref[at], or, where ref has a leading axis of halves (the Mosaic GPU scan's
-    [2, T, HV, C] bf16 inputs), its bf16 hi and lo halves into ref[0, at] and ref[1, at]."""
-    if ref.ndim == 3:
+    """x into ref[at] [T, HV, C], or, where ref has a leading axis of halves (T beta for the
+    Mosaic GPU scan, [2, T, HV, C] bf16), its bf16 hi and lo halves (`_store_parts`)."""
+    if ref.ndim == 4:
+        _store_parts(ref, at, x, mask)
+    else:
         plgpu.store(ref.at[at], x.astype(ref.dtype), mask=mask)
-        return
-    for p, part in enumerate(_split_bf16(x)):
-        plgpu.store(ref.at[(jnp.int32(p), *at)], part, mask=mask)
 
 
 def _store_factor(refs, i, tok, h, x, mask):
