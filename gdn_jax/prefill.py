@@ -39,7 +39,6 @@ from gdn_jax import validate as chk
 from gdn_jax.verify import _mask_rows
 from pallas_kernels import gdn_decode as serial_kern
 from pallas_kernels import gdn_prefill as kern
-from pallas_kernels import gdn_prefill_mgpu as mgpu_scan
 
 CHUNK = kern.CHUNK
 KERNELS = ("serial", "chunked")
@@ -367,10 +366,9 @@ def reference_states_after(q, k, v, g, beta, states_after, *, scale=None, initia
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",
                                              "output_final_state", "chunk_states", "kernel",
-                                             "aligned_starts", "interpret"))
+                                             "interpret"))
 def _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, positions, *, scale, use_qk_l2norm,
-         raw_gates, lower_bound, output_final_state, chunk_states, kernel, aligned_starts,
-         interpret):
+         raw_gates, lower_bound, output_final_state, chunk_states, kernel, interpret):
     B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
     N = cu.shape[0] - 1
@@ -384,8 +382,7 @@ def _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, positions, *, scal
     else:
         spec = _spec(q, v, g, **static, has_initial_state=initial_state is not None,
                      output_final_state=output_final_state,
-                     boundary_states=chunk_states or positions is not None,
-                     aligned_starts=aligned_starts)
+                     boundary_states=chunk_states or positions is not None)
         o, final, bounds, (_, _, first) = kern.chunk_prefill(
             _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
             block=kern.PrefillBlockSizes.get_default(spec, N, v.dtype), A_log=A_log,
@@ -459,21 +456,9 @@ def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
     o, final, chunks, at = _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, positions,
                                 **static, output_final_state=bool(output_final_state),
                                 chunk_states=bool(chunk_states), kernel=which,
-                                aligned_starts=_aligned_starts(T, cu_seqlens),
                                 interpret=dispatch.interpret_enabled(interpret))
     final = final if output_final_state else None
     return (o, final, chunks) if positions is None else (o, final, chunks, at)
-
-
-def _aligned_starts(T: int, cu_seqlens) -> bool:
-    """Whether every sequence is known, at trace time, to start at a multiple of
-    `ALIGN` tokens (what the Mosaic GPU scan needs): a dense batch with T % ALIGN == 0, or
-    concrete cu_seqlens whose starts are all multiples."""
-    if cu_seqlens is None:
-        return T % mgpu_scan.ALIGN == 0
-    if not chk.is_concrete(cu_seqlens):
-        return False
-    return bool(np.all(np.asarray(cu_seqlens)[:-1] % mgpu_scan.ALIGN == 0))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",

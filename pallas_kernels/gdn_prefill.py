@@ -146,9 +146,6 @@ class PrefillSpec:
     output_final_state: bool = True
     boundary_states: bool = False    # also the state after every chunk
     precise: bool = True             # fp32 inputs: three-pass TF32 dots
-    # every sequence starts at a multiple of mgpu_scan.ALIGN tokens (a dense batch with
-    # T % 8 == 0): what the Mosaic GPU scan needs
-    aligned_starts: bool = False
 
 
 PAIR_GROUP = 8  # the paired products' column group with many pairs; see `_dot_bf16x2`
@@ -244,9 +241,6 @@ def _mosaic_scan_reason(spec: PrefillSpec) -> str | None:
         return "the Mosaic GPU scan takes bf16 inputs (spec.precise is for fp32 ones)"
     if spec.pooled or spec.boundary_states:
         return "the Mosaic GPU scan writes no pool slots and no chunk-boundary states"
-    if not spec.aligned_starts:
-        return (f"the Mosaic GPU scan needs every sequence to start at a multiple of "
-                f"{mgpu_scan.ALIGN} tokens (spec.aligned_starts)")
     return None
 
 
@@ -297,31 +291,40 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
 
 # --------------------------------------------------------------------------- chunk bookkeeping
 
-def chunk_table(cu_seqlens: jax.Array, total_tokens: int):
+def chunk_table(cu_seqlens: jax.Array, total_tokens: int, align: int = 1):
     """Chunks of every packed sequence, as XLA arrays (works on traced offsets).
 
-    Returns (chunk_start [S], chunk_len [S], first_chunk [N]) for S = ceil(T_total / C) + N chunk
-    slots, an upper bound of the number of chunks: slot s holds tokens
-    [chunk_start[s], chunk_start[s] + chunk_len[s]) of one sequence; unused slots have length 0.
-    Sequence n's chunks are slots first_chunk[n], first_chunk[n] + 1, ... in order.
+    Returns (chunk_start [S], chunk_end [S], first_chunk [N], chunk_lead [S]) for
+    S = ceil((T_total + (align - 1) N) / C) + N chunk slots, an upper bound of the number of
+    chunks: slot s holds rows [chunk_start[s] + chunk_lead[s], chunk_start[s] + chunk_end[s]) of
+    one sequence (chunk_end <= C); unused slots have chunk_end 0. Sequence n's chunks are slots
+    first_chunk[n], first_chunk[n] + 1, ... in order.
+
+    align > 1 lays a sequence's chunks from its start rounded down to a multiple of align (the
+    Mosaic GPU scan's bulk copies take rows in whole 8-row tiles): its first chunk then begins
+    with chunk_lead rows of the sequences before it, which the kernels mask like the rows past
+    its end. With align = 1 every chunk_lead is 0.
 
     Loop-free (a scatter and two log-depth prefix sums): `jnp.searchsorted` lowers to a while
     loop, whose trip count an XLA GPU program reads back to the host every iteration."""
     cu = cu_seqlens.astype(jnp.int32)
     n = cu.shape[0] - 1
-    num_slots = pl.cdiv(total_tokens, CHUNK) + n
+    num_slots = pl.cdiv(total_tokens + (align - 1) * n, CHUNK) + n
     prefix_sum = lambda x: lax.associative_scan(jnp.add, x)
-    lens = cu[1:] - cu[:-1]
-    nch = (lens + CHUNK - 1) // CHUNK
+    base = cu[:-1] - cu[:-1] % align
+    span = jnp.where(cu[1:] > cu[:-1], cu[1:] - base, 0)
+    nch = (span + CHUNK - 1) // CHUNK
     ends = prefix_sum(nch)
     first = ends - nch
     s = jnp.arange(num_slots, dtype=jnp.int32)
     # seq[s] = #{n : ends[n] <= s}, the sequence slot s belongs to (ends[n] = S lies past every s)
     ends_at = jnp.zeros((num_slots,), jnp.int32).at[ends].add(1, mode="drop")
     seq = jnp.minimum(prefix_sum(ends_at), n - 1)
-    start = cu[seq] + (s - first[seq]) * CHUNK
-    length = jnp.where(s < ends[-1], jnp.clip(cu[seq + 1] - start, 0, CHUNK), 0)
-    return start, length.astype(jnp.int32), first.astype(jnp.int32)
+    start = base[seq] + (s - first[seq]) * CHUNK
+    used = s < ends[-1]
+    end = jnp.where(used, jnp.clip(cu[seq + 1] - start, 0, CHUNK), 0)
+    lead = jnp.where(used, jnp.clip(cu[seq] - start, 0, CHUNK), 0)
+    return start, end.astype(jnp.int32), first.astype(jnp.int32), lead.astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------- in-kernel math
@@ -663,12 +666,21 @@ def _chunk_log_decay(g_ref, A_log_ref, dt_ref, tok, h, rows, spec: PrefillSpec):
     return jnp.where(rows, g, 0.0)
 
 
-def _gdn_chunk(k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, n, h, hk, spec: PrefillSpec):
+def _chunk_rows(lead, end):
+    """The chunk's own rows [C]: from lead (rows of the sequences before it, `chunk_table`) to
+    end. Every load and store of a chunk's rows is masked by them: k, q, g and beta 0 on the
+    other rows make those rows and columns of A, T beta and the intra-chunk matrix 0."""
+    i = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+    return (i >= lead) & (i < end)
+
+
+def _gdn_chunk(k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, lead, n, h, hk,
+               spec: PrefillSpec):
     """What GDN's chunk prep and its TF32 redo both start from: the raw k rows [C, K] (input
     dtype), their L2 norm factors rk [C], the cumulative decays (hi, lo) [C], the decays
     e^{G_i - G_j} [C, C] (0 above the diagonal) and beta [C]."""
     C = CHUNK
-    rows = lax.broadcasted_iota(jnp.int32, (C,), 0) < n
+    rows = _chunk_rows(lead, n)
     tok = pl.ds(t0, C)
     beta = _chunk_beta(beta_ref, tok, h, rows, spec)
     k_in = plgpu.load(k_ref.at[tok, hk, :], mask=rows[:, None], other=0)
@@ -700,18 +712,18 @@ def _half_inverse(spec: PrefillSpec, blocked_inverse: bool) -> bool:
     return not spec.per_channel_gate and not spec.precise and not blocked_inverse
 
 
-def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log_ref, dt_ref,
+def _prep_kernel(start_ref, len_ref, lead_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log_ref, dt_ref,
                  kk_ref, ek_ref, tb_ref, w_ref, u_ref, aqk_ref, fq_ref, fk_ref, fw_ref, decay_ref,
                  kk_out_ref, a_ref, *, spec: PrefillSpec, blocked_inverse: bool,
                  prep_cols: int, heads_fastest: bool, interpret: bool):
     s, h = _slot_and_head(heads_fastest)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
-    t0, n = start_ref[s], len_ref[s]
+    t0, n, lead = start_ref[s], len_ref[s], lead_ref[s]
     C = CHUNK
 
     @pl.when(n > 0)
     def _():
-        rows = lax.broadcasted_iota(jnp.int32, (C,), 0) < n
+        rows = _chunk_rows(lead, n)
         rows2 = rows[:, None]
         tok = pl.ds(t0, C)
         load = lambda ref, mask: plgpu.load(ref, mask=mask, other=0).astype(F32)
@@ -766,7 +778,7 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
             # GDN: q and k stay raw; their L2 norms and the decays are per-row factors applied
             # to the products (for 16-bit inputs the raw rows are exact tensor-core operands).
             k_in, rk, (G_hi, G_lo), decay, beta = _gdn_chunk(
-                k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, n, h, hk, spec)
+                k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, lead, n, h, hk, spec)
             q_in = plgpu.load(q_ref.at[tok, hk, :], mask=rows2, other=0)
             rq = _l2_factor(q_in, spec.use_qk_l2norm) * jnp.float32(spec.scale)
             last_hi = jnp.sum(jnp.where(j == C - 1, G_hi[None, :], 0.0), axis=1)  # [C], all G_C
@@ -791,7 +803,7 @@ def _prep_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log
                 store(tb_ref.at[tok, h, :], T * beta[None, :], rows2)
 
 
-def _prep_inverse_kernel(start_ref, len_ref, beta_ref, a_ref, tb_ref, redo_ref, *,
+def _prep_inverse_kernel(start_ref, len_ref, lead_ref, beta_ref, a_ref, tb_ref, redo_ref, *,
                          spec: PrefillSpec, interpret: bool):
     """T beta = (I + A)^-1 beta with fp16 operands (`_invert_unit_lower(half=True)`) from the
     fp16 A the prep stored, and the chunk's redo flag: 1 where the fp16 form did not fit
@@ -804,7 +816,7 @@ def _prep_inverse_kernel(start_ref, len_ref, beta_ref, a_ref, tb_ref, redo_ref, 
     took less time than the one (BENCHMARKS.md, GDN prefill)."""
     s, h = _slot_and_head(True)
     t0, n = start_ref[s], len_ref[s]
-    rows = lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n
+    rows = _chunk_rows(lead_ref[s], n)
     tok = pl.ds(t0, CHUNK)
     # A stays fp16 in registers, as the products take it: widened to fp32 it held 32 more
     # registers a thread, and the whole call measured 3% slower (same bits; BENCHMARKS.md)
@@ -815,7 +827,7 @@ def _prep_inverse_kernel(start_ref, len_ref, beta_ref, a_ref, tb_ref, redo_ref, 
     _store_split(tb_ref, (tok, h, slice(None)), T * beta[None, :], rows[:, None])
 
 
-def _prep_redo_kernel(start_ref, len_ref, k_ref, g_ref, beta_ref, A_log_ref, dt_ref, redo_ref,
+def _prep_redo_kernel(start_ref, len_ref, lead_ref, k_ref, g_ref, beta_ref, A_log_ref, dt_ref, redo_ref,
                       tb_in_ref, tb_ref, *, spec: PrefillSpec, interpret: bool):
     """T beta again, with the one-pass TF32 inverse, for the GDN chunks `_prep_inverse_kernel`
     flagged (their fp16 inverse did not fit: `_half_inverse_fits`); the other chunks' rows stay
@@ -835,15 +847,15 @@ def _prep_redo_kernel(start_ref, len_ref, k_ref, g_ref, beta_ref, A_log_ref, dt_
     def _():
         def slot(i, carry):
             s = jnp.minimum(s0 + i, num_slots - 1)
-            t0, n = start_ref[s], len_ref[s]
+            t0, n, lead = start_ref[s], len_ref[s], lead_ref[s]
 
             @pl.when((s0 + i < num_slots) & (n > 0) & (redo_ref[s, h] != 0))
             def _():
                 k_in, rk, _, decay, beta = _gdn_chunk(
-                    k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, n, h, hk, spec)
+                    k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, lead, n, h, hk, spec)
                 A = _gdn_system(k_in, rk, decay, beta, precise=False, interpret=interpret)
                 T = _invert_unit_lower(A, False, interpret)
-                rows = (lax.broadcasted_iota(jnp.int32, (CHUNK,), 0) < n)[:, None]
+                rows = _chunk_rows(lead, n)[:, None]
                 _store_split(tb_ref, (pl.ds(t0, CHUNK), h, slice(None)), T * beta[None, :], rows)
             return carry
 
@@ -1187,7 +1199,7 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
     return tuple(outputs)
 
 
-def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, interpret):
+def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block, interpret):
     """Everything the scan needs that does not depend on the state:
     (T beta, W, U, aqk, fq, fk, fw, decay), see `_scan_kernel`; (1, 1, 1) placeholders for what
     the gate form does not use (GDN: W, U; KDA: T beta, fw)."""
@@ -1239,11 +1251,11 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
                    only(kda_scratch, kk.shape),                  # k k^T (the inverse's scratch)
                    only(half_inverse, (T_total, HV, CHUNK), jnp.float16)),  # A, for the inverse
         grid=_chunk_grid(start.shape[0], HV, block.heads_fastest),
-        input_output_aliases={9: 8} if kda_scratch else {},
+        input_output_aliases={10: 8} if kda_scratch else {},
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
         interpret=interpret,
         name="gdn_prefill_prep",
-    )(start, length, q, k, v, g, beta, A_log, dt_bias, kk, ek)
+    )(start, length, lead, q, k, v, g, beta, A_log, dt_bias, kk, ek)
     tb, w, u, *gdn_outputs = outs
     if half_inverse:
         tb, redo = pl.pallas_call(
@@ -1255,16 +1267,16 @@ def _prep(q, k, v, g, beta, start, length, A_log, dt_bias, *, spec, block, inter
             compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
             interpret=interpret,
             name="gdn_prefill_prep_inverse",
-        )(start, length, beta, A)
+        )(start, length, lead, beta, A)
         tb = pl.pallas_call(
             functools.partial(_prep_redo_kernel, spec=spec, interpret=interpret),
             out_shape=jax.ShapeDtypeStruct(tb.shape, tb.dtype),
             grid=(pl.cdiv(start.shape[0], REDO_SLOTS), HV),
-            input_output_aliases={8: 0},
+            input_output_aliases={9: 0},
             compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
             interpret=interpret,
             name="gdn_prefill_prep_tf32",
-        )(start, length, k, g, beta, A_log, dt_bias, redo, tb)
+        )(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb)
     if not kda:
         aqk, fq, fk, fw, decay = gdn_outputs
     else:
@@ -1377,10 +1389,12 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
         # GDN's raw q, k rows go into dot products and are normalised afterwards (KDA's intra
         # kernel tames its rows itself)
         q, k = tame_rows(q, interpret=interpret), tame_rows(k, interpret=interpret)
-    start, length, first = chunk_table(cu, q.shape[0])
+    # the Mosaic GPU scan reads each sequence's chunks from its start rounded down to ALIGN
+    start, length, first, lead = chunk_table(
+        cu, q.shape[0], mgpu_scan.ALIGN if block.mosaic_scan else 1)
     A_log = jnp.zeros((HV,), F32) if A_log is None else A_log
     dt_bias = jnp.zeros((HV,), F32) if dt_bias is None else dt_bias
-    mids = _prep(q, k, v, g, beta, start, length, A_log, dt_bias,
+    mids = _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias,
                                        spec=spec, block=block, interpret=interpret)
     if spec.pooled:
         h0 = pool

@@ -27,11 +27,12 @@ With `warp_specialized=False` one warpgroup does all three in turn (the form the
 runs: it runs no wgmma with a register operand, so with `interpret=True` the products are plain
 dots, and three simulated warpgroups stalled on a 2-core machine).
 
-Sequences must start at multiples of 8 tokens (`ALIGN`): bulk copies into swizzled shared memory
-take row offsets in whole 8-row tiles. Rows past a sequence's end in its last chunk (the next
-sequence's, or past the array, which the copies fill with zeros) are masked out of X and D; the
-output of such a chunk is stored in pieces of 32, 16, ..., 1 rows so that no other sequence's
-rows are written.
+Bulk copies into swizzled shared memory take row offsets in whole 8-row tiles (`ALIGN`), so a
+sequence's chunks are laid from its start rounded down to a multiple of 8 (the prep's chunk
+table does the same: `gdn_prefill.chunk_table(align=ALIGN)`). The rows of a chunk that are not
+its sequence's (up to 7 before its start, the next sequence's after its end, or rows past the
+array, which the copies fill with zeros) are masked out of X and D; the output of such a chunk
+is stored in pieces of 32, 16, ..., 1 rows so that no other sequence's rows are written.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ BF16 = jnp.bfloat16
 CHUNK = 64
 HEAD_K_DIM = 128         # the only K: the state slab S^T [BV, K] and q, k rows of 256 bytes
 BLOCK_V = 64             # value columns a program: wgmma's accumulators have 64 rows
-ALIGN = 8                # sequence starts: multiples of this many tokens
+ALIGN = 8                # chunks start at multiples of this many rows
 STAGES = 2               # chunks in flight in the copy warpgroup's buffers
 NUM_FACTORS = 3          # row factors: q (norm * scale * e^G), k (norm * e^{G_C - G}), e^G k
 FQ, FK, FW = range(NUM_FACTORS)
@@ -164,7 +165,9 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
     n = order_ref[p // (nv * num_v_heads)]
     hk = h // (num_v_heads // num_k_heads)
     bos, eos = cu_ref[n], cu_ref[n + 1]
-    num_chunks = (eos - bos + C - 1) // C
+    # the chunks are laid from the start rounded down to whole 8-row tiles (`ALIGN`)
+    base = bos - lax.rem(bos, ALIGN)
+    num_chunks = jnp.where(eos > bos, (eos - base + C - 1) // C, 0)
     first = first_ref[n]
     cols = pl.ds(pl.multiple_of(jv * BV, BV), BV)
     (s_pub, d_pub), state_s = pub
@@ -174,7 +177,7 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
         col = plgpu.layout_cast(col, plgpu.Layout.WGMMA)
 
     def chunk_start(c):
-        return pl.multiple_of(bos + c * C, ALIGN)
+        return pl.multiple_of(base + c * C, ALIGN)
 
     def fetch(c):
         """The copy warpgroup's work for chunk c: its rows into stage c % STAGES."""
@@ -191,7 +194,7 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
         """The state's walk over chunk c: publishes S and the deltas, returns the next S."""
         slot = c % STAGES
         decay = decay_ref[first + c, h]  # a global load: issued first, used last
-        valid = col < eos - chunk_start(c)
+        valid = (col >= bos - chunk_start(c)) & (col < eos - chunk_start(c))
         fac = fac_s.at[slot]
         s_hi, s_lo = split_bf16(S)
 
@@ -262,7 +265,8 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this buffer's last store read
         o_s[buf] = o
         _commit_smem(interpret)
-        num_rows = jnp.minimum(eos - t0, C)
+        lo, hi = jnp.maximum(bos - t0, 0), jnp.minimum(eos - t0, C)
+        num_rows = hi - lo
 
         @pl.when(num_rows == C)
         def _():
@@ -270,9 +274,9 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
 
         @pl.when(num_rows < C)
         def _():
-            # the last chunk's rows only, in pieces of 32, 16, ..., 1 rows (a copy's size is
-            # static): the rows after it are another sequence's
-            done = num_rows - num_rows  # traced: the copies take dynamic offsets
+            # the sequence's own rows only, in pieces of 32, 16, ..., 1 rows (a copy's size is
+            # static): the rows before and after them are other sequences'
+            done = lo
             size = C // 2
             while size:
                 @pl.when(num_rows & size != 0)
@@ -356,7 +360,7 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
 def scan(cu, order, first, decay, q, k, v, tb, aqk, factors, h0, *, num_v_heads: int,
          num_k_heads: int, has_initial_state: bool, warp_specialized: bool = True,
          interpret: bool = False):
-    """The scan over packed sequences whose starts are multiples of ALIGN.
+    """The scan over packed sequences, each one's chunks from its start rounded down to ALIGN.
 
     cu [N + 1], order [N] (the sequences' launch order), first [N] (each sequence's first chunk
     slot), decay [S, HV] (e^{G_C} per chunk slot); q, k [T, HK, 128], v [T, HV, V] bf16 (T a

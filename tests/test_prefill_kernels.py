@@ -381,8 +381,8 @@ def _prep_t_beta_against_float64(mode, q, k, v, g, beta, cu):
     spec = _spec(1, HV, K, K, use_qk_l2norm=False, precise=False)
     block = kern.PrefillBlockSizes(block_v=16)
     assert kern._half_inverse(spec, block.blocked_inverse_for(spec))
-    start, length, _ = kern.chunk_table(cu, T_total)
-    tb = kern._prep(q, k, v, jnp.asarray(g), jnp.asarray(beta), start, length,
+    start, length, _, lead = kern.chunk_table(cu, T_total)
+    tb = kern._prep(q, k, v, jnp.asarray(g), jnp.asarray(beta), start, length, lead,
                     jnp.zeros((HV,), F32), jnp.zeros((HV,), F32), spec=spec, block=block,
                     interpret=mode == "interpret")[0]
     tb, kf = np.asarray(tb, np.float64), np.asarray(k, np.float64)
@@ -542,9 +542,14 @@ def test_pool_slots_in_place(mode):
 
 # --------------------------------------------------------------------------- Mosaic GPU scan
 
-MOSAIC_CASES = [  # lens (every start a multiple of 8), HK, HV, V, initial state, gate, L2 norm
-    # partial chunks, an empty and an 8-token sequence, a one-token one last, GVA 2x
+MOSAIC_CASES = [  # lens, HK, HV, V, initial state, gate, L2 norm
+    # starts at multiples of 8: partial chunks, an empty and an 8-token sequence, a one-token
+    # one last, GVA 2x
     ([72, 8, 0, 136, 1], 1, 2, 64, True, "normal", True),
+    # starts off the 8-row tiles (37, 38, 138, 141): first chunks that begin with the previous
+    # sequences' rows, a one-token sequence inside one tile, an empty one, a 63-token one that
+    # spans two chunks from its rounded-down start
+    ([37, 1, 100, 0, 3, 63], 1, 2, 64, True, "normal", True),
     # B = 3 dense, whole chunks; rows normalised beforehand (the intra-chunk matrix in fp32)
     ([64, 64, 64], 2, 4, 128, False, "normal", False),
     ([24] * 7, 1, 4, 64, True, "extreme", True),            # B = 7, GVA 4x, resets, huge decays
@@ -563,8 +568,7 @@ def test_mosaic_scan_against_float64(mode, lens, HK, HV, V, init, gate, l2):
     if not l2:
         unit = lambda x: (x / jnp.linalg.norm(x.astype(F32), axis=-1, keepdims=True)).astype(BF16)
         q, k = unit(q), unit(k)
-    spec = _spec(HK, HV, 128, V, has_initial_state=init, precise=False, aligned_starts=True,
-                 use_qk_l2norm=l2)
+    spec = _spec(HK, HV, 128, V, has_initial_state=init, precise=False, use_qk_l2norm=l2)
     block = kern.PrefillBlockSizes(mosaic_scan=True)
     assert kern.unsupported_reason(spec, block) is None
     o, hT, _, _ = kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
@@ -597,21 +601,15 @@ def test_mosaic_scan_lowers_for_hopper():
 
 def test_mosaic_scan_dispatch_rule():
     """Where the default blocks take the Mosaic GPU scan, and why not elsewhere."""
-    gdn = _spec(16, 32, 128, 128, precise=False, aligned_starts=True)
+    gdn = _spec(16, 32, 128, 128, precise=False)
     pick = lambda spec, n, dtype=BF16: kern.PrefillBlockSizes.get_default(spec, n, dtype).mosaic_scan
     assert pick(gdn, kern.MOSAIC_SCAN_MIN_PAIRS // 32)
     assert not pick(gdn, kern.MOSAIC_SCAN_MIN_PAIRS // 32 - 1)       # few pairs: Triton's scan
     assert not pick(gdn, 8, jnp.float16) and not pick(gdn, 8, None)
-    unaligned = _spec(16, 32, 128, 128, precise=False)
-    assert not pick(unaligned, 8)
-    assert "aligned_starts" in kern.unsupported_reason(unaligned,
-                                                       kern.PrefillBlockSizes(mosaic_scan=True))
-    for spec, word in ((_spec(16, 32, 64, 64, precise=False, aligned_starts=True), "head_k_dim"),
-                       (_spec(16, 32, 128, 128, precise=False, aligned_starts=True,
-                              per_channel_gate=True), "KDA"),
-                       (_spec(16, 32, 128, 128, precise=False, aligned_starts=True,
-                              pooled=True), "pool"),
-                       (_spec(16, 32, 128, 128, aligned_starts=True), "bf16")):
+    for spec, word in ((_spec(16, 32, 64, 64, precise=False), "head_k_dim"),
+                       (_spec(16, 32, 128, 128, precise=False, per_channel_gate=True), "KDA"),
+                       (_spec(16, 32, 128, 128, precise=False, pooled=True), "pool"),
+                       (_spec(16, 32, 128, 128), "bf16")):
         assert not pick(spec, 8)
         assert word in kern.unsupported_reason(spec, kern.PrefillBlockSizes(mosaic_scan=True))
     assert "blocked" in kern.unsupported_reason(
@@ -651,30 +649,42 @@ def test_unsupported_shapes_say_why():
 
 def test_chunk_table_packs_sequences_without_padding():
     cu = jnp.asarray([0, 0, 1, 65, 200, 200], jnp.int32)
-    start, length, first = kern.chunk_table(cu, 200)
+    start, length, first, lead = kern.chunk_table(cu, 200)
     used = np.asarray(length) > 0
     assert np.asarray(length)[used].tolist() == [1, 64, 64, 64, 7]
     assert np.asarray(start)[used].tolist() == [0, 1, 65, 129, 193]
     assert np.asarray(first).tolist() == [0, 0, 1, 2, 5]
+    assert not np.asarray(lead).any()
+    # laid from starts rounded down to 8 (the Mosaic GPU scan's): the chunks of the sequences
+    # at 1 and 65 begin one row early, so each needs one more chunk
+    start, length, first, lead = kern.chunk_table(cu, 200, align=8)
+    used = np.asarray(length) > 0
+    assert np.asarray(start)[used].tolist() == [0, 0, 64, 64, 128, 192]
+    assert np.asarray(lead)[used].tolist() == [0, 1, 0, 1, 0, 0]
+    assert np.asarray(length)[used].tolist() == [1, 64, 1, 64, 64, 8]
+    assert np.asarray(first).tolist() == [0, 0, 1, 3, 6]
 
 
-
-def _chunk_table_numpy(cu, total):
-    """The chunk table by walking the sequences one by one."""
+def _chunk_table_numpy(cu, total, align):
+    """The chunk table by walking the sequences one by one, each from its start rounded down
+    to a multiple of align."""
     n = len(cu) - 1
-    slots = -(-total // kern.CHUNK) + n
-    start, length, first = np.zeros(slots, np.int64), np.zeros(slots, np.int64), []
+    slots = -(-(total + (align - 1) * n) // kern.CHUNK) + n
+    start, end, lead, first = (np.zeros(slots, np.int64), np.zeros(slots, np.int64),
+                               np.zeros(slots, np.int64), [])
     s = 0
     for a, b in zip(cu[:-1], cu[1:]):
         first.append(s)
-        for t in range(a, b, kern.CHUNK):
-            start[s], length[s] = t, min(kern.CHUNK, b - t)
+        for t in range(a - a % align, b if b > a else a - a % align, kern.CHUNK):
+            start[s], end[s], lead[s] = t, min(kern.CHUNK, b - t), max(a - t, 0)
             s += 1
-    return start, length, np.asarray(first)
+    assert s <= slots
+    return start, end, np.asarray(first), lead
 
 
+@pytest.mark.parametrize("align", [1, 8])
 @pytest.mark.parametrize("seed", range(6))
-def test_chunk_table_matches_a_walk_over_the_sequences(seed):
+def test_chunk_table_matches_a_walk_over_the_sequences(seed, align):
     """Random packings (empty, one-token, chunk-multiple and ragged lengths; a traced cu under
     jit): every used slot and first chunk as a plain walk gives them, and no while loop in the
     program (a GPU while loop reads its trip count back to the host every iteration)."""
@@ -682,13 +692,16 @@ def test_chunk_table_matches_a_walk_over_the_sequences(seed):
     lens = rng.choice([0, 1, 63, 64, 65, 128, 200, 7], size=rng.integers(1, 12))
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     total = int(cu[-1]) + int(rng.integers(0, 70))  # tokens past the last sequence are legal
-    table = jax.jit(kern.chunk_table, static_argnums=1)
-    start, length, first = (np.asarray(x) for x in table(jnp.asarray(cu), total))
-    want_start, want_len, want_first = _chunk_table_numpy(cu, total)
-    np.testing.assert_array_equal(length, want_len)
-    np.testing.assert_array_equal(start[length > 0], want_start[want_len > 0])
+    table = jax.jit(kern.chunk_table, static_argnums=(1, 2))
+    start, end, first, lead = (np.asarray(x) for x in table(jnp.asarray(cu), total, align))
+    want_start, want_end, want_first, want_lead = _chunk_table_numpy(cu, total, align)
+    np.testing.assert_array_equal(end, want_end)
+    np.testing.assert_array_equal(lead, want_lead)
+    np.testing.assert_array_equal(start[end > 0], want_start[want_end > 0])
     np.testing.assert_array_equal(first, want_first)
-    program = table.lower(jnp.asarray(cu), total).as_text()
+    if align > 1:
+        assert not (start[end > 0] % align).any()
+    program = table.lower(jnp.asarray(cu), total, align).as_text()
     assert "while" not in program and "scan" not in program
 
 # --------------------------------------------------------------------------- Triton lowering on CPU
@@ -736,7 +749,7 @@ def test_kda_intra_kernel_lowers_at_every_block_k(lower_for_h200, K, block_k):
     in the channel loop and in the exact diagonal blocks' column loop."""
     T, HV = 200, 2
     spec = _spec(1, HV, K, K, per_channel_gate=True, precise=False)
-    start, length, _ = kern.chunk_table(jnp.array([0, 70, T], jnp.int32), T)
+    start, length, _, _ = kern.chunk_table(jnp.array([0, 70, T], jnp.int32), T)
     x = jnp.ones((T, 1, K), BF16)
     hlo = jax.jit(lambda q, k, g, start, length: kern._kda_intra(
         q, k, g, start, length, jnp.zeros(HV), jnp.zeros(HV), rows_dtype=BF16, spec=spec,
@@ -1012,7 +1025,7 @@ def test_kda_intra_kernel_against_float64(mode, lens, HK, HV, K, block_k, raw):
         assert spans[:, 0].max() <= kern.DIAG_EXP_LIMIT < spans[0, 1]
     spec = _spec(HK, HV, K, K, per_channel_gate=True, raw_gates=raw,
                  gate_lower_bound=-5.0 if raw else None)
-    start, length, _ = kern.chunk_table(cu, q.shape[0])
+    start, length, _, _ = kern.chunk_table(cu, q.shape[0])
     A_log = jnp.zeros((HV,), F32) if A_log is None else A_log
     dt_bias = jnp.zeros((HV,), F32) if dt_bias is None else dt_bias
     intra = functools.partial(kern._kda_intra, q, k, g_in, start, length, A_log, dt_bias,
