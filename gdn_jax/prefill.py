@@ -485,7 +485,7 @@ def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, positions, *, s
         spec = _spec(q, v, g, **static, pooled=True, boundary_states=positions is not None)
         o, pool, bounds, (_, _, first) = kern.chunk_prefill(
             _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
-            block=kern.PrefillBlockSizes.get_default(spec, cu.shape[0] - 1), A_log=A_log,
+            block=kern.PrefillBlockSizes.get_default(spec, cu.shape[0] - 1, v.dtype), A_log=A_log,
             dt_bias=dt_bias, pool=pool, slots=slots, interpret=interpret)
     if positions is None:
         return o.reshape(B, T, HV, V), pool, None

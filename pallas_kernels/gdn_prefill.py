@@ -239,8 +239,8 @@ def _mosaic_scan_reason(spec: PrefillSpec) -> str | None:
         return "the Mosaic GPU scan is GDN's (KDA's per-channel decays are not in it)"
     if spec.precise:
         return "the Mosaic GPU scan takes bf16 inputs (spec.precise is for fp32 ones)"
-    if spec.pooled or spec.boundary_states:
-        return "the Mosaic GPU scan writes no pool slots and no chunk-boundary states"
+    if spec.boundary_states:
+        return "the Mosaic GPU scan writes no chunk-boundary states"
     return None
 
 
@@ -1330,22 +1330,39 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
     K = q.shape[2]
     N = cu.shape[0] - 1
     if block.mosaic_scan:
+        pool_in = h0
         if v.dtype != jnp.bfloat16:
             raise ValueError(f"mosaic_scan takes bf16 inputs, got v of {v.dtype}")
+        live = jnp.ones((N,), jnp.int32)
+        if spec.pooled:
+            # the named slots' states read here and written back below (a padding slot: zeros
+            # in, nothing out, and the kernel stores its sequence's outputs as zeros)
+            P = h0.shape[0]
+            in_pool = (slots >= 0) & (slots < P)
+            live = in_pool.astype(jnp.int32)
+            h0 = jnp.where(in_pool[:, None, None, None],
+                           h0[jnp.clip(slots, 0, P - 1)].astype(F32), 0.0)
         # the Mosaic scan holds S^T: the states cross its boundary transposed
-        h0t = (jnp.swapaxes(h0, -1, -2).astype(F32) if spec.has_initial_state
+        h0t = (jnp.swapaxes(h0, -1, -2).astype(F32) if spec.has_initial_state or spec.pooled
                else jnp.zeros((1, 1, 1, 1), F32))
         # the bulk copies take token axes in whole 8-row tiles: rows up to a multiple of 8
         pad = (-T_total) % mgpu_scan.ALIGN
         rows = lambda x: jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) if pad else x
-        o, final_t = mgpu_scan.scan(cu, _longest_first(cu), first, decay, rows(q), rows(k),
+        o, final_t = mgpu_scan.scan(cu, _longest_first(cu), first, live, decay, rows(q), rows(k),
                                     rows(v), tb, aqk, fq, h0t, num_v_heads=HV,
                                     num_k_heads=q.shape[1],
-                                    has_initial_state=spec.has_initial_state,
+                                    has_initial_state=spec.has_initial_state or spec.pooled,
                                     warp_specialized=not interpret, interpret=interpret)
         o = o[:T_total] if pad else o
-        final = (jnp.swapaxes(final_t, -1, -2).astype(state_dtype) if spec.output_final_state
-                 else jnp.zeros((1, 1, 1, 1), state_dtype))
+        final = jnp.swapaxes(final_t, -1, -2)
+        if spec.pooled:
+            # in place (the pool is donated); a padding slot's index lies past the pool: dropped
+            into = jnp.where(in_pool, slots, P)
+            final = pool_in.at[into].set(final.astype(pool_in.dtype), mode="drop")
+        elif spec.output_final_state:
+            final = final.astype(state_dtype)
+        else:
+            final = jnp.zeros((1, 1, 1, 1), state_dtype)
         return o, final, jnp.zeros((1, 1, 1, 1), F32)
     final_shape = (h0.shape if spec.pooled else (N, HV, K, V) if spec.output_final_state
                    else (1, 1, 1, 1))

@@ -153,7 +153,7 @@ def _rows(vec, shape, interpret):
     return lax.broadcast_in_dim(vec, shape, (0,))
 
 
-def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref, aqk_ref,
+def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref, aqk_ref,
             fac_ref, h0_ref, o_ref, hT_ref, q_s, k_s, v_s, tb_s, aqk_s, fac_s, aqk_h, pub, o_s,
             loaded, consumed, published, out_done, h0_bar, *, num_v_heads: int,
             num_k_heads: int, head_v_dim: int, has_initial_state: bool,
@@ -167,7 +167,12 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
     bos, eos = cu_ref[n], cu_ref[n + 1]
     # the chunks are laid from the start rounded down to whole 8-row tiles (`ALIGN`)
     base = bos - lax.rem(bos, ALIGN)
-    num_chunks = jnp.where(eos > bos, (eos - base + C - 1) // C, 0)
+    span_chunks = jnp.where(eos > bos, (eos - base + C - 1) // C, 0)
+    # a sequence that is not live (a padding pool slot) is walked by no one: its output rows
+    # are stored as zeros
+    live = live_ref[n] != 0
+    num_chunks = jnp.where(live, span_chunks, 0)
+    zero_chunks = span_chunks - num_chunks
     first = first_ref[n]
     cols = pl.ds(pl.multiple_of(jv * BV, BV), BV)
     (s_pub, d_pub), state_s = pub
@@ -243,7 +248,7 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
 
     def output_step(c):
         """The output of chunk c from the halves the chain published: O = fq (q S) + aqk D."""
-        slot, t0 = c % STAGES, chunk_start(c)
+        slot = c % STAGES
         # the intra-chunk matrix (fp16 where bounded by one, else fp32: the prep's) as bf16
         # halves, while the chain is still on this chunk's deltas
         _store_halves(aqk_h, split_bf16(_load(aqk_s.at[slot], wgmma_layout,
@@ -259,8 +264,11 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
         if warp_specialized:
             plgpu.barrier_arrive(out_done)
             plgpu.barrier_arrive(consumed.at[slot])
-        o = (qs * fq + ad).astype(o_ref.dtype)
-        buf = c % 2
+        store_output(c, (qs * fq + ad).astype(o_ref.dtype))
+
+    def store_output(c, o):
+        """o [C, BV] into the output rows of chunk c that are its sequence's."""
+        t0, buf = chunk_start(c), c % 2
         if not interpret:
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this buffer's last store read
         o_s[buf] = o
@@ -301,6 +309,17 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
         if not interpret:
             plgpu.wait_smem_to_gmem(0)
 
+    def store_zeros():
+        zeros = jnp.zeros((C, BV), o_ref.dtype)
+        if not interpret:
+            zeros = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+
+        def step(c, carry):
+            store_output(c, zeros)
+            return carry
+
+        lax.fori_loop(0, zero_chunks, step, 0)
+
     if not warp_specialized:
         def step(c, S):
             fetch(c)
@@ -310,6 +329,7 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
             return S2
 
         S = lax.fori_loop(0, num_chunks, step, initial_state())
+        store_zeros()
         store_final(S)  # its wait covers the output stores too
         return
 
@@ -342,6 +362,7 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
             return carry
 
         lax.fori_loop(0, num_chunks, step, 0)
+        store_zeros()
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -357,13 +378,13 @@ def _kernel(cu_ref, order_ref, first_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref
         lax.fori_loop(0, num_chunks, step, 0)
 
 
-def scan(cu, order, first, decay, q, k, v, tb, aqk, factors, h0, *, num_v_heads: int,
+def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_heads: int,
          num_k_heads: int, has_initial_state: bool, warp_specialized: bool = True,
          interpret: bool = False):
     """The scan over packed sequences, each one's chunks from its start rounded down to ALIGN.
 
     cu [N + 1], order [N] (the sequences' launch order), first [N] (each sequence's first chunk
-    slot), decay [S, HV] (e^{G_C} per chunk slot); q, k [T, HK, 128], v [T, HV, V] bf16 (T a
+    slot), live [N] int32 (0: a sequence nobody walks, whose output rows are zeros), decay [S, HV] (e^{G_C} per chunk slot); q, k [T, HK, 128], v [T, HV, V] bf16 (T a
     multiple of ALIGN); tb [2, T, HV, C] bf16, T beta's halves; aqk [T, HV, C] fp16 or fp32, the
     intra-chunk matrix (the output warpgroup splits it); factors [3, HV, T] fp32 (FQ, FK, FW); h0 [N, HV, V, K] fp32, the initial states *transposed* (or a placeholder).
     Returns (o [T, HV, V] bf16, final states transposed [N, HV, V, K] fp32)."""
@@ -401,4 +422,4 @@ def scan(cu, order, first, decay, q, k, v, tb, aqk, factors, h0, *, num_v_heads:
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=False),
         **extra,
-    )(cu, order, first, decay, q, k, v, tb, aqk, factors, h0)
+    )(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0)

@@ -581,6 +581,43 @@ def test_mosaic_scan_against_float64(mode, lens, HK, HV, V, init, gate, l2):
     assert rel_err(hT, rs) <= 5e-5
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pool_dtype", [F32, BF16])
+def test_mosaic_scan_pool_slots_in_place(mode, pool_dtype):
+    """The Mosaic GPU scan with a pool: initial states from the named slots, final states into
+    them (one rounding to the pool's dtype); padding slots (-1, or past the pool) read and write
+    nothing and their sequences' outputs are zeros; other slots keep their bits."""
+    lens = [70, 5, 33, 20]
+    HK, HV, V = 1, 2, 64
+    q, k, v, g, beta, h0, cu = _packed_inputs(7, lens, HK=HK, HV=HV, K=128, V=V, dtype=BF16)
+    P = 6
+    pool = np.full((P, HV, 128, V), 1e30, np.float32)
+    slots = np.array([4, -1, 1, 9], np.int32)
+    pool[4], pool[1] = h0[0], h0[2]
+    pool = jnp.asarray(pool).astype(pool_dtype)
+    before = np.asarray(pool.astype(F32))  # (the pool is donated to the call)
+    h0_used = before[[4, 4, 1, 1]]  # the initial states as the pool holds them
+    spec = _spec(HK, HV, 128, V, pooled=True, precise=False)
+    block = kern.PrefillBlockSizes(mosaic_scan=True)
+    assert kern.unsupported_reason(spec, block) is None
+    o, new_pool, _, _ = kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
+                                           pool=pool, slots=jnp.asarray(slots),
+                                           interpret=mode == "interpret")
+    assert new_pool.dtype == pool_dtype
+    ro, rs = _oracle(q, k, v, g, beta, h0_used, cu)
+    new_pool, o = np.asarray(new_pool.astype(F32)), np.asarray(o, np.float32)
+    cu_np = np.asarray(cu)
+    for n, slot in enumerate(slots):
+        a, b = cu_np[n], cu_np[n + 1]
+        if 0 <= slot < P:
+            assert rel_err(o[a:b], ro[a:b]) <= 5e-3
+            assert rel_err(new_pool[slot], rs[n]) <= (5e-5 if pool_dtype == F32 else 5e-3)
+        else:
+            assert np.all(o[a:b] == 0)
+    untouched = [s for s in range(P) if s not in (4, 1)]
+    assert np.array_equal(new_pool[untouched], before[untouched])
+
+
 def test_mosaic_scan_lowers_for_hopper():
     """Both forms of the Mosaic GPU scan lower through Mosaic GPU (layout inference included)
     for CUDA without a GPU; only the compile to machine code needs the device."""
@@ -594,7 +631,8 @@ def test_mosaic_scan_lowers_for_hopper():
         f = jax.jit(functools.partial(mgpu.scan, num_v_heads=HV, num_k_heads=HK,
                                       has_initial_state=True, warp_specialized=ws))
         exported = jax.export.export(f, platforms=["cuda"])(
-            cu, jnp.array([1, 0], jnp.int32), jnp.array([0, 1], jnp.int32), jnp.ones((5, HV)),
+            cu, jnp.array([1, 0], jnp.int32), jnp.array([0, 1], jnp.int32),
+            jnp.array([1, 0], jnp.int32), jnp.ones((5, HV)),
             x, x, y, halves, aqk, jnp.ones((3, HV, T)), jnp.ones((2, HV, V, K)))
         assert "mosaic_gpu" in exported.mlir_module()
 
@@ -608,7 +646,8 @@ def test_mosaic_scan_dispatch_rule():
     assert not pick(gdn, 8, jnp.float16) and not pick(gdn, 8, None)
     for spec, word in ((_spec(16, 32, 64, 64, precise=False), "head_k_dim"),
                        (_spec(16, 32, 128, 128, precise=False, per_channel_gate=True), "KDA"),
-                       (_spec(16, 32, 128, 128, precise=False, pooled=True), "pool"),
+                       (_spec(16, 32, 128, 128, precise=False, boundary_states=True),
+                        "boundary"),
                        (_spec(16, 32, 128, 128), "bf16")):
         assert not pick(spec, 8)
         assert word in kern.unsupported_reason(spec, kern.PrefillBlockSizes(mosaic_scan=True))
