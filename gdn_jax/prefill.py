@@ -366,9 +366,10 @@ def reference_states_after(q, k, v, g, beta, states_after, *, scale=None, initia
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",
                                              "output_final_state", "chunk_states", "kernel",
-                                             "interpret"))
+                                             "even_starts", "interpret"))
 def _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, positions, *, scale, use_qk_l2norm,
-         raw_gates, lower_bound, output_final_state, chunk_states, kernel, interpret):
+         raw_gates, lower_bound, output_final_state, chunk_states, kernel, even_starts,
+         interpret):
     B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
     N = cu.shape[0] - 1
@@ -382,7 +383,8 @@ def _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, positions, *, scal
     else:
         spec = _spec(q, v, g, **static, has_initial_state=initial_state is not None,
                      output_final_state=output_final_state,
-                     boundary_states=chunk_states or positions is not None)
+                     boundary_states=chunk_states or positions is not None,
+                     even_starts=even_starts)
         o, final, bounds, (_, _, first) = kern.chunk_prefill(
             _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
             block=kern.PrefillBlockSizes.get_default(spec, N, v.dtype), A_log=A_log,
@@ -456,9 +458,21 @@ def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
     o, final, chunks, at = _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, positions,
                                 **static, output_final_state=bool(output_final_state),
                                 chunk_states=bool(chunk_states), kernel=which,
+                                even_starts=_even_starts(T, cu_seqlens),
                                 interpret=dispatch.interpret_enabled(interpret))
     final = final if output_final_state else None
     return (o, final, chunks) if positions is None else (o, final, chunks, at)
+
+
+def _even_starts(T: int, cu_seqlens) -> bool:
+    """Whether every sequence is known, at trace time, to start at an even token (what the
+    Mosaic GPU scan's narrow form needs): a dense batch with T even, or concrete cu_seqlens
+    whose starts are all even."""
+    if cu_seqlens is None:
+        return T % 2 == 0
+    if not chk.is_concrete(cu_seqlens):
+        return False
+    return bool(np.all(np.asarray(cu_seqlens)[:-1] % 2 == 0))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",

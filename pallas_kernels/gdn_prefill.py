@@ -35,10 +35,11 @@ form of the delta rule):
    The deltas are formed here rather than from W and U stored by the prep: T beta [C, C] is
    half of U's [C, V] fp32 bytes, W is not stored at all (the scan reads k anyway) and the prep
    does no [C, C] x [C, K] products (BENCHMARKS.md, GDN prefill).
-   GDN with bf16 inputs, K = 128 and aligned sequence starts may take the scan's Mosaic GPU
-   form instead (`PrefillBlockSizes.mosaic_scan`; `gdn_prefill_mgpu`), which keeps the state as
-   the tensor cores' accumulator; the prep then writes T beta as bf16 halves and the row
-   factors head-major.
+   GDN with bf16 inputs and K = 128 may take the scan's Mosaic GPU form instead
+   (`PrefillBlockSizes.mosaic_scan`; `gdn_prefill_mgpu`), which keeps the state as the tensor
+   cores' accumulator; the prep then writes T beta as bf16 halves and the row factors
+   head-major, for chunks laid from each sequence's start rounded down to 8 tokens
+   (`chunk_table`'s align: the rows before the start are masked like those past the end).
 
 KDA (`per_channel_gate`): the decay is per key channel, e^{G_ic - G_jc}, so A and the intra-chunk
 attention matrix cannot be row-scaled products, and the per-channel work runs first in a kernel
@@ -146,6 +147,9 @@ class PrefillSpec:
     output_final_state: bool = True
     boundary_states: bool = False    # also the state after every chunk
     precise: bool = True             # fp32 inputs: three-pass TF32 dots
+    # every sequence starts at an even token (a dense batch with T even): what the Mosaic GPU
+    # scan's narrow form needs
+    even_starts: bool = False
 
 
 PAIR_GROUP = 8  # the paired products' column group with many pairs; see `_dot_bf16x2`
@@ -207,27 +211,53 @@ class PrefillBlockSizes:
                                               and (spec.precise or not _bounded_by_one(spec)))
         # KDA's intra kernel: 32 key channels per step (BENCHMARKS.md, KDA launch sweep).
         block_k = min(32, spec.head_k_dim)
-        mosaic = mosaic_scan_default(spec, num_sequences, dtype)
-        if num_sequences * spec.num_v_heads < 128:
-            return PrefillBlockSizes(block_v=min(32, spec.head_v_dim),
+        mosaic = mosaic_scan_default(spec, dtype)
+        few = num_sequences * spec.num_v_heads < 128
+        block_v = min(32 if few else 64, spec.head_v_dim)
+        if mosaic:
+            # the Mosaic scan's wide form (S^T, 64 columns a program) where it has programs
+            # enough for the GPU, else the narrow one (S, 32 columns: twice the programs) where
+            # it takes the call, else the Triton scan
+            wide = (num_sequences * spec.num_v_heads * (spec.head_v_dim // mgpu_scan.BLOCK_V)
+                    >= MOSAIC_WIDE_MIN_PROGRAMS)
+            if wide:
+                block_v = mgpu_scan.BLOCK_V
+            elif _narrow_reason(spec) is None:
+                block_v = mgpu_scan.BLOCK_V_NARROW
+            else:
+                mosaic = False
+        if few:
+            return PrefillBlockSizes(block_v=block_v,
                                      num_stages_scan=1 if one_stage else 3, block_k=block_k,
                                      paired_halves=not spec.per_channel_gate, pair_group=1,
                                      heads_fastest=spec.per_channel_gate, mosaic_scan=mosaic)
-        return PrefillBlockSizes(block_v=min(64, spec.head_v_dim), num_stages_scan=1,
+        return PrefillBlockSizes(block_v=block_v, num_stages_scan=1,
                                  block_k=block_k, paired_halves=not spec.per_channel_gate,
                                  mosaic_scan=mosaic)
 
 
-MOSAIC_SCAN_MIN_PAIRS = 128
+# the Mosaic scan's wide form from this many of its programs (an H200 has 132 SMs; measured:
+# 128 wide programs beat 256 narrow ones, 64 lose to 128; BENCHMARKS.md, GDN prefill)
+MOSAIC_WIDE_MIN_PROGRAMS = 128
 
 
-def mosaic_scan_default(spec: PrefillSpec, num_sequences: int, dtype) -> bool:
-    """Whether the default blocks take the Mosaic GPU scan: where it takes the call and there
-    are at least MOSAIC_SCAN_MIN_PAIRS (sequence, value head) pairs (BENCHMARKS.md, GDN
-    prefill)."""
+def mosaic_scan_default(spec: PrefillSpec, dtype) -> bool:
+    """Whether the Mosaic GPU scan takes the call (bf16 inputs and `_mosaic_scan_reason`); the
+    default blocks take it then, in the form `get_default` picks, where one of its forms fits
+    (faster than the Triton scan at every batch measured; BENCHMARKS.md, GDN prefill)."""
     return (dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
-            and num_sequences * spec.num_v_heads >= MOSAIC_SCAN_MIN_PAIRS
             and _mosaic_scan_reason(spec) is None)
+
+
+def _narrow_reason(spec: PrefillSpec) -> str | None:
+    """Why the Mosaic scan's narrow form cannot take the call (None: it can)."""
+    if not spec.even_starts:
+        return ("the narrow form needs every sequence to start at an even token "
+                "(spec.even_starts): its output copies read 64-byte rows at 128-byte aligned "
+                "addresses")
+    if spec.pooled:
+        return "the narrow form writes no pool slots"
+    return None
 
 
 def _mosaic_scan_reason(spec: PrefillSpec) -> str | None:
@@ -281,6 +311,13 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
             why = _mosaic_scan_reason(spec)
             if why:
                 return f"mosaic_scan: {why}"
+            widths = (mgpu_scan.BLOCK_V, mgpu_scan.BLOCK_V_NARROW)
+            if block.block_v not in widths:
+                return f"mosaic_scan: block_v={block.block_v} must be one of {widths}"
+            if block.block_v == mgpu_scan.BLOCK_V_NARROW:
+                why = _narrow_reason(spec)
+                if why:
+                    return f"mosaic_scan with block_v={block.block_v}: {why}"
             if block.blocked_inverse:
                 return "mosaic_scan: the prep's blocked inverse writes fp32 T beta, not halves"
         for w in (block.num_warps_prep, block.num_warps_scan, block.num_warps_intra):
@@ -1342,8 +1379,10 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
             live = in_pool.astype(jnp.int32)
             h0 = jnp.where(in_pool[:, None, None, None],
                            h0[jnp.clip(slots, 0, P - 1)].astype(F32), 0.0)
-        # the Mosaic scan holds S^T: the states cross its boundary transposed
-        h0t = (jnp.swapaxes(h0, -1, -2).astype(F32) if spec.has_initial_state or spec.pooled
+        # the Mosaic scan's wide form holds S^T: the states cross its boundary transposed
+        narrow = block.block_v == mgpu_scan.BLOCK_V_NARROW
+        orient = (lambda x: x) if narrow else (lambda x: jnp.swapaxes(x, -1, -2))
+        h0t = (orient(h0).astype(F32) if spec.has_initial_state or spec.pooled
                else jnp.zeros((1, 1, 1, 1), F32))
         # the bulk copies take token axes in whole 8-row tiles: rows up to a multiple of 8
         pad = (-T_total) % mgpu_scan.ALIGN
@@ -1352,9 +1391,10 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
                                     rows(v), tb, aqk, fq, h0t, num_v_heads=HV,
                                     num_k_heads=q.shape[1],
                                     has_initial_state=spec.has_initial_state or spec.pooled,
-                                    warp_specialized=not interpret, interpret=interpret)
+                                    narrow=narrow, warp_specialized=not interpret,
+                                    interpret=interpret)
         o = o[:T_total] if pad else o
-        final = jnp.swapaxes(final_t, -1, -2)
+        final = orient(final_t)
         if spec.pooled:
             # in place (the pool is donated); a padding slot's index lies past the pool: dropped
             into = jnp.where(in_pool, slots, P)

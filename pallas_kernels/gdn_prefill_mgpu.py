@@ -23,6 +23,16 @@ Three warpgroups a program (`warp_specialized=True`), meeting at barriers in sha
 - the *output* warpgroup forms O = fq (q S) + aqk D from them, untransposed (every operand from
   shared memory), and stores it by TMA while the chain goes on with the next chunk;
 - the *copy* warpgroup streams the next chunks' rows into STAGES buffers.
+The *narrow* form (`narrow=True`, for calls with too few (sequence, head) pairs to fill the GPU
+with 64-column programs) gives each program BLOCK_V_NARROW = 32 value columns and keeps S
+[K, 32] untransposed, as two accumulators of 64 key rows (wgmma's accumulators have 64 rows):
+k S, the deltas D = (T beta) X and the output take their right operands (the state's, X's, the
+deltas' halves) from shared memory, stored transposed ([32, .] rows of 128 bytes: wgmma takes
+both shared-memory operands with one swizzle, k's), and the update S += k^T (fk D) takes k^T
+by key blocks as register operands (a transposed left operand from shared memory does not
+lower). Its chain publishes the state before `k S` reads it, so the published halves are
+double-buffered. Its output rows are 64 bytes, and a bulk copy reads shared memory at 128-byte
+aligned addresses: it takes sequences that start at even rows only.
 With `warp_specialized=False` one warpgroup does all three in turn (the form the interpreter
 runs: it runs no wgmma with a register operand, so with `interpret=True` the products are plain
 dots, and three simulated warpgroups stalled on a 2-core machine).
@@ -50,6 +60,7 @@ BF16 = jnp.bfloat16
 CHUNK = 64
 HEAD_K_DIM = 128         # the only K: the state slab S^T [BV, K] and q, k rows of 256 bytes
 BLOCK_V = 64             # value columns a program: wgmma's accumulators have 64 rows
+BLOCK_V_NARROW = 32      # the narrow form's: S [K, 32] as two accumulators of 64 key rows
 ALIGN = 8                # chunks start at multiples of this many rows
 STAGES = 2               # chunks in flight in the copy warpgroup's buffers
 NUM_FACTORS = 3          # row factors: q (norm * scale * e^G), k (norm * e^{G_C - G}), e^G k
@@ -76,21 +87,23 @@ def split_bf16(x):
     return hi, (x - hi.astype(F32)).astype(BF16)
 
 
-def _swizzled(shape, dtype=BF16):
-    """Shared memory in wgmma's operand layout: 8 x 64-element tiles, 128-byte swizzle."""
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
-                                                plgpu.SwizzleTransform(128)))
+def _swizzled(shape, dtype=BF16, swizzle=128):
+    """Shared memory in wgmma's operand layout: rows of `swizzle` bytes in 8-row tiles (bf16:
+    8 x 64 elements for 128 bytes), swizzled."""
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // 2)),
+                                                plgpu.SwizzleTransform(swizzle)))
 
 
 def _products(groups, shape, init=None, *, interpret, during=None):
     """For each group of terms, init + sum of a @ b over its terms (a: a register bf16 array or
-    a shared-memory ref; b: a shared-memory ref, or ("T", ref) for its transpose), in fp32.
-    Compiled: one wgmma a term, one accumulator a group, then `during()` while they run, then
-    one wait for all. Returns ([one array a group], during's result)."""
+    a shared-memory ref; b: a shared-memory ref, or ("T", ref) for its transpose), in fp32;
+    init: None (from zero) or one array a group. Compiled: one wgmma a term, one accumulator a
+    group, then `during()` while they run, then one wait for all. Returns ([one array a group],
+    during's result)."""
     if interpret:
         outs = []
-        for terms in groups:
-            out = jnp.zeros(shape, F32) if init is None else init
+        for g, terms in enumerate(groups):
+            out = jnp.zeros(shape, F32) if init is None else init[g]
             for a, b in terms:
                 a = a if isinstance(a, jax.Array) else a[...]
                 b = b[1][...].T if isinstance(b, tuple) else b[...]
@@ -112,13 +125,13 @@ def _products(groups, shape, init=None, *, interpret, during=None):
             result = issue(*accs)
             return [acc[...] for acc in accs], result
         return pl.run_scoped(scoped, *[plgpu.ACC(shape, F32) for _ in groups])
-    # an accumulator that starts from init is a state the products update (`run_state`), whose
+    # accumulators that start from init are states the products update (`run_state`), whose
     # function returns nothing: during() must not return values
-    assert len(groups) == 1
+    assert len(init) == len(groups)
 
-    def update(acc):
-        assert issue(acc) is None
-    return [pl.run_state(update)(plgpu.ACC.init(init))], None
+    def update(accs):
+        assert issue(*accs) is None
+    return list(pl.run_state(update)(tuple(plgpu.ACC.init(x) for x in init))), None
 
 
 def _commit_smem(interpret):
@@ -128,9 +141,17 @@ def _commit_smem(interpret):
         plgpu.commit_smem()
 
 
-def _store_halves(ref, halves, *, interpret, commit=True):
-    """The (hi, lo) halves into ref[0] and ref[1], committed unless told otherwise."""
-    ref[0], ref[1] = halves
+def _store_halves(ref, halves, *, interpret, commit=True, transposed=False):
+    """The (hi, lo) halves into ref[0] and ref[1], or a pair of refs (transposed: x [m, n] into
+    [n, m]), committed unless told otherwise."""
+    for i, x in enumerate(halves):
+        to = ref[i] if isinstance(ref, tuple) else ref.at[i]
+        if not transposed:
+            to[...] = x
+        elif interpret:
+            to[...] = x.T
+        else:
+            to.transpose((1, 0))[...] = x
     if commit:
         _commit_smem(interpret)
 
@@ -153,12 +174,22 @@ def _rows(vec, shape, interpret):
     return lax.broadcast_in_dim(vec, shape, (0,))
 
 
-def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref, aqk_ref,
-            fac_ref, h0_ref, o_ref, hT_ref, q_s, k_s, v_s, tb_s, aqk_s, fac_s, aqk_h, pub, o_s,
-            loaded, consumed, published, out_done, h0_bar, *, num_v_heads: int,
-            num_k_heads: int, head_v_dim: int, has_initial_state: bool,
+def _iota(shape, axis, interpret):
+    x = lax.broadcasted_iota(jnp.int32, shape, axis)
+    return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+
+def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref,
+            aqk_ref, fac_ref, h0_ref, o_ref, hT_ref, q_s, k_s, v_s, tb_s, aqk_s, fac_s, aqk_h,
+            pub, o_s, loaded, consumed, published, out_done, h0_bar, *, num_v_heads: int,
+            num_k_heads: int, head_v_dim: int, has_initial_state: bool, narrow: bool,
             warp_specialized: bool, interpret: bool):
-    C, K, BV = CHUNK, HEAD_K_DIM, BLOCK_V
+    C, K = CHUNK, HEAD_K_DIM
+    BV = BLOCK_V_NARROW if narrow else BLOCK_V
+    # the state's and deltas' halves for the output warpgroup: double-buffered in the narrow
+    # form (its chain publishes the state before `k S` reads it, so with one buffer it would
+    # wait there for the output of the chunk before)
+    NB = 2 if narrow else 1
     nv = head_v_dim // BV
     p = lax.axis_index("p")
     jv, h = p % nv, (p // nv) % num_v_heads
@@ -175,11 +206,13 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
     zero_chunks = span_chunks - num_chunks
     first = first_ref[n]
     cols = pl.ds(pl.multiple_of(jv * BV, BV), BV)
-    (s_pub, d_pub), state_s = pub
+    if narrow:
+        (s_pubs, d_pubs), ((x_pub, u_pub), state_s) = pub
+        s_pub, d_pub = (lambda buf: s_pubs.at[buf]), (lambda buf: d_pubs.at[buf])
+    else:
+        (s_one, d_one), state_s = pub
+        s_pub, d_pub = (lambda buf: s_one), (lambda buf: d_one)
     wgmma_layout = None if interpret else plgpu.Layout.WGMMA
-    col = lax.broadcasted_iota(jnp.int32, (BV, C), 1)
-    if not interpret:
-        col = plgpu.layout_cast(col, plgpu.Layout.WGMMA)
 
     def chunk_start(c):
         return pl.multiple_of(base + c * C, ALIGN)
@@ -195,26 +228,30 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
         plgpu.copy_gmem_to_smem(q_ref.at[tok, hk, :], q_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(aqk_ref.at[tok, h, :], aqk_s.at[slot], bar)
 
-    def chain_step(c, S):
-        """The state's walk over chunk c: publishes S and the deltas, returns the next S."""
+    def wait_output_done(c):
+        """Before the chain publishes into buffer c % NB: the output warpgroup is done with what
+        it read there for chunk c - NB."""
+        if warp_specialized:
+            @pl.when(c >= NB)
+            def _():
+                plgpu.barrier_wait(out_done.at[c % NB])
+
+    def chain_step_transposed(c, S):
+        """The state's walk over chunk c, S^T [BV, K] (one accumulator): publishes S and the
+        deltas, returns the next S."""
         slot = c % STAGES
         decay = decay_ref[first + c, h]  # a global load: issued first, used last
+        col = _iota((BV, C), 1, interpret)
         valid = (col >= bos - chunk_start(c)) & (col < eos - chunk_start(c))
         fac = fac_s.at[slot]
         s_hi, s_lo = split_bf16(S)
 
-        def publish_state():
-            if warp_specialized:
-                @pl.when(c > 0)
-                def _():
-                    plgpu.barrier_wait(out_done)
-            # committed with the deltas, before the output warpgroup is told
-            _store_halves(s_pub, (s_hi, s_lo), interpret=interpret, commit=False)
-
         def publish_state_and_load():
             # while (k S)^T runs: the chunk's starting state for the output warpgroup (once it
-            # is done with the previous chunk's), and the loads the next steps take
-            publish_state()
+            # is done with the previous chunk's; committed with the deltas, before the output
+            # warpgroup is told), and the loads the next steps take
+            wait_output_done(c)
+            _store_halves(s_pub(0), (s_hi, s_lo), interpret=interpret, commit=False)
             v_t = _load(v_s.at[slot].transpose((1, 0)) if not interpret else v_s.at[slot],
                         wgmma_layout, interpret)
             fw = _load(fac.at[FW], None, interpret)
@@ -232,37 +269,93 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
         d = jnp.where(valid, d, 0.0)
         # where, not a product with the masked d: the factors past the sequence may be anything
         u_hi, u_lo = split_bf16(jnp.where(valid, d * _columns(fk, (BV, C), interpret), 0.0))
-        d_hi, d_lo = split_bf16(d)
 
         def publish_deltas():
             # the deltas, while the update runs; then the output warpgroup may start
-            _store_halves(d_pub, (d_hi, d_lo), interpret=interpret)
+            _store_halves(d_pub(0), split_bf16(d), interpret=interpret)
             if warp_specialized:
-                plgpu.barrier_arrive(published)
+                plgpu.barrier_arrive(published.at[0])
 
-        (S,), _ = _products([[(u_hi, k_s.at[slot]), (u_lo, k_s.at[slot])]], (BV, K), S * decay,
-                            interpret=interpret, during=publish_deltas)
+        (S,), _ = _products([[(u_hi, k_s.at[slot]), (u_lo, k_s.at[slot])]], (BV, K),
+                            [S * decay], interpret=interpret, during=publish_deltas)
+        return S
+
+    def chain_step_narrow(c, S):
+        """The state's walk over chunk c, S [K, BV] as two accumulators of 64 key rows:
+        publishes S and the deltas, returns the next S. Every right operand goes through shared
+        memory transposed ([BV, .] rows of 128 bytes: wgmma takes both shared-memory operands
+        with one swizzle, k's)."""
+        slot, buf = c % STAGES, c % NB
+        KB = K // 2
+        decay = decay_ref[first + c, h]
+        row = _iota((C, BV), 0, interpret)
+        valid = (row >= bos - chunk_start(c)) & (row < eos - chunk_start(c))
+        fac = fac_s.at[slot]
+        wait_output_done(c)
+        for b, Sb in enumerate(S):
+            _store_halves(s_pub(buf).at[:, :, pl.ds(b * KB, KB)], split_bf16(Sb),
+                          interpret=interpret, commit=False, transposed=True)
+        _commit_smem(interpret)
+
+        def loads():
+            v = _load(v_s.at[slot], wgmma_layout, interpret)
+            return v, _load(fac.at[FW], None, interpret)
+
+        (ks,), (v, fw) = _products([[(k_s.at[slot], ("T", s_pub(buf).at[0])),
+                                     (k_s.at[slot], ("T", s_pub(buf).at[1]))]], (C, BV),
+                                   interpret=interpret, during=loads)
+        x = jnp.where(valid, v.astype(F32) - ks * _rows(fw, (C, BV), interpret), 0.0)
+        _store_halves(x_pub, split_bf16(x), interpret=interpret, transposed=True)
+
+        def loads_for_update():
+            # k^T by key blocks, as register operands (a transposed left operand from shared
+            # memory does not lower)
+            kt = [_load(k_s.at[slot, :, pl.ds(b * KB, KB)].transpose((1, 0))
+                        if not interpret else k_s.at[slot, :, pl.ds(b * KB, KB)],
+                        wgmma_layout, interpret) for b in range(2)]
+            kt = [x.T for x in kt] if interpret else kt
+            return _load(fac.at[FK], None, interpret), kt
+
+        tb_hi, tb_lo = tb_s.at[slot, 0], tb_s.at[slot, 1]
+        x_hi, x_lo = ("T", x_pub[0]), ("T", x_pub[1])
+        (d,), (fk, kt) = _products([[(tb_hi, x_hi), (tb_hi, x_lo), (tb_lo, x_hi)]], (C, BV),
+                                   interpret=interpret, during=loads_for_update)
+        d = jnp.where(valid, d, 0.0)
+        _store_halves(u_pub, split_bf16(jnp.where(valid, d * _rows(fk, (C, BV), interpret),
+                                                  0.0)),
+                      interpret=interpret, commit=False, transposed=True)
+        _store_halves(d_pub(buf), split_bf16(d), interpret=interpret, transposed=True)
         if warp_specialized:
-            plgpu.barrier_arrive(consumed.at[slot])
+            plgpu.barrier_arrive(published.at[buf])
+        u_hi, u_lo = ("T", u_pub[0]), ("T", u_pub[1])
+        S, _ = _products([[(kt[0], u_hi), (kt[0], u_lo)], [(kt[1], u_hi), (kt[1], u_lo)]],
+                         (KB, BV), [Sb * decay for Sb in S], interpret=interpret)
+        return tuple(S)
+
+    def chain_step(c, S):
+        S = (chain_step_narrow if narrow else chain_step_transposed)(c, S)
+        if warp_specialized:
+            plgpu.barrier_arrive(consumed.at[c % STAGES])
         return S
 
     def output_step(c):
         """The output of chunk c from the halves the chain published: O = fq (q S) + aqk D."""
-        slot = c % STAGES
+        slot, buf = c % STAGES, c % NB
         # the intra-chunk matrix (fp16 where bounded by one, else fp32: the prep's) as bf16
         # halves, while the chain is still on this chunk's deltas
         _store_halves(aqk_h, split_bf16(_load(aqk_s.at[slot], wgmma_layout,
                                               interpret).astype(F32)), interpret=interpret)
         if warp_specialized:
-            plgpu.barrier_wait(published)
+            plgpu.barrier_wait(published.at[buf])
+        s_at, d_at = s_pub(buf), d_pub(buf)
         (qs, ad), fq = _products(
-            [[(q_s.at[slot], ("T", s_pub.at[0])), (q_s.at[slot], ("T", s_pub.at[1]))],
-             [(aqk_h.at[0], ("T", d_pub.at[0])), (aqk_h.at[0], ("T", d_pub.at[1])),
-              (aqk_h.at[1], ("T", d_pub.at[0]))]], (C, BV), interpret=interpret,
+            [[(q_s.at[slot], ("T", s_at.at[0])), (q_s.at[slot], ("T", s_at.at[1]))],
+             [(aqk_h.at[0], ("T", d_at.at[0])), (aqk_h.at[0], ("T", d_at.at[1])),
+              (aqk_h.at[1], ("T", d_at.at[0]))]], (C, BV), interpret=interpret,
             during=lambda: _load(fac_s.at[slot, FQ], None, interpret))
         fq = _rows(fq, (C, BV), interpret)
         if warp_specialized:
-            plgpu.barrier_arrive(out_done)
+            plgpu.barrier_arrive(out_done.at[buf])
             plgpu.barrier_arrive(consumed.at[slot])
         store_output(c, (qs * fq + ad).astype(o_ref.dtype))
 
@@ -283,7 +376,9 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
         @pl.when(num_rows < C)
         def _():
             # the sequence's own rows only, in pieces of 32, 16, ..., 1 rows (a copy's size is
-            # static): the rows before and after them are other sequences'
+            # static): the rows before and after them are other sequences'. A bulk copy reads
+            # shared memory at 128-byte aligned addresses: the narrow form's rows are 64 bytes,
+            # so it takes sequences that start at even rows only (then every piece does)
             done = lo
             size = C // 2
             while size:
@@ -294,18 +389,31 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
                 done = done + (num_rows & size)
                 size //= 2
 
+    # the state's slab in gmem: S^T [BV, K] of the transposed states [N, HV, V, K], or S [K, BV]
+    state_gmem = (h0_ref.at[n, h, :, cols] if narrow else h0_ref.at[n, h, cols, :])
+    final_gmem = (hT_ref.at[n, h, :, cols] if narrow else hT_ref.at[n, h, cols, :])
+    halves_of_k = (pl.ds(0, K // 2), pl.ds(K // 2, K // 2))
+
     def initial_state():
         if not has_initial_state:
-            return jnp.zeros((BV, K), F32) if interpret else plgpu.layout_cast(
-                jnp.zeros((BV, K), F32), plgpu.Layout.WGMMA)
-        plgpu.copy_gmem_to_smem(h0_ref.at[n, h, cols, :], state_s, h0_bar)
+            shape = (K // 2, BV) if narrow else (BV, K)
+            zero = jnp.zeros(shape, F32)
+            zero = zero if interpret else plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
+            return (zero, zero) if narrow else zero
+        plgpu.copy_gmem_to_smem(state_gmem, state_s, h0_bar)
         plgpu.barrier_wait(h0_bar)
+        if narrow:
+            return tuple(_load(state_s.at[r], wgmma_layout, interpret) for r in halves_of_k)
         return _load(state_s, wgmma_layout, interpret)
 
     def store_final(S):
-        state_s[...] = S
+        if narrow:
+            for r, Sb in zip(halves_of_k, S):
+                state_s[r] = Sb
+        else:
+            state_s[...] = S
         _commit_smem(interpret)
-        plgpu.copy_smem_to_gmem(state_s, hT_ref.at[n, h, cols, :])
+        plgpu.copy_smem_to_gmem(state_s, final_gmem)
         if not interpret:
             plgpu.wait_smem_to_gmem(0)
 
@@ -347,10 +455,11 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
             return chain_step(c, S)
 
         S = lax.fori_loop(0, num_chunks, step, S)
-
-        @pl.when(num_chunks > 0)
-        def _():
-            plgpu.barrier_wait(out_done)  # the published halves share memory with state_s
+        if not narrow:
+            @pl.when(num_chunks > 0)
+            def _():
+                # the published halves share memory with state_s
+                plgpu.barrier_wait(out_done.at[(num_chunks - 1) % NB])
         store_final(S)
 
     @pl.when(wg == 1)
@@ -379,42 +488,63 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
 
 
 def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_heads: int,
-         num_k_heads: int, has_initial_state: bool, warp_specialized: bool = True,
-         interpret: bool = False):
+         num_k_heads: int, has_initial_state: bool, narrow: bool = False,
+         warp_specialized: bool = True, interpret: bool = False):
     """The scan over packed sequences, each one's chunks from its start rounded down to ALIGN.
 
     cu [N + 1], order [N] (the sequences' launch order), first [N] (each sequence's first chunk
-    slot), live [N] int32 (0: a sequence nobody walks, whose output rows are zeros), decay [S, HV] (e^{G_C} per chunk slot); q, k [T, HK, 128], v [T, HV, V] bf16 (T a
-    multiple of ALIGN); tb [2, T, HV, C] bf16, T beta's halves; aqk [T, HV, C] fp16 or fp32, the
-    intra-chunk matrix (the output warpgroup splits it); factors [3, HV, T] fp32 (FQ, FK, FW); h0 [N, HV, V, K] fp32, the initial states *transposed* (or a placeholder).
-    Returns (o [T, HV, V] bf16, final states transposed [N, HV, V, K] fp32)."""
+    slot), live [N] int32 (0: a sequence nobody walks, whose output rows are zeros), decay
+    [S, HV] (e^{G_C} per chunk slot); q, k [T, HK, 128], v [T, HV, V] bf16 (T a multiple of
+    ALIGN); tb [2, T, HV, C] bf16, T beta's halves; aqk [T, HV, C] fp16 or fp32, the
+    intra-chunk matrix (the output warpgroup splits it); factors [3, HV, T] fp32 (FQ, FK, FW).
+    narrow: programs of BLOCK_V_NARROW value columns holding S [K, BV] (twice the programs;
+    the states h0 [N, HV, K, V] and the final states as they are), else of BLOCK_V holding
+    S^T [BV, K] (h0 [N, HV, V, K] and the final states *transposed*); h0 may be a placeholder
+    without has_initial_state.
+    Returns (o [T, HV, V] bf16, final states [N, HV, K, V] (narrow) or [N, HV, V, K], fp32)."""
     T, HV, V = v.shape
     N = cu.shape[0] - 1
     K = HEAD_K_DIM
-    nv = V // BLOCK_V
+    BV = BLOCK_V_NARROW if narrow else BLOCK_V
+    nv = V // BV
     stage = lambda *shape: _swizzled((STAGES,) + shape)
-    pub = plgpu.RefUnion(
-        (_swizzled((2, BLOCK_V, K)), _swizzled((2, BLOCK_V, CHUNK))),  # S^T and D^T halves
-        plgpu.SMEM((BLOCK_V, K), F32))                                # state staging
-    scratch = (stage(CHUNK, K), stage(CHUNK, K), stage(CHUNK, BLOCK_V), stage(2, CHUNK, CHUNK),
+    if narrow:
+        KB = K // 2
+        # S^T and D^T halves in two buffers; X^T and U^T halves (the chain's own), which share
+        # memory with the state's staging
+        # (each half of X^T and U^T a ref of its own: the update indexes no ref by a constant,
+        # which `run_state` would take in as an operand, and its lowering does not return)
+        pair = lambda: (_swizzled((BV, CHUNK)), _swizzled((BV, CHUNK)))
+        pub = ((_swizzled((2, 2, BV, K)), _swizzled((2, 2, BV, CHUNK))),
+               plgpu.RefUnion((pair(), pair()), plgpu.SMEM((K, BV), F32)))
+        v_stage = _swizzled((STAGES, CHUNK, BV), swizzle=64)
+    else:
+        pub = plgpu.RefUnion(
+            (_swizzled((2, BV, K)), _swizzled((2, BV, CHUNK))),  # S^T and D^T halves
+            plgpu.SMEM((BV, K), F32))                            # state staging
+        v_stage = stage(CHUNK, BV)
+    scratch = (stage(CHUNK, K), stage(CHUNK, K), v_stage, stage(2, CHUNK, CHUNK),
                plgpu.SMEM((STAGES, CHUNK, CHUNK), aqk.dtype),
                plgpu.SMEM((STAGES, NUM_FACTORS, CHUNK), F32),
                _swizzled((2, CHUNK, CHUNK)),                           # aqk's halves
                pub,
-               plgpu.SMEM((2, CHUNK, BLOCK_V), BF16),                  # output staging
+               plgpu.SMEM((2, CHUNK, BV), BF16),                       # output staging
                plgpu.Barrier(num_arrivals=_COPIES, num_barriers=STAGES),
                plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
-               plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier())
+               plgpu.Barrier(num_barriers=2 if narrow else 1),        # published
+               plgpu.Barrier(num_barriers=2 if narrow else 1),        # out_done
+               plgpu.Barrier())
     kernel = functools.partial(_kernel, num_v_heads=HV, num_k_heads=num_k_heads, head_v_dim=V,
-                               has_initial_state=has_initial_state,
+                               has_initial_state=has_initial_state, narrow=narrow,
                                warp_specialized=warp_specialized, interpret=interpret)
     extra = {}
     if interpret:
         extra["interpret"] = plgpu.InterpretGPUParams()
+    state_shape = (N, HV, K, V) if narrow else (N, HV, V, K)
     return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((T, HV, V), v.dtype),
-                  jax.ShapeDtypeStruct((N, HV, V, K), F32)),
+                  jax.ShapeDtypeStruct(state_shape, F32)),
         scratch_types=scratch,
         grid=(N * HV * nv,),
         grid_names=("p",),

@@ -6,6 +6,7 @@ write to a slot that was not named, or a read of padding, shows.
 """
 
 import functools
+import itertools
 
 import numpy as np
 import jax
@@ -546,8 +547,8 @@ MOSAIC_CASES = [  # lens, HK, HV, V, initial state, gate, L2 norm
     # starts at multiples of 8: partial chunks, an empty and an 8-token sequence, a one-token
     # one last, GVA 2x
     ([72, 8, 0, 136, 1], 1, 2, 64, True, "normal", True),
-    # starts off the 8-row tiles (37, 38, 138, 141): first chunks that begin with the previous
-    # sequences' rows, a one-token sequence inside one tile, an empty one, a 63-token one that
+    # starts off the 8-row tiles (37, 38, 138, 141; odd ones: the wide form only): first chunks
+    # that begin with the previous sequences' rows, a one-token sequence inside one tile, an empty one, a 63-token one that
     # spans two chunks from its rounded-down start
     ([37, 1, 100, 0, 3, 63], 1, 2, 64, True, "normal", True),
     # B = 3 dense, whole chunks; rows normalised beforehand (the intra-chunk matrix in fp32)
@@ -556,20 +557,31 @@ MOSAIC_CASES = [  # lens, HK, HV, V, initial state, gate, L2 norm
 ]
 
 
+# the wide form on every case, the narrow one on the even-start cases (on a CPU the first only
+# by default: the rest are `full`)
+MOSAIC_FORMS = ([pytest.param(64, *case, id=f"wide-{i}") for i, case in enumerate(MOSAIC_CASES)]
+                + [pytest.param(32, *case, id=f"narrow-{i}", marks=[FULL] if i else [])
+                   for i, case in enumerate(MOSAIC_CASES)
+                   if not (np.cumsum([0] + case[0])[:-1] % 2).any()])
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("lens,HK,HV,V,init,gate,l2", MOSAIC_CASES)
-def test_mosaic_scan_against_float64(mode, lens, HK, HV, V, init, gate, l2):
-    """The Mosaic GPU scan (`PrefillBlockSizes.mosaic_scan`; compiled: three warpgroups,
-    interpreted: one, with plain dots) through `chunk_prefill`, bf16 inputs against float64.
+@pytest.mark.parametrize("block_v,lens,HK,HV,V,init,gate,l2", MOSAIC_FORMS)
+def test_mosaic_scan_against_float64(mode, block_v, lens, HK, HV, V, init, gate, l2):
+    """The Mosaic GPU scan (`PrefillBlockSizes.mosaic_scan`, both forms: S^T [64, K] and
+    S [K, 32]; compiled: three warpgroups, interpreted: one, with plain dots) through
+    `chunk_prefill`, bf16 inputs against float64.
     Its output is a fresh buffer: a row it failed to write holds what the memory held before
     (on the GPU, earlier calls' data), which the finiteness and error checks catch."""
+    even = not (np.cumsum([0] + lens)[:-1] % 2).any()
     q, k, v, g, beta, h0, cu = _packed_inputs(3, lens, HK=HK, HV=HV, K=128, V=V, dtype=BF16,
                                               gate=gate)
     if not l2:
         unit = lambda x: (x / jnp.linalg.norm(x.astype(F32), axis=-1, keepdims=True)).astype(BF16)
         q, k = unit(q), unit(k)
-    spec = _spec(HK, HV, 128, V, has_initial_state=init, precise=False, use_qk_l2norm=l2)
-    block = kern.PrefillBlockSizes(mosaic_scan=True)
+    spec = _spec(HK, HV, 128, V, has_initial_state=init, precise=False, use_qk_l2norm=l2,
+                 even_starts=even)
+    block = kern.PrefillBlockSizes(mosaic_scan=True, block_v=block_v)
     assert kern.unsupported_reason(spec, block) is None
     o, hT, _, _ = kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
                                      initial_state=h0 if init else None,
@@ -619,17 +631,18 @@ def test_mosaic_scan_pool_slots_in_place(mode, pool_dtype):
 
 
 def test_mosaic_scan_lowers_for_hopper():
-    """Both forms of the Mosaic GPU scan lower through Mosaic GPU (layout inference included)
-    for CUDA without a GPU; only the compile to machine code needs the device."""
+    """Both forms of the Mosaic GPU scan (wide and narrow), with three warpgroups and with one,
+    lower through Mosaic GPU (layout inference included) for CUDA without a GPU; only the
+    compile to machine code needs the device."""
     from pallas_kernels import gdn_prefill_mgpu as mgpu
     T, HK, HV, K, V = 200, 2, 4, 128, 128
     x, y = jnp.ones((T, HK, K), BF16), jnp.ones((T, HV, V), BF16)
     halves = jnp.ones((2, T, HV, 64), BF16)
     aqk = jnp.ones((T, HV, 64), jnp.float16)
     cu = jnp.array([0, 64, T], jnp.int32)
-    for ws in (False, True):
+    for ws, narrow in itertools.product((False, True), (False, True)):
         f = jax.jit(functools.partial(mgpu.scan, num_v_heads=HV, num_k_heads=HK,
-                                      has_initial_state=True, warp_specialized=ws))
+                                      has_initial_state=True, narrow=narrow, warp_specialized=ws))
         exported = jax.export.export(f, platforms=["cuda"])(
             cu, jnp.array([1, 0], jnp.int32), jnp.array([0, 1], jnp.int32),
             jnp.array([1, 0], jnp.int32), jnp.ones((5, HV)),
@@ -641,8 +654,21 @@ def test_mosaic_scan_dispatch_rule():
     """Where the default blocks take the Mosaic GPU scan, and why not elsewhere."""
     gdn = _spec(16, 32, 128, 128, precise=False)
     pick = lambda spec, n, dtype=BF16: kern.PrefillBlockSizes.get_default(spec, n, dtype).mosaic_scan
-    assert pick(gdn, kern.MOSAIC_SCAN_MIN_PAIRS // 32)
-    assert not pick(gdn, kern.MOSAIC_SCAN_MIN_PAIRS // 32 - 1)       # few pairs: Triton's scan
+    width = lambda spec, n: kern.PrefillBlockSizes.get_default(spec, n, BF16).block_v
+    # the wide form (64 columns) from MOSAIC_WIDE_MIN_PROGRAMS of its programs, else the narrow
+    # one where the starts are even and no pool is written, else the Triton scan
+    n_wide = kern.MOSAIC_WIDE_MIN_PROGRAMS // (32 * 2)  # HV = 32, V = 128: 2 programs a pair
+    even = _spec(16, 32, 128, 128, precise=False, even_starts=True)
+    assert pick(even, 1) and pick(even, n_wide) and pick(gdn, n_wide) and pick(gdn, 64)
+    assert (width(even, 1), width(even, n_wide - 1), width(even, n_wide)) == (32, 32, 64)
+    assert not pick(gdn, n_wide - 1)
+    pooled = _spec(16, 32, 128, 128, precise=False, even_starts=True, pooled=True)
+    assert not pick(pooled, n_wide - 1) and pick(pooled, n_wide)
+    narrow = kern.PrefillBlockSizes(mosaic_scan=True, block_v=32)
+    assert "even_starts" in kern.unsupported_reason(gdn, narrow)
+    assert "pool" in kern.unsupported_reason(pooled, narrow)
+    assert kern.unsupported_reason(even, narrow) is None
+    assert kern.unsupported_reason(gdn, kern.PrefillBlockSizes(mosaic_scan=True, block_v=16))
     assert not pick(gdn, 8, jnp.float16) and not pick(gdn, 8, None)
     for spec, word in ((_spec(16, 32, 64, 64, precise=False), "head_k_dim"),
                        (_spec(16, 32, 128, 128, precise=False, per_channel_gate=True), "KDA"),
