@@ -313,7 +313,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
             kt = [_load(k_s.at[slot, :, pl.ds(b * KB, KB)].transpose((1, 0))
                         if not interpret else k_s.at[slot, :, pl.ds(b * KB, KB)],
                         wgmma_layout, interpret) for b in range(2)]
-            kt = [x.T for x in kt] if interpret else kt
+            kt = [t.T for t in kt] if interpret else kt
             return _load(fac.at[FK], None, interpret), kt
 
         tb_hi, tb_lo = tb_s.at[slot, 0], tb_s.at[slot, 1]
@@ -509,11 +509,10 @@ def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_
     nv = V // BV
     stage = lambda *shape: _swizzled((STAGES,) + shape)
     if narrow:
-        KB = K // 2
         # S^T and D^T halves in two buffers; X^T and U^T halves (the chain's own), which share
-        # memory with the state's staging
-        # (each half of X^T and U^T a ref of its own: the update indexes no ref by a constant,
-        # which `run_state` would take in as an operand, and its lowering does not return)
+        # memory with the state's staging. Each half of X^T and U^T is a ref of its own: a ref
+        # indexed by a constant inside the update (`run_state`) becomes an operand of it, and
+        # its lowering fails to return such an operand.
         pair = lambda: (_swizzled((BV, CHUNK)), _swizzled((BV, CHUNK)))
         pub = ((_swizzled((2, 2, BV, K)), _swizzled((2, 2, BV, CHUNK))),
                plgpu.RefUnion((pair(), pair()), plgpu.SMEM((K, BV), F32)))
