@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import FULL
 from gdn_jax.bench import common
 from gdn_jax.cli import _bench_names
 
@@ -217,7 +218,8 @@ def test_run_peer_plumbing():
     assert len(lines) == 1 and "CUDA not available" in lines[0]
 
 
-@pytest.mark.parametrize("bench", ["prefill", "kda"])
+# KDA's run is the same comparison with its per-channel flag (its kernels are tested elsewhere)
+@pytest.mark.parametrize("bench", ["prefill", pytest.param("kda", marks=FULL)])
 def test_prefill_short_smoke_compares_the_two_kernels(tmp_path, bench):
     """bench prefill|kda --short --smoke: the token-serial and the chunked kernel on the same
     short prompts (GDN's gate, KDA's per-channel gate), checked against each other, a crossover

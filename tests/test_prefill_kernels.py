@@ -557,9 +557,10 @@ MOSAIC_CASES = [  # lens, HK, HV, V, initial state, gate, L2 norm
 ]
 
 
-# the wide form on every case, the narrow one on the even-start cases (on a CPU the first only
-# by default: the rest are `full`)
-MOSAIC_FORMS = ([pytest.param(64, *case, id=f"wide-{i}") for i, case in enumerate(MOSAIC_CASES)]
+# the wide form on every case, the narrow one on the even-start cases (on a CPU by default the
+# wide form on the first three and the narrow one on the first: the rest are `full`)
+MOSAIC_FORMS = ([pytest.param(64, *case, id=f"wide-{i}", marks=[FULL] if i > 2 else [])
+                 for i, case in enumerate(MOSAIC_CASES)]
                 + [pytest.param(32, *case, id=f"narrow-{i}", marks=[FULL] if i else [])
                    for i, case in enumerate(MOSAIC_CASES)
                    if not (np.cumsum([0] + case[0])[:-1] % 2).any()])
@@ -594,7 +595,7 @@ def test_mosaic_scan_against_float64(mode, block_v, lens, HK, HV, V, init, gate,
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("pool_dtype", [F32, BF16])
+@pytest.mark.parametrize("pool_dtype", [F32, pytest.param(BF16, marks=FULL)])
 def test_mosaic_scan_pool_slots_in_place(mode, pool_dtype):
     """The Mosaic GPU scan with a pool: initial states from the named slots, final states into
     them (one rounding to the pool's dtype); padding slots (-1, or past the pool) read and write
