@@ -15,7 +15,6 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import FULL
 from gdn_jax.bench import common
 from gdn_jax.cli import _bench_names
 
@@ -218,8 +217,10 @@ def test_run_peer_plumbing():
     assert len(lines) == 1 and "CUDA not available" in lines[0]
 
 
-# KDA's run is the same comparison with its per-channel flag (its kernels are tested elsewhere)
-@pytest.mark.parametrize("bench", ["prefill", pytest.param("kda", marks=FULL)])
+# KDA's run is the same comparison with its per-channel flag (its kernels are tested elsewhere).
+# (`pytest.mark.full` spelled out, not conftest's FULL: a peer subprocess imports this module
+# without the tests folder on its path.)
+@pytest.mark.parametrize("bench", ["prefill", pytest.param("kda", marks=pytest.mark.full)])
 def test_prefill_short_smoke_compares_the_two_kernels(tmp_path, bench):
     """bench prefill|kda --short --smoke: the token-serial and the chunked kernel on the same
     short prompts (GDN's gate, KDA's per-channel gate), checked against each other, a crossover
