@@ -489,7 +489,7 @@ def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, positions, *, s
         # The walks to the positions start from the initial states: read them before the kernel
         # overwrites their slots, and tie the pool to that read (else XLA copies the pool to keep
         # the read safe from the in-place write).
-        live, h0 = _pool_rows(pool, slots)
+        live, h0 = kern.pool_rows(pool, slots)
         h0, pool = jax.lax.optimization_barrier((h0, pool))
     bounds = first = None
     if kernel == "serial":
@@ -507,14 +507,6 @@ def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, positions, *, s
                                dt_bias, static=static, state_dtype=pool.dtype,
                                interpret=interpret)
     return o.reshape(B, T, HV, V), pool, _mask_rows(at, live)
-
-
-def _pool_rows(pool, slots):
-    """(live [N] bool, the named slots' states [N, HV, K, V] fp32, zero for padding)."""
-    P = pool.shape[0]
-    live = (slots >= 0) & (slots < P)
-    rows = pool[jnp.clip(slots, 0, P - 1)].astype(jnp.float32)
-    return live, jnp.where(live[:, None, None, None], rows, 0.0)
 
 
 def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=False,
@@ -558,7 +550,7 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
         from gdn_jax.ops import AUTO_CHUNKED_MIN_T
         form = "chunked" if impl == "auto" and call.max_seq_len >= AUTO_CHUNKED_MIN_T else "reference"
         if positions is not None:
-            live, h0 = _pool_rows(pool, slots.astype(jnp.int32))
+            live, h0 = kern.pool_rows(pool, slots.astype(jnp.int32))
         o, pool = reference_prefill_pool(q, k, v, g, beta, pool, slots, scale=scale,
                                          use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
                                          A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
@@ -592,7 +584,7 @@ def reference_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_
     g, beta = _raw_to_gates(g, beta, A_log, dt_bias, lower_bound)
     P = pool.shape[0]
     slots = jnp.asarray(slots, jnp.int32)
-    live, h0 = _pool_rows(pool, slots)
+    live, h0 = kern.pool_rows(pool, slots)
     from gdn_jax.ops import gated_delta_rule, kda
     o, hT = (kda if g.ndim == 4 else gated_delta_rule)(q, k, v, g, beta, scale=scale, initial_state=h0,
                              output_final_state=True, use_qk_l2norm=use_qk_l2norm,

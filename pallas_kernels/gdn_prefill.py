@@ -126,7 +126,7 @@ GATE_QUANTUM = 16.0      # hi parts of the gates are multiples of 1 / GATE_QUANT
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 
-__all__ = ["PrefillSpec", "PrefillBlockSizes", "unsupported_reason", "chunk_table",
+__all__ = ["PrefillSpec", "PrefillBlockSizes", "unsupported_reason", "chunk_table", "pool_rows",
            "chunk_prefill", "split_gate", "tame_rows"]
 
 
@@ -749,9 +749,9 @@ def _half_inverse(spec: PrefillSpec, blocked_inverse: bool) -> bool:
     return not spec.per_channel_gate and not spec.precise and not blocked_inverse
 
 
-def _prep_kernel(start_ref, len_ref, lead_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log_ref, dt_ref,
-                 kk_ref, ek_ref, tb_ref, w_ref, u_ref, aqk_ref, fq_ref, fk_ref, fw_ref, decay_ref,
-                 kk_out_ref, a_ref, *, spec: PrefillSpec, blocked_inverse: bool,
+def _prep_kernel(start_ref, len_ref, lead_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log_ref,
+                 dt_ref, kk_ref, ek_ref, tb_ref, w_ref, u_ref, aqk_ref, fq_ref, fk_ref, fw_ref,
+                 decay_ref, kk_out_ref, a_ref, *, spec: PrefillSpec, blocked_inverse: bool,
                  prep_cols: int, heads_fastest: bool, interpret: bool):
     s, h = _slot_and_head(heads_fastest)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
@@ -864,8 +864,8 @@ def _prep_inverse_kernel(start_ref, len_ref, lead_ref, beta_ref, a_ref, tb_ref, 
     _store_split(tb_ref, (tok, h, slice(None)), T * beta[None, :], rows[:, None])
 
 
-def _prep_redo_kernel(start_ref, len_ref, lead_ref, k_ref, g_ref, beta_ref, A_log_ref, dt_ref, redo_ref,
-                      tb_in_ref, tb_ref, *, spec: PrefillSpec, interpret: bool):
+def _prep_redo_kernel(start_ref, len_ref, lead_ref, k_ref, g_ref, beta_ref, A_log_ref, dt_ref,
+                      redo_ref, tb_in_ref, tb_ref, *, spec: PrefillSpec, interpret: bool):
     """T beta again, with the one-pass TF32 inverse, for the GDN chunks `_prep_inverse_kernel`
     flagged (their fp16 inverse did not fit: `_half_inverse_fits`); the other chunks' rows stay
     as they are (tb_ref aliases tb_in_ref). One program per REDO_SLOTS chunk slots of one value
@@ -1321,6 +1321,15 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
     return tb, w, u, aqk, fq, fk, fw, decay
 
 
+def pool_rows(pool, slots):
+    """(live [N] bool: slots[n] names a slot of pool [P, ...], the named slots' states [N, ...]
+    fp32, zero for padding slots (outside [0, P)))."""
+    P = pool.shape[0]
+    live = (slots >= 0) & (slots < P)
+    rows = pool[jnp.clip(slots, 0, P - 1)].astype(F32)
+    return live, jnp.where(live.reshape((-1,) + (1,) * (rows.ndim - 1)), rows, 0.0)
+
+
 def _longest_first(cu):
     """Sequence indices [N] int32 by decreasing length (ties in index order)."""
     lens = cu[1:] - cu[:-1]
@@ -1374,11 +1383,8 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
         if spec.pooled:
             # the named slots' states read here and written back below (a padding slot: zeros
             # in, nothing out, and the kernel stores its sequence's outputs as zeros)
-            P = h0.shape[0]
-            in_pool = (slots >= 0) & (slots < P)
+            in_pool, h0 = pool_rows(pool_in, slots)
             live = in_pool.astype(jnp.int32)
-            h0 = jnp.where(in_pool[:, None, None, None],
-                           h0[jnp.clip(slots, 0, P - 1)].astype(F32), 0.0)
         # the Mosaic scan's wide form holds S^T: the states cross its boundary transposed
         narrow = block.block_v == mgpu_scan.BLOCK_V_NARROW
         orient = (lambda x: x) if narrow else (lambda x: jnp.swapaxes(x, -1, -2))
@@ -1397,7 +1403,7 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
         final = orient(final_t)
         if spec.pooled:
             # in place (the pool is donated); a padding slot's index lies past the pool: dropped
-            into = jnp.where(in_pool, slots, P)
+            into = jnp.where(in_pool, slots, pool_in.shape[0])
             final = pool_in.at[into].set(final.astype(pool_in.dtype), mode="drop")
         elif spec.output_final_state:
             final = final.astype(state_dtype)

@@ -213,6 +213,8 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
         (s_one, d_one), state_s = pub
         s_pub, d_pub = (lambda buf: s_one), (lambda buf: d_one)
     wgmma_layout = None if interpret else plgpu.Layout.WGMMA
+    # the token index of the chain's tiles: S^T's form holds tokens on columns, S's on rows
+    tok_index = _iota((C, BV), 0, interpret) if narrow else _iota((BV, C), 1, interpret)
 
     def chunk_start(c):
         return pl.multiple_of(base + c * C, ALIGN)
@@ -241,8 +243,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
         deltas, returns the next S."""
         slot = c % STAGES
         decay = decay_ref[first + c, h]  # a global load: issued first, used last
-        col = _iota((BV, C), 1, interpret)
-        valid = (col >= bos - chunk_start(c)) & (col < eos - chunk_start(c))
+        valid = (tok_index >= bos - chunk_start(c)) & (tok_index < eos - chunk_start(c))
         fac = fac_s.at[slot]
         s_hi, s_lo = split_bf16(S)
 
@@ -288,8 +289,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
         slot, buf = c % STAGES, c % NB
         KB = K // 2
         decay = decay_ref[first + c, h]
-        row = _iota((C, BV), 0, interpret)
-        valid = (row >= bos - chunk_start(c)) & (row < eos - chunk_start(c))
+        valid = (tok_index >= bos - chunk_start(c)) & (tok_index < eos - chunk_start(c))
         fac = fac_s.at[slot]
         wait_output_done(c)
         for b, Sb in enumerate(S):
