@@ -476,10 +476,10 @@ def _even_starts(T: int, cu_seqlens) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",
-                                             "kernel", "interpret"),
+                                             "kernel", "even_starts", "interpret"),
                    donate_argnames=("pool",))
 def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, positions, *, scale,
-              use_qk_l2norm, raw_gates, lower_bound, kernel, interpret):
+              use_qk_l2norm, raw_gates, lower_bound, kernel, even_starts, interpret):
     B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
     static = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
@@ -496,7 +496,8 @@ def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, positions, *, s
         o, pool = _serial(q, k, v, g, beta, cu[:-1], cu[1:], pool, A_log, dt_bias, static=static,
                           state_dtype=pool.dtype, interpret=interpret, slots=slots)
     else:
-        spec = _spec(q, v, g, **static, pooled=True, boundary_states=positions is not None)
+        spec = _spec(q, v, g, **static, pooled=True, boundary_states=positions is not None,
+                     even_starts=even_starts)
         o, pool, bounds, (_, _, first) = kern.chunk_prefill(
             _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
             block=kern.PrefillBlockSizes.get_default(spec, cu.shape[0] - 1, v.dtype), A_log=A_log,
@@ -570,6 +571,7 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
                          "states_after must lie in [0, len] of its sequence")
     o, pool, at = _run_pool(q, k, v, g, beta, cu, pool, slots.astype(jnp.int32), A_log, dt_bias,
                             positions, **static, kernel=which,
+                            even_starts=_even_starts(T, cu_seqlens),
                             interpret=dispatch.interpret_enabled(interpret))
     return (o, pool) if positions is None else (o, pool, at)
 

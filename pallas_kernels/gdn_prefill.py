@@ -255,8 +255,6 @@ def _narrow_reason(spec: PrefillSpec) -> str | None:
         return ("the narrow form needs every sequence to start at an even token "
                 "(spec.even_starts): its output copies read 64-byte rows at 128-byte aligned "
                 "addresses")
-    if spec.pooled:
-        return "the narrow form writes no pool slots"
     return None
 
 

@@ -595,12 +595,16 @@ def test_mosaic_scan_against_float64(mode, block_v, lens, HK, HV, V, init, gate,
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("pool_dtype", [F32, pytest.param(BF16, marks=FULL)])
-def test_mosaic_scan_pool_slots_in_place(mode, pool_dtype):
-    """The Mosaic GPU scan with a pool: initial states from the named slots, final states into
-    them (one rounding to the pool's dtype); padding slots (-1, or past the pool) read and write
-    nothing and their sequences' outputs are zeros; other slots keep their bits."""
-    lens = [70, 5, 33, 20]
+@pytest.mark.parametrize("block_v,pool_dtype,lens", [
+    pytest.param(64, F32, [70, 5, 33, 20], id="wide-f32"),
+    pytest.param(64, BF16, [70, 5, 33, 20], id="wide-bf16", marks=FULL),
+    # the narrow form takes even starts
+    pytest.param(32, F32, [70, 6, 32, 21], id="narrow-f32", marks=FULL)])
+def test_mosaic_scan_pool_slots_in_place(mode, block_v, pool_dtype, lens):
+    """The Mosaic GPU scan (both forms) with a pool: initial states from the named slots, final
+    states into them (one rounding to the pool's dtype); padding slots (-1, or past the pool)
+    read and write nothing and their sequences' outputs are zeros; other slots keep their
+    bits."""
     HK, HV, V = 1, 2, 64
     q, k, v, g, beta, h0, cu = _packed_inputs(7, lens, HK=HK, HV=HV, K=128, V=V, dtype=BF16)
     P = 6
@@ -610,8 +614,9 @@ def test_mosaic_scan_pool_slots_in_place(mode, pool_dtype):
     pool = jnp.asarray(pool).astype(pool_dtype)
     before = np.asarray(pool.astype(F32))  # (the pool is donated to the call)
     h0_used = before[[4, 4, 1, 1]]  # the initial states as the pool holds them
-    spec = _spec(HK, HV, 128, V, pooled=True, precise=False)
-    block = kern.PrefillBlockSizes(mosaic_scan=True)
+    even = not (np.cumsum([0] + lens)[:-1] % 2).any()
+    spec = _spec(HK, HV, 128, V, pooled=True, precise=False, even_starts=even)
+    block = kern.PrefillBlockSizes(mosaic_scan=True, block_v=block_v)
     assert kern.unsupported_reason(spec, block) is None
     o, new_pool, _, _ = kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
                                            pool=pool, slots=jnp.asarray(slots),
@@ -657,17 +662,17 @@ def test_mosaic_scan_dispatch_rule():
     pick = lambda spec, n, dtype=BF16: kern.PrefillBlockSizes.get_default(spec, n, dtype).mosaic_scan
     width = lambda spec, n: kern.PrefillBlockSizes.get_default(spec, n, BF16).block_v
     # the wide form (64 columns) from MOSAIC_WIDE_MIN_PROGRAMS of its programs, else the narrow
-    # one where the starts are even and no pool is written, else the Triton scan
+    # one where the starts are even, else the Triton scan
     n_wide = kern.MOSAIC_WIDE_MIN_PROGRAMS // (32 * 2)  # HV = 32, V = 128: 2 programs a pair
     even = _spec(16, 32, 128, 128, precise=False, even_starts=True)
     assert pick(even, 1) and pick(even, n_wide) and pick(gdn, n_wide) and pick(gdn, 64)
     assert (width(even, 1), width(even, n_wide - 1), width(even, n_wide)) == (32, 32, 64)
     assert not pick(gdn, n_wide - 1)
     pooled = _spec(16, 32, 128, 128, precise=False, even_starts=True, pooled=True)
-    assert not pick(pooled, n_wide - 1) and pick(pooled, n_wide)
+    assert (width(pooled, 1), width(pooled, n_wide)) == (32, 64) and pick(pooled, 1)
     narrow = kern.PrefillBlockSizes(mosaic_scan=True, block_v=32)
     assert "even_starts" in kern.unsupported_reason(gdn, narrow)
-    assert "pool" in kern.unsupported_reason(pooled, narrow)
+    assert kern.unsupported_reason(pooled, narrow) is None
     assert kern.unsupported_reason(even, narrow) is None
     assert kern.unsupported_reason(gdn, kern.PrefillBlockSizes(mosaic_scan=True, block_v=16))
     assert not pick(gdn, 8, jnp.float16) and not pick(gdn, 8, None)
