@@ -174,6 +174,14 @@ def _rows(vec, shape, interpret):
     return lax.broadcast_in_dim(vec, shape, (0,))
 
 
+def _minus_product(x, acc, factor):
+    """x - acc * factor, for acc a product's accumulator, as x + acc * (-factor) (the same bits:
+    one fma either way). Written as x - acc * factor, LLVM negates acc's registers and may place
+    the negation above the product's wait; ptxas then waits for the product there, before the
+    loads meant to run under it (measured: the narrow form 2.6% slower)."""
+    return x + acc * (-factor)
+
+
 def _iota(shape, axis, interpret):
     x = lax.broadcasted_iota(jnp.int32, shape, axis)
     return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
@@ -261,7 +269,8 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
         (ks,), (v_t, fw) = _products([[(s_hi, ("T", k_s.at[slot])),
                                         (s_lo, ("T", k_s.at[slot]))]], (BV, C),
                                       interpret=interpret, during=publish_state_and_load)
-        x = jnp.where(valid, v_t.astype(F32) - ks * _columns(fw, (BV, C), interpret), 0.0)
+        x = jnp.where(valid, _minus_product(v_t.astype(F32), ks, _columns(fw, (BV, C), interpret)),
+                      0.0)
         x_hi, x_lo = split_bf16(x)
         tb_hi, tb_lo = ("T", tb_s.at[slot, 0]), ("T", tb_s.at[slot, 1])
         (d,), fk = _products([[(x_hi, tb_hi), (x_hi, tb_lo), (x_lo, tb_hi)]], (BV, C),
@@ -304,7 +313,8 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
         (ks,), (v, fw) = _products([[(k_s.at[slot], ("T", s_pub(buf).at[0])),
                                      (k_s.at[slot], ("T", s_pub(buf).at[1]))]], (C, BV),
                                    interpret=interpret, during=loads)
-        x = jnp.where(valid, v.astype(F32) - ks * _rows(fw, (C, BV), interpret), 0.0)
+        x = jnp.where(valid, _minus_product(v.astype(F32), ks, _rows(fw, (C, BV), interpret)),
+                      0.0)
         _store_halves(x_pub, split_bf16(x), interpret=interpret, transposed=True)
 
         def loads_for_update():
