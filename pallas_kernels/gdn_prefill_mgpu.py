@@ -178,7 +178,7 @@ def _minus_product(x, acc, factor):
     """x - acc * factor, for acc a product's accumulator, as x + acc * (-factor) (the same bits:
     one fma either way). Written as x - acc * factor, LLVM negates acc's registers and may place
     the negation above the product's wait; ptxas then waits for the product there, before the
-    loads meant to run under it (measured: the narrow form 2.6% slower)."""
+    loads meant to run under it (BENCHMARKS.md, GDN prefill: the scan's ablations)."""
     return x + acc * (-factor)
 
 

@@ -28,6 +28,16 @@ import pytest  # noqa: E402
 
 ON_GPU = any(d.platform == "gpu" for d in jax.devices())
 
+# CPU-only runs: XLA's persistent compilation cache, shared by the test workers, so that a
+# program several tests compile (the interpret-mode kernels at the same shapes) is compiled once
+# per run. Programs with host callbacks (Mosaic GPU's interpreter) are never cached.
+if not _cuda_jax_installed():
+    import tempfile  # noqa: E402
+    jax.config.update("jax_compilation_cache_dir", os.environ.get(
+        "GDN_JAX_TEST_XLA_CACHE", os.path.join(tempfile.gettempdir(), "gdn_jax_test_xla_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 KERNEL_MODES = [pytest.param("interpret", id="interpret"),
                 pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
 MODES = [pytest.param("reference", id="reference"), *KERNEL_MODES]

@@ -22,6 +22,7 @@ from gdn_jax import carry as carry_ops
 from gdn_jax import conv_decode as conv_decode_ops
 from gdn_jax.layers import GDNConfig, KDAConfig, KimiDeltaAttention, Qwen3NextGatedDeltaNet
 from gdn_jax.state import ServingState
+from conftest import FULL
 from helpers import rel_err
 from test_blocks_fused import _copy, _kernel_ctx, _state_copies
 
@@ -100,7 +101,8 @@ def _with_pending(block, serving, slots, seed):
 # The kernels' own tests cover both prefill kernels on pools; through the block the CPU runs one
 # interpret case (KDA's per-channel gate, chunked kernel), the GPU both kernels for every block.
 PREFILL_CASES = [
-    ("qwen3_next", "reference", 5), ("qwen3_5", "reference", 5),
+    # (Qwen3-Next's reference case in the full matrix: Qwen3.5's runs the same path)
+    pytest.param("qwen3_next", "reference", 5, marks=FULL), ("qwen3_5", "reference", 5),
     ("kimi", "interpret", 40),             # chunked kernel (past the short-prompt rule)
     pytest.param("qwen3_next", "gpu", 5, marks=pytest.mark.gpu),     # token-serial kernel
     pytest.param("qwen3_5", "gpu", 70, marks=pytest.mark.gpu),       # chunked, 2 chunks
