@@ -317,29 +317,34 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
                       0.0)
         _store_halves(x_pub, split_bf16(x), interpret=interpret, transposed=True)
 
-        def loads_for_update():
+        def work_for_update():
             # k^T by key blocks, as register operands (a transposed left operand from shared
-            # memory does not lower)
+            # memory does not lower), and the decayed state the update starts from
             kt = [_load(k_s.at[slot, :, pl.ds(b * KB, KB)].transpose((1, 0))
                         if not interpret else k_s.at[slot, :, pl.ds(b * KB, KB)],
                         wgmma_layout, interpret) for b in range(2)]
             kt = [t.T for t in kt] if interpret else kt
-            return _load(fac.at[FK], None, interpret), kt
+            return _load(fac.at[FK], None, interpret), kt, [Sb * decay for Sb in S]
 
         tb_hi, tb_lo = tb_s.at[slot, 0], tb_s.at[slot, 1]
         x_hi, x_lo = ("T", x_pub[0]), ("T", x_pub[1])
-        (d,), (fk, kt) = _products([[(tb_hi, x_hi), (tb_hi, x_lo), (tb_lo, x_hi)]], (C, BV),
-                                   interpret=interpret, during=loads_for_update)
+        (d,), (fk, kt, S_decayed) = _products([[(tb_hi, x_hi), (tb_hi, x_lo), (tb_lo, x_hi)]],
+                                              (C, BV), interpret=interpret,
+                                              during=work_for_update)
         d = jnp.where(valid, d, 0.0)
         _store_halves(u_pub, split_bf16(jnp.where(valid, d * _rows(fk, (C, BV), interpret),
                                                   0.0)),
-                      interpret=interpret, commit=False, transposed=True)
-        _store_halves(d_pub(buf), split_bf16(d), interpret=interpret, transposed=True)
-        if warp_specialized:
-            plgpu.barrier_arrive(published.at[buf])
+                      interpret=interpret, transposed=True)
+
+        def publish_deltas():
+            # the deltas for the output warpgroup while the update runs (off the chain's path)
+            _store_halves(d_pub(buf), split_bf16(d), interpret=interpret, transposed=True)
+            if warp_specialized:
+                plgpu.barrier_arrive(published.at[buf])
+
         u_hi, u_lo = ("T", u_pub[0]), ("T", u_pub[1])
         S, _ = _products([[(kt[0], u_hi), (kt[0], u_lo)], [(kt[1], u_hi), (kt[1], u_lo)]],
-                         (KB, BV), [Sb * decay for Sb in S], interpret=interpret)
+                         (KB, BV), S_decayed, interpret=interpret, during=publish_deltas)
         return tuple(S)
 
     def chain_step(c, S):
