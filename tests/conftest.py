@@ -30,9 +30,9 @@ ON_GPU = any(d.platform == "gpu" for d in jax.devices())
 
 # CPU-only runs: XLA's persistent compilation cache, shared by the test workers, so that a
 # program several tests compile (the interpret-mode kernels at the same shapes) is compiled once
-# per run, and a second run on the same machine compiles little. The
-# cache key is the program itself; a cached program's Python callbacks (the Mosaic GPU
-# interpreter's) are bound again, by position, from the program being compiled.
+# per run, and a second run on the same machine compiles little. The cache key is the program
+# itself; a cached program's Python callbacks (the Mosaic GPU interpreter's) are bound again, by
+# position, from the program being compiled.
 if not _cuda_jax_installed():
     import tempfile  # noqa: E402
     jax.config.update("jax_compilation_cache_dir", os.environ.get(
