@@ -557,13 +557,18 @@ MOSAIC_CASES = [  # lens, HK, HV, V, initial state, gate, L2 norm
 ]
 
 
+def _even_starts(lens) -> bool:
+    """Whether every sequence of lengths lens starts at an even token (the narrow form's need)."""
+    return not (np.cumsum([0] + list(lens))[:-1] % 2).any()
+
+
 # the wide form on every case, the narrow one on the even-start cases (on a CPU by default the
 # wide form on the second and third and the narrow one on the first: the rest are `full`)
 MOSAIC_FORMS = ([pytest.param(64, *case, id=f"wide-{i}", marks=[] if i in (1, 2) else [FULL])
                  for i, case in enumerate(MOSAIC_CASES)]
                 + [pytest.param(32, *case, id=f"narrow-{i}", marks=[FULL] if i else [])
                    for i, case in enumerate(MOSAIC_CASES)
-                   if not (np.cumsum([0] + case[0])[:-1] % 2).any()])
+                   if _even_starts(case[0])])
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -574,7 +579,7 @@ def test_mosaic_scan_against_float64(mode, block_v, lens, HK, HV, V, init, gate,
     `chunk_prefill`, bf16 inputs against float64.
     Its output is a fresh buffer: a row it failed to write holds what the memory held before
     (on the GPU, earlier calls' data), which the finiteness and error checks catch."""
-    even = not (np.cumsum([0] + lens)[:-1] % 2).any()
+    even = _even_starts(lens)
     q, k, v, g, beta, h0, cu = _packed_inputs(3, lens, HK=HK, HV=HV, K=128, V=V, dtype=BF16,
                                               gate=gate)
     if not l2:
@@ -614,7 +619,7 @@ def test_mosaic_scan_pool_slots_in_place(mode, block_v, pool_dtype, lens):
     pool = jnp.asarray(pool).astype(pool_dtype)
     before = np.asarray(pool.astype(F32))  # (the pool is donated to the call)
     h0_used = before[[4, 4, 1, 1]]  # the initial states as the pool holds them
-    even = not (np.cumsum([0] + lens)[:-1] % 2).any()
+    even = _even_starts(lens)
     spec = _spec(HK, HV, 128, V, pooled=True, precise=False, even_starts=even)
     block = kern.PrefillBlockSizes(mosaic_scan=True, block_v=block_v)
     assert kern.unsupported_reason(spec, block) is None
