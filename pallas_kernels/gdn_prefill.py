@@ -37,9 +37,11 @@ form of the delta rule):
    does no [C, C] x [C, K] products (BENCHMARKS.md, GDN prefill).
    GDN with bf16 inputs and K = 128 may take the scan's Mosaic GPU form instead
    (`PrefillBlockSizes.mosaic_scan`; `gdn_prefill_mgpu`), which keeps the state as the tensor
-   cores' accumulator; the prep then writes T beta as bf16 halves and the row factors
-   head-major, for chunks laid from each sequence's start rounded down to 8 tokens
-   (`chunk_table`'s align: the rows before the start are masked like those past the end).
+   cores' accumulator, and then the prep's Mosaic GPU form too (`gdn_prefill_mgpu.prep`: the
+   products and the fp16 inverse on wgmma, the per-row values in XLA around it, its outputs
+   laid by chunk slot; `_mosaic_prep`), for chunks laid from each sequence's start rounded down
+   to 8 tokens (`chunk_table`'s align: the rows before the start are masked like those past the
+   end).
 
 KDA (`per_channel_gate`): the decay is per key channel, e^{G_ic - G_jc}, so A and the intra-chunk
 attention matrix cannot be row-scaled products, and the per-channel work runs first in a kernel
@@ -186,8 +188,7 @@ class PrefillBlockSizes:
     # None: blocked for KDA, register-only for GDN (`blocked_inverse_for`)
     blocked_inverse: bool | None = None
     # GDN, bf16: the state scan in Mosaic GPU (`gdn_prefill_mgpu`; its module docstring) rather
-    # than `_scan_kernel`; the prep then writes T beta as bf16 halves and the row factors
-    # head-major
+    # than `_scan_kernel`, and the prep in Mosaic GPU too (`_mosaic_prep`)
     mosaic_scan: bool = False
 
     def blocked_inverse_for(self, spec: PrefillSpec) -> bool:
@@ -316,8 +317,6 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
                 why = _narrow_reason(spec)
                 if why:
                     return f"mosaic_scan with block_v={block.block_v}: {why}"
-            if block.blocked_inverse:
-                return "mosaic_scan: the prep's blocked inverse writes fp32 T beta, not halves"
         for w in (block.num_warps_prep, block.num_warps_scan, block.num_warps_intra):
             if w not in (1, 2, 4, 8):
                 return f"num_warps={w} must be 1, 2, 4 or 8"
@@ -436,7 +435,7 @@ def _store_parts(ref, at, x, mask):
 
 def _store_split(ref, at, x, mask):
     """x into ref[at] [T, HV, C], or, where ref has a leading axis of halves (T beta for the
-    Mosaic GPU scan, [2, T, HV, C] bf16), its bf16 hi and lo halves (`_store_parts`)."""
+    Mosaic GPU scan, [2, S * C, HV, C] bf16), its bf16 hi and lo halves (`_store_parts`)."""
     if ref.ndim == 4:
         _store_parts(ref, at, x, mask)
     else:
@@ -444,13 +443,8 @@ def _store_split(ref, at, x, mask):
 
 
 def _store_factor(refs, i, tok, h, x, mask):
-    """Row factor i (0: q, 1: k, 2: e^G k) of the chunk's tokens: into refs[i] [T, HV], or, for
-    the Mosaic GPU scan, head-major into refs[0][i] [HV, T8] (one bulk copy a chunk reads all
-    three)."""
-    if refs[0].ndim == 3:
-        plgpu.store(refs[0].at[jnp.int32(i), h, tok], x.astype(refs[0].dtype), mask=mask)
-    else:
-        plgpu.store(refs[i].at[tok, h], x.astype(refs[i].dtype), mask=mask)
+    """Row factor i (0: q, 1: k, 2: e^G k) of the chunk's tokens into refs[i] [T, HV]."""
+    plgpu.store(refs[i].at[tok, h], x.astype(refs[i].dtype), mask=mask)
 
 
 def _load_parts(load, ref, at, mask):
@@ -863,7 +857,8 @@ def _prep_inverse_kernel(start_ref, len_ref, lead_ref, beta_ref, a_ref, tb_ref, 
 
 
 def _prep_redo_kernel(start_ref, len_ref, lead_ref, k_ref, g_ref, beta_ref, A_log_ref, dt_ref,
-                      redo_ref, tb_in_ref, tb_ref, *, spec: PrefillSpec, interpret: bool):
+                      redo_ref, tb_in_ref, tb_ref, *, spec: PrefillSpec, slot_rows: bool,
+                      interpret: bool):
     """T beta again, with the one-pass TF32 inverse, for the GDN chunks `_prep_inverse_kernel`
     flagged (their fp16 inverse did not fit: `_half_inverse_fits`); the other chunks' rows stay
     as they are (tb_ref aliases tb_in_ref). One program per REDO_SLOTS chunk slots of one value
@@ -891,7 +886,9 @@ def _prep_redo_kernel(start_ref, len_ref, lead_ref, k_ref, g_ref, beta_ref, A_lo
                 A = _gdn_system(k_in, rk, decay, beta, precise=False, interpret=interpret)
                 T = _invert_unit_lower(A, False, interpret)
                 rows = _chunk_rows(lead, n)[:, None]
-                _store_split(tb_ref, (pl.ds(t0, CHUNK), h, slice(None)), T * beta[None, :], rows)
+                # T beta's rows by token, or by chunk slot (`gdn_prefill_mgpu.prep`'s)
+                at = pl.ds(s * CHUNK if slot_rows else t0, CHUNK)
+                _store_split(tb_ref, (at, h, slice(None)), T * beta[None, :], rows)
             return carry
 
         lax.fori_loop(0, REDO_SLOTS, slot, 0)
@@ -1259,14 +1256,6 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
     blocked = block.blocked_inverse_for(spec)
     kda_scratch = kda and blocked
     half_inverse = _half_inverse(spec, blocked)
-    # the Mosaic GPU scan's layouts: T beta as bf16 halves, the row factors head-major in one
-    # array
-    mosaic = block.mosaic_scan
-    T8 = pl.cdiv(T_total, mgpu_scan.ALIGN) * mgpu_scan.ALIGN
-    # (T8 rows: the bulk copies take token axes in whole 8-row tiles; rows past T_total are
-    # never written and never used: the scan masks every row past a sequence)
-    tb_shape, tb_dtype = (((2, T8, HV, CHUNK), jnp.bfloat16) if mosaic
-                          else ((T_total, HV, CHUNK), F32))
     *outs, _, A = pl.pallas_call(
         functools.partial(_prep_kernel, spec=spec, blocked_inverse=blocked,
                           heads_fastest=block.heads_fastest,
@@ -1277,11 +1266,10 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
                    only(kda, (_kda_parts(v.dtype), T_total, HV, K), v.dtype),
                    only(kda, (T_total, HV, V)),                  # U
                    # q k^T e^{G_i - G_j}
-                   only(not kda, (T8 if mosaic else T_total, HV, CHUNK), _bounded_dtype(spec)),
-                   # q: norm * scale * e^G (Mosaic: all three factors, head-major)
-                   only(not kda, (3, HV, T8) if mosaic else (T_total, HV)),
-                   only(not kda and not mosaic, (T_total, HV)),  # k: norm * e^{G_C - G}
-                   only(not kda and not mosaic, (T_total, HV)),  # k: norm * e^G
+                   only(not kda, (T_total, HV, CHUNK), _bounded_dtype(spec)),
+                   only(not kda, (T_total, HV)),                 # q: norm * scale * e^G
+                   only(not kda, (T_total, HV)),                 # k: norm * e^{G_C - G}
+                   only(not kda, (T_total, HV)),                 # k: norm * e^G
                    only(not kda, (start.shape[0], HV)),          # e^{G_C}
                    only(kda_scratch, kk.shape),                  # k k^T (the inverse's scratch)
                    only(half_inverse, (T_total, HV, CHUNK), jnp.float16)),  # A, for the inverse
@@ -1295,7 +1283,7 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
     if half_inverse:
         tb, redo = pl.pallas_call(
             functools.partial(_prep_inverse_kernel, spec=spec, interpret=interpret),
-            out_shape=(jax.ShapeDtypeStruct(tb_shape, tb_dtype),
+            out_shape=(jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),
                        # 1 where the fp16 inverse did not fit (_half_inverse_fits)
                        jax.ShapeDtypeStruct((start.shape[0], HV), jnp.int32)),
             grid=_chunk_grid(start.shape[0], HV, True),
@@ -1303,20 +1291,79 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
             interpret=interpret,
             name="gdn_prefill_prep_inverse",
         )(start, length, lead, beta, A)
-        tb = pl.pallas_call(
-            functools.partial(_prep_redo_kernel, spec=spec, interpret=interpret),
-            out_shape=jax.ShapeDtypeStruct(tb.shape, tb.dtype),
-            grid=(pl.cdiv(start.shape[0], REDO_SLOTS), HV),
-            input_output_aliases={9: 0},
-            compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
-            interpret=interpret,
-            name="gdn_prefill_prep_tf32",
-        )(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb)
+        tb = _redo(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb, spec=spec,
+                   block=block, slot_rows=False, interpret=interpret)
     if not kda:
         aqk, fq, fk, fw, decay = gdn_outputs
     else:
         fw = gdn_outputs[3]
     return tb, w, u, aqk, fq, fk, fw, decay
+
+
+def _redo(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb, *, spec, block, slot_rows,
+          interpret):
+    """T beta with the chunks flagged in redo [S, HV] formed again in TF32
+    (`_prep_redo_kernel`), in place."""
+    return pl.pallas_call(
+        functools.partial(_prep_redo_kernel, spec=spec, slot_rows=slot_rows,
+                          interpret=interpret),
+        out_shape=jax.ShapeDtypeStruct(tb.shape, tb.dtype),
+        grid=(pl.cdiv(start.shape[0], REDO_SLOTS), redo.shape[1]),
+        input_output_aliases={9: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
+        interpret=interpret,
+        name="gdn_prefill_prep_tf32",
+    )(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb)
+
+
+def _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, norms, *, spec, block,
+                 interpret):
+    """`_prep`'s results for the Mosaic GPU scan from `gdn_prefill_mgpu.prep`, by chunk slot:
+    the per-row values it reads (cumulative gates, beta, the L2 factors), the row factors and
+    e^{G_C} are gathered by chunk slot and formed here, in XLA (a few bytes a row); the prep
+    forms the products, the fp16 inverse and its check; flagged chunks are formed again in TF32
+    (`_prep_redo_kernel`). norms: (q's, k's) L2 factors [T, HK] (`tame_rows`), or None without
+    the L2 norm."""
+    T_total, HV = g.shape[0], g.shape[1]
+    HK = q.shape[1]
+    C = CHUNK
+    i = jnp.arange(C, dtype=jnp.int32)
+    rows = (i >= lead[:, None]) & (i < length[:, None])                     # [S, C]
+    tok = jnp.clip(start[:, None] + i, 0, T_total - 1)
+    take = lambda x: jnp.where(rows[..., None], x[tok].astype(F32), 0.0)   # [S, C, H]
+    gs, bs = take(g), take(beta)
+    if spec.raw_gates:
+        gs = _raw_log_decay(gs, A_log.astype(F32), dt_bias.astype(F32), spec)
+        gs = jnp.where(rows[..., None], gs, 0.0)
+        bs = jnp.where(rows[..., None], jax.nn.sigmoid(bs), 0.0)
+    hi, lo = split_gate(gs)
+    g_hi, g_lo = jnp.cumsum(hi, axis=1), jnp.cumsum(lo, axis=1)
+    group = HV // HK
+    if norms is None:
+        rq = rk = jnp.broadcast_to(rows[..., None].astype(F32), gs.shape)
+    else:
+        rq, rk = (jnp.repeat(take(x), group, axis=2) for x in norms)
+    rq = rq * jnp.float32(spec.scale)
+    zero = jnp.zeros_like(gs)
+    rows_in = jnp.stack([g_hi, g_lo, bs, rq, rk] + [zero] * (mgpu_scan.NUM_ROW_VECTORS - 5))
+    rows_in = rows_in.transpose(1, 3, 0, 2)                                # [S, HV, 8, C]
+    last_hi, last_lo = g_hi[:, C - 1:], g_lo[:, C - 1:]
+    eG = jnp.exp(g_hi + g_lo)
+    factors = jnp.stack([rq * eG, rk * jnp.exp((last_hi - g_hi) + (last_lo - g_lo)), rk * eG])
+    factors = factors.transpose(0, 3, 1, 2).reshape(3, HV, -1)              # [3, HV, S * C]
+    decay = jnp.exp(last_hi + last_lo)[:, 0]                                # [S, HV]
+    pad = (-q.shape[0]) % mgpu_scan.ALIGN
+    if pad:
+        q, k = (jnp.pad(x, ((0, pad), (0, 0), (0, 0))) for x in (q, k))
+    aqk, tb, flags = mgpu_scan.prep(jnp.where(length > 0, start, 0), q, k, rows_in,
+                                    num_v_heads=HV, aqk_dtype=_bounded_dtype(spec),
+                                    max_a=HALF_INVERSE_MAX_A, max_t=HALF_INVERSE_MAX_T,
+                                    interpret=interpret)
+    redo = ((jnp.max(flags, axis=2) > 0) & (length[:, None] > 0)).astype(jnp.int32)
+    tb = _redo(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb, spec=spec,
+               block=block, slot_rows=True, interpret=interpret)
+    unused = jnp.zeros((1, 1, 1), F32)
+    return tb, unused, unused, aqk, factors, unused, unused, decay
 
 
 def pool_rows(pool, slots):
@@ -1339,11 +1386,13 @@ def _longest_first(cu):
 TAME_BLOCK_ROWS = 64
 
 
-def _tame_rows_kernel(x_ref, o_ref, *, num_rows: int):
+def _tame_rows_kernel(x_ref, o_ref, *norm_ref, num_rows: int):
     """`gdn_decode.tame_huge_rows` for TAME_BLOCK_ROWS rows of x [R, K], in one read and one
-    write (XLA makes it two reads of x: a reduction, then a select)."""
+    write (XLA makes it two reads of x: a reduction, then a select); with norm_ref, also the
+    tamed rows' L2 factors (`_l2_factor`)."""
     r0 = pl.program_id(0) * TAME_BLOCK_ROWS
-    rows = (r0 + lax.broadcasted_iota(jnp.int32, (TAME_BLOCK_ROWS,), 0) < num_rows)[:, None]
+    here = r0 + lax.broadcasted_iota(jnp.int32, (TAME_BLOCK_ROWS,), 0) < num_rows
+    rows = here[:, None]
     block = pl.ds(r0, TAME_BLOCK_ROWS)
     x = plgpu.load(x_ref.at[block, :], mask=rows, other=0)
     huge, factor = huge_row_factor(jnp.max(jnp.abs(x.astype(F32)), axis=1))
@@ -1351,21 +1400,28 @@ def _tame_rows_kernel(x_ref, o_ref, *, num_rows: int):
     # subnormals
     x = jnp.where(huge[:, None], x * factor[:, None].astype(x.dtype), x)
     plgpu.store(o_ref.at[block, :], x, mask=rows)
+    if norm_ref:
+        plgpu.store(norm_ref[0].at[block], _l2_factor(x, True), mask=here)
 
 
-def tame_rows(x, *, interpret: bool = False):
+def tame_rows(x, *, with_norms: bool = False, interpret: bool = False):
     """x [..., K] with its huge rows tamed as `gdn_decode.tame_huge_rows` does (same bits), as
-    one Pallas kernel over the rows."""
+    one Pallas kernel over the rows; with_norms: (that, the tamed rows' L2 factors [...] fp32)."""
     rows = x.reshape(-1, x.shape[-1])
+    out_shape = [jax.ShapeDtypeStruct(rows.shape, rows.dtype)]
+    if with_norms:
+        out_shape.append(jax.ShapeDtypeStruct(rows.shape[:1], F32))
     out = pl.pallas_call(
         functools.partial(_tame_rows_kernel, num_rows=rows.shape[0]),
-        out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
+        out_shape=tuple(out_shape),
         grid=(pl.cdiv(rows.shape[0], TAME_BLOCK_ROWS),),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="tame_huge_rows",
     )(rows)
-    return out.reshape(x.shape)
+    if with_norms:
+        return out[0].reshape(x.shape), out[1].reshape(x.shape[:-1])
+    return out[0].reshape(x.shape)
 
 
 def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, spec, block,
@@ -1446,17 +1502,29 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
     HV = v.shape[1]
     N = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
+    # the Mosaic GPU scan takes the Mosaic GPU prep's layouts (`gdn_prefill_mgpu.prep`)
+    mosaic_prep = block.mosaic_scan
+    norms = None
     if spec.use_qk_l2norm and not spec.per_channel_gate:
         # GDN's raw q, k rows go into dot products and are normalised afterwards (KDA's intra
         # kernel tames its rows itself)
-        q, k = tame_rows(q, interpret=interpret), tame_rows(k, interpret=interpret)
+        if mosaic_prep:
+            (q, qn), (k, kn) = (tame_rows(x, with_norms=True, interpret=interpret)
+                                for x in (q, k))
+            norms = (qn, kn)
+        else:
+            q, k = tame_rows(q, interpret=interpret), tame_rows(k, interpret=interpret)
     # the Mosaic GPU scan reads each sequence's chunks from its start rounded down to ALIGN
     start, length, first, lead = chunk_table(
         cu, q.shape[0], mgpu_scan.ALIGN if block.mosaic_scan else 1)
     A_log = jnp.zeros((HV,), F32) if A_log is None else A_log
     dt_bias = jnp.zeros((HV,), F32) if dt_bias is None else dt_bias
-    mids = _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias,
-                                       spec=spec, block=block, interpret=interpret)
+    if mosaic_prep:
+        mids = _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, norms,
+                            spec=spec, block=block, interpret=interpret)
+    else:
+        mids = _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, spec=spec,
+                     block=block, interpret=interpret)
     if spec.pooled:
         h0 = pool
     elif spec.has_initial_state:

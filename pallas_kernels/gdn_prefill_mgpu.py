@@ -1,20 +1,31 @@
-"""GDN prefill state scan in Pallas Mosaic GPU: the state as the tensor cores' accumulator.
+"""GDN prefill in Pallas Mosaic GPU: the chunk prep, and the state scan with the state as the
+tensor cores' accumulator.
 
-The same walk as `gdn_prefill._scan_kernel` (see that module for the chunked form and the prep
-that feeds it), for Gated DeltaNet with 16-bit bf16 inputs and K = 128, written for Hopper's
-asynchronous tensor-core products (wgmma) and bulk copies (TMA). Each program owns one
-(sequence, value head, block of BV = 64 value columns) and keeps the transposed state slab
-S^T [BV, K] in fp32 registers laid out as a wgmma accumulator, so the chunk's update
-`e^{G_C} S + k^T (fk D)` accumulates into it on the tensor cores.
+The same chunked form as `gdn_prefill` (see that module for the math and the Triton kernels),
+for Gated DeltaNet with bf16 inputs and K = 128, written for Hopper's asynchronous tensor-core
+products (wgmma) and bulk copies (TMA).
 
-Every product takes its fp32 side as two bf16 halves (`split_bf16`: hi holds 8 significand
-bits, lo the next 8) against exact bf16 rows, and products between two fp32 matrices take
-hi x hi + hi x lo + lo x hi: about 16 significand bits on each side, at bf16's tensor-core rate
-(the Triton scan takes one-pass TF32 there, 11 bits). The prep writes T beta already split
-(`[2, T, HV, C]` bf16) and the row factors head-major (`[3, HV, T]`: q, k and e^G k factors), so
-every operand arrives by one bulk copy; the intra-chunk matrix comes as the prep stores it for
-the Triton scan (fp16 where bounded by one), and the output warpgroup splits it (half the bytes
-of stored halves, off the state's chain).
+`prep`: one program (one warpgroup) per chunk slot and value head forms q k^T and k k^T, the
+intra-chunk matrix and A from them with the decays e^{G_i - G_j}, and T = (I + A)^-1 by the
+recursive doubling of `gdn_prefill._invert_unit_lower` with fp16 operands, every product a
+wgmma; it flags the rows where fp16 may not have held, and the launcher forms those chunks again
+in TF32 (`gdn_prefill._prep_redo_kernel`). The per-row values it reads (cumulative gates, beta,
+the L2 factors) and the scan's row factors are formed in XLA by the launcher. Its outputs are
+laid by chunk slot (row s * CHUNK + i for row i of slot s), so that no two programs write the
+same rows (the chunks of packed sequences may share token rows), and each is one bulk copy.
+
+`scan`: each program owns one (sequence, value head, block of BV = 64 value columns) and keeps
+the transposed state slab S^T [BV, K] in fp32 registers laid out as a wgmma accumulator, so the
+chunk's update `e^{G_C} S + k^T (fk D)` accumulates into it on the tensor cores.
+
+Every product of the scan takes its fp32 side as two bf16 halves (`split_bf16`: hi holds 8
+significand bits, lo the next 8) against exact bf16 rows, and products between two fp32
+matrices take hi x hi + hi x lo + lo x hi: about 16 significand bits on each side, at bf16's
+tensor-core rate (the Triton scan takes one-pass TF32 there, 11 bits). The prep writes T beta
+already split and the row factors in one array (`[3, HV, S * C]`: q, k and e^G k factors), so
+every operand arrives by one bulk copy; the intra-chunk matrix comes in fp16 where bounded by
+one, and the output warpgroup splits it (half the bytes of stored halves, off the state's
+chain).
 
 Three warpgroups a program (`warp_specialized=True`), meeting at barriers in shared memory:
 - the *chain* walks the state: (k S)^T = S^T k^T, X^T = v^T - fw (k S)^T, the deltas
@@ -67,7 +78,8 @@ NUM_FACTORS = 3          # row factors: q (norm * scale * e^G), k (norm * e^{G_C
 FQ, FK, FW = range(NUM_FACTORS)
 _COPIES = 6              # bulk copies a chunk: q, k, v, T beta, aqk, factors
 
-__all__ = ["CHUNK", "HEAD_K_DIM", "BLOCK_V", "ALIGN", "unsupported_reason", "scan"]
+__all__ = ["CHUNK", "HEAD_K_DIM", "BLOCK_V", "ALIGN", "NUM_ROW_VECTORS", "unsupported_reason",
+           "scan", "prep"]
 
 
 def unsupported_reason(*, head_k_dim: int, head_v_dim: int, dtype) -> str | None:
@@ -231,12 +243,14 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
         """The copy warpgroup's work for chunk c: its rows into stage c % STAGES."""
         slot, t0 = c % STAGES, chunk_start(c)
         tok, bar = pl.ds(t0, C), loaded.at[slot]
+        # the prep's rows are by chunk slot (`prep`)
+        at = pl.ds(pl.multiple_of((first + c) * C, C), C)
         plgpu.copy_gmem_to_smem(k_ref.at[tok, hk, :], k_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(v_ref.at[tok, h, cols], v_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(tb_ref.at[:, tok, h, :], tb_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(fac_ref.at[:, h, tok], fac_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(tb_ref.at[:, at, h, :], tb_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(fac_ref.at[:, h, at], fac_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(q_ref.at[tok, hk, :], q_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(aqk_ref.at[tok, h, :], aqk_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(aqk_ref.at[at, h, :], aqk_s.at[slot], bar)
 
     def wait_output_done(c):
         """Before the chain publishes into buffer c % NB: the output warpgroup is done with what
@@ -273,9 +287,11 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
                       0.0)
         x_hi, x_lo = split_bf16(x)
         tb_hi, tb_lo = ("T", tb_s.at[slot, 0]), ("T", tb_s.at[slot, 1])
-        (d,), fk = _products([[(x_hi, tb_hi), (x_hi, tb_lo), (x_lo, tb_hi)]], (BV, C),
-                             interpret=interpret,
-                             during=lambda: _load(fac.at[FK], None, interpret))  # D^T
+        # D^T; while it runs, the k factors and the decayed state the update starts from
+        (d,), (fk, S_decayed) = _products([[(x_hi, tb_hi), (x_hi, tb_lo), (x_lo, tb_hi)]],
+                                          (BV, C), interpret=interpret,
+                                          during=lambda: (_load(fac.at[FK], None, interpret),
+                                                          S * decay))
         d = jnp.where(valid, d, 0.0)
         # where, not a product with the masked d: the factors past the sequence may be anything
         u_hi, u_lo = split_bf16(jnp.where(valid, d * _columns(fk, (BV, C), interpret), 0.0))
@@ -287,7 +303,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
                 plgpu.barrier_arrive(published.at[0])
 
         (S,), _ = _products([[(u_hi, k_s.at[slot]), (u_lo, k_s.at[slot])]], (BV, K),
-                            [S * decay], interpret=interpret, during=publish_deltas)
+                            [S_decayed], interpret=interpret, during=publish_deltas)
         return S
 
     def chain_step_narrow(c, S):
@@ -510,8 +526,9 @@ def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_
     cu [N + 1], order [N] (the sequences' launch order), first [N] (each sequence's first chunk
     slot), live [N] int32 (0: a sequence nobody walks, whose output rows are zeros), decay
     [S, HV] (e^{G_C} per chunk slot); q, k [T, HK, 128], v [T, HV, V] bf16 (T a multiple of
-    ALIGN); tb [2, T, HV, C] bf16, T beta's halves; aqk [T, HV, C] fp16 or fp32, the
-    intra-chunk matrix (the output warpgroup splits it); factors [3, HV, T] fp32 (FQ, FK, FW).
+    ALIGN); by chunk slot (row s * CHUNK + i for row i of slot s, as `prep` writes them): tb
+    [2, S * C, HV, C] bf16, T beta's halves, aqk [S * C, HV, C] fp16 or fp32, the intra-chunk
+    matrix (the output warpgroup splits it), factors [3, HV, S * C] fp32 (FQ, FK, FW).
     narrow: programs of BLOCK_V_NARROW value columns holding S [K, BV] (twice the programs;
     the states h0 [N, HV, K, V] and the final states as they are), else of BLOCK_V holding
     S^T [BV, K] (h0 [N, HV, V, K] and the final states *transposed*); h0 may be a placeholder
@@ -564,6 +581,116 @@ def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_
         grid_names=("p",),
         num_threads=3 if warp_specialized else 1,
         thread_name="wg",
+        kernel_name="gdn_prefill_mgpu_scan",
         compiler_params=plgpu.CompilerParams(approx_math=False),
         **extra,
     )(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0)
+
+
+# --------------------------------------------------------------------------- the chunk prep
+
+NUM_ROW_VECTORS = 8      # the prep's per-row inputs a chunk and value head: see `prep`
+G_HI, G_LO, BETA, RQ, RK = range(5)
+F16 = jnp.float16
+
+
+def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, aqk_ref, tb_ref, flag_ref, q_s, k_s, vec_s,
+                 d_s, p_s, aqk_o, tb_o, flag_o, bar, *, num_v_heads: int, num_k_heads: int,
+                 max_a: float, max_t: float, interpret: bool):
+    C = CHUNK
+    p = lax.axis_index("p")
+    s, h = p // num_v_heads, p % num_v_heads
+    hk = h // (num_v_heads // num_k_heads)
+    t0 = pl.multiple_of(start_ref[s], ALIGN)
+    rows = pl.ds(t0, C)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows, hk, :], k_s, bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[rows, hk, :], q_s, bar)
+    for axis in range(2):
+        plgpu.copy_gmem_to_smem(vec_ref.at[s, h], vec_s.at[axis], bar)
+    plgpu.barrier_wait(bar)
+    (kk, qk), _ = _products([[(k_s, ("T", k_s))], [(q_s, ("T", k_s))]], (C, C),
+                            interpret=interpret)
+
+    def vector(r, axis):
+        """Row vector r of the chunk's, broadcast along axis of a [C, C] tile. Each layout has
+        its own copy of the vectors (loads of one shared-memory ref in two layouts leave layout
+        inference without a solution), loaded in the layout the broadcast takes."""
+        layout = None if interpret else plgpu.Layout.WGMMA.reduce(1 - axis)
+        x = lax.broadcast_in_dim(_load(vec_s.at[axis, r], layout, interpret), (C, C), (axis,))
+        return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+    on_rows = lambda r: vector(r, 0)
+    on_cols = lambda r: vector(r, 1)
+    i, j = _iota((C, C), 0, interpret), _iota((C, C), 1, interpret)
+    # e^{G_i - G_j} on and below the diagonal, from the cumulative gates' (hi, lo) parts
+    seg = (on_rows(G_HI) - on_cols(G_HI)) + (on_rows(G_LO) - on_cols(G_LO))
+    decay = jnp.exp(jnp.where(i >= j, seg, -jnp.inf))
+    aqk_o[...] = (qk * (on_rows(RQ) * on_cols(RK)) * decay).astype(aqk_o.dtype)
+    kk = kk * (on_rows(RK) * on_cols(RK))
+    A = jnp.where(i > j, on_rows(BETA) * kk * decay, 0.0)
+
+    # (I + A)^-1 by recursive doubling with fp16 operands, as `gdn_prefill._invert_unit_lower`
+    # (half=True): D the inverse on the diagonal blocks of size b, L A's entries below them
+    # inside the blocks of size 2b; D <- D - D (L D), each product a wgmma from shared memory
+    D = jnp.where(i == j, 1.0, 0.0) - jnp.where((i // 2 == j // 2) & (i != j), A, 0.0)
+    b = 2
+    while b < C:
+        L = jnp.where((i // (2 * b) == j // (2 * b)) & (i // b != j // b), A, 0.0)
+        d_s[...] = D.astype(F16)
+        _commit_smem(interpret)
+        (LD,), _ = _products([[(L.astype(F16), d_s)]], (C, C), interpret=interpret)
+        p_s[...] = LD.astype(F16)
+        _commit_smem(interpret)
+        (D,), _ = _products([[((-D).astype(F16), p_s)]], (C, C), [D], interpret=interpret)
+        b *= 2
+    # rows whose fp16 operands may not have held (`gdn_prefill._half_inverse_fits`; NaN fails)
+    fits = (jnp.abs(A) <= max_a) & (jnp.abs(D) <= max_t)
+    flag_o[...] = jnp.max(jnp.where(fits, 0.0, 1.0), axis=1)
+    tb_hi, tb_lo = split_bf16(D * on_cols(BETA))
+    tb_o[0] = tb_hi
+    tb_o[1] = tb_lo
+    _commit_smem(interpret)
+    at = pl.ds(pl.multiple_of(s * C, C), C)
+    plgpu.copy_smem_to_gmem(aqk_o, aqk_ref.at[at, h, :])
+    plgpu.copy_smem_to_gmem(tb_o, tb_ref.at[:, at, h, :])
+    plgpu.copy_smem_to_gmem(flag_o, flag_ref.at[s, h])
+    if not interpret:
+        plgpu.wait_smem_to_gmem(0)
+
+
+def prep(start, q, k, rows, *, num_v_heads: int, aqk_dtype, max_a: float, max_t: float,
+         interpret: bool = False):
+    """What the scan reads of each chunk that does not depend on the state, one program per
+    (chunk slot, value head): the intra-chunk matrix and T beta, by slot (row s * CHUNK + i
+    of chunk slot s's row i, so that no two programs store the same rows).
+
+    start [S] (each slot's first token, a multiple of ALIGN); q, k [T, HK, 128] bf16 (the rows
+    as the scan takes them); rows [S, HV, NUM_ROW_VECTORS, CHUNK] fp32, each chunk's per-row
+    values: G_HI, G_LO the cumulative log decays' parts, BETA, RQ (q's L2 factor times the
+    scale), RK (k's L2 factor), all 0 on the rows that are not the chunk's.
+    Returns (aqk [S * CHUNK, HV, CHUNK] aqk_dtype, q k^T e^{G_i - G_j} scaled on and below the
+    diagonal; T beta's bf16 halves [2, S * CHUNK, HV, CHUNK]; flags [S, HV, CHUNK] fp32, 1 on
+    the rows where the fp16 inverse may not have held: |A| > max_a or |T| > max_t)."""
+    S, HV = start.shape[0], num_v_heads
+    C, K = CHUNK, HEAD_K_DIM
+    scratch = (_swizzled((C, K)), _swizzled((C, K)), plgpu.SMEM((2, NUM_ROW_VECTORS, C), F32),
+               _swizzled((C, C), F16), _swizzled((C, C), F16),
+               plgpu.SMEM((C, C), aqk_dtype), plgpu.SMEM((2, C, C), BF16), plgpu.SMEM((C,), F32),
+               plgpu.Barrier(num_arrivals=4))
+    kernel = functools.partial(_prep_kernel, num_v_heads=HV, num_k_heads=q.shape[1],
+                               max_a=max_a, max_t=max_t, interpret=interpret)
+    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    return plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((S * C, HV, C), aqk_dtype),
+                  jax.ShapeDtypeStruct((2, S * C, HV, C), BF16),
+                  jax.ShapeDtypeStruct((S, HV, C), F32)),
+        scratch_types=scratch,
+        grid=(S * HV,),
+        grid_names=("p",),
+        num_threads=1,
+        thread_name="wg",
+        kernel_name="gdn_prefill_mgpu_prep",
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        **extra,
+    )(start, q, k, rows)

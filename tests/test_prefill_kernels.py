@@ -426,6 +426,48 @@ def test_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_mosaic_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
+    """The Mosaic GPU prep (`gdn_prefill_mgpu.prep`, through `_mosaic_prep`) flags the rows
+    where its fp16 inverse may not have held, and the TF32 pass forms those chunks' T beta
+    again in their slots' rows: value head 0 sees one key repeated with beta |k|^2 = 3 and no
+    decay ((I + A)^-1 holds (-2)^(i - j) up to 2^63), value head 1 the same key with typical
+    gates and beta below 1/4 (fp16 holds its inverse). Every chunk's T beta (hi + lo halves, by
+    chunk slot) against float64; the second sequence starts off the 8-row tiles, so its chunks'
+    windows hold rows of the sequences around it."""
+    lens, HK, HV, K = [64, 100, 300], 1, 2, 128
+    q, k, v, g, beta, _, cu = _packed_inputs(12, lens, HK=HK, HV=HV, K=K, V=K, dtype=BF16)
+    T_total = sum(lens)
+    g, beta = np.array(g), np.array(beta)
+    g[:, 0], beta[:, 0] = 0.0, 0.75
+    beta[:, 1] *= 0.25
+    kf = np.zeros((T_total, HK, K), np.float32)
+    kf[:, :, :4] = 1.0                                    # |k|^2 = 4: beta |k|^2 = 3 in head 0
+    k = jnp.asarray(kf, BF16)
+    spec = _spec(HK, HV, K, K, use_qk_l2norm=False, precise=False)
+    block = kern.PrefillBlockSizes(mosaic_scan=True, block_v=64)
+    assert kern.unsupported_reason(spec, block) is None
+    start, length, _, lead = kern.chunk_table(cu, T_total, kern.mgpu_scan.ALIGN)
+    tb = kern._mosaic_prep(q, k, jnp.asarray(g), jnp.asarray(beta), start, length, lead,
+                           jnp.zeros((HV,), F32), jnp.zeros((HV,), F32), None, spec=spec,
+                           block=block, interpret=mode == "interpret")[0]
+    tb = np.asarray(tb[0], np.float64) + np.asarray(tb[1], np.float64)   # [S * C, HV, C]
+    C = kern.CHUNK
+    for s, (t0, a, n) in enumerate(zip(np.asarray(start), np.asarray(lead), np.asarray(length))):
+        if n == 0:
+            continue
+        for h in range(HV):
+            rows, b = slice(t0 + a, t0 + n), beta[t0 + a:t0 + n, h].astype(np.float64)
+            G = np.cumsum(g[rows, h].astype(np.float64))
+            kk = kf[rows, 0].astype(np.float64) @ kf[rows, 0].T.astype(np.float64)
+            A = np.tril(b[:, None] * kk * np.exp(G[:, None] - G[None, :]), -1)
+            want = np.linalg.inv(np.eye(n - a) + A) * b[None, :]
+            got = tb[s * C + a:s * C + n, h, a:n]
+            assert np.all(np.isfinite(got)), (s, h)
+            assert rel_err(got, want) <= 2e-3, (s, h, rel_err(got, want))
+    assert np.abs(tb[:64, 0, :64]).max() > 2.0 ** 60   # the inverse that fp16 cannot hold
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_prep_redoes_the_chunks_whose_A_exceeds_fp16(mode):
     """A goes from the prep to `_prep_inverse_kernel` in fp16: without the L2 norm its entries
     can pass fp16's 65504 (here beta |k|^2 = 2^17 between the tokens of 2- and 3-token chunks,
@@ -643,21 +685,29 @@ def test_mosaic_scan_pool_slots_in_place(mode, block_v, pool_dtype, lens):
 
 def test_mosaic_scan_lowers_for_hopper():
     """Both forms of the Mosaic GPU scan (wide and narrow), with three warpgroups and with one,
-    lower through Mosaic GPU (layout inference included) for CUDA without a GPU; only the
+    and the Mosaic GPU prep lower through Mosaic GPU (layout inference included) for CUDA without a GPU; only the
     compile to machine code needs the device."""
     from pallas_kernels import gdn_prefill_mgpu as mgpu
     T, HK, HV, K, V = 200, 2, 4, 128, 128
     x, y = jnp.ones((T, HK, K), BF16), jnp.ones((T, HV, V), BF16)
-    halves = jnp.ones((2, T, HV, 64), BF16)
-    aqk = jnp.ones((T, HV, 64), jnp.float16)
+    S = 5                                  # chunk slots: the prep's rows are by slot
+    halves = jnp.ones((2, S * 64, HV, 64), BF16)
+    aqk = jnp.ones((S * 64, HV, 64), jnp.float16)
     cu = jnp.array([0, 64, T], jnp.int32)
     for ws, narrow in itertools.product((False, True), (False, True)):
         f = jax.jit(functools.partial(mgpu.scan, num_v_heads=HV, num_k_heads=HK,
                                       has_initial_state=True, narrow=narrow, warp_specialized=ws))
         exported = jax.export.export(f, platforms=["cuda"])(
             cu, jnp.array([1, 0], jnp.int32), jnp.array([0, 1], jnp.int32),
-            jnp.array([1, 0], jnp.int32), jnp.ones((5, HV)),
-            x, x, y, halves, aqk, jnp.ones((3, HV, T)), jnp.ones((2, HV, V, K)))
+            jnp.array([1, 0], jnp.int32), jnp.ones((S, HV)),
+            x, x, y, halves, aqk, jnp.ones((3, HV, S * 64)), jnp.ones((2, HV, V, K)))
+        assert "mosaic_gpu" in exported.mlir_module()
+    for aqk_dtype in (jnp.float16, F32):
+        f = jax.jit(functools.partial(mgpu.prep, num_v_heads=HV, aqk_dtype=aqk_dtype,
+                                      max_a=kern.HALF_INVERSE_MAX_A,
+                                      max_t=kern.HALF_INVERSE_MAX_T))
+        exported = jax.export.export(f, platforms=["cuda"])(
+            jnp.zeros((S,), jnp.int32), x, x, jnp.ones((S, HV, mgpu.NUM_ROW_VECTORS, 64)))
         assert "mosaic_gpu" in exported.mlir_module()
 
 
@@ -688,8 +738,9 @@ def test_mosaic_scan_dispatch_rule():
                        (_spec(16, 32, 128, 128), "bf16")):
         assert not pick(spec, 8)
         assert word in kern.unsupported_reason(spec, kern.PrefillBlockSizes(mosaic_scan=True))
-    assert "blocked" in kern.unsupported_reason(
-        gdn, kern.PrefillBlockSizes(mosaic_scan=True, blocked_inverse=True))
+    # the Mosaic GPU prep has one inverse: the Triton prep's choice of form does not apply
+    assert kern.unsupported_reason(
+        gdn, kern.PrefillBlockSizes(mosaic_scan=True, blocked_inverse=True)) is None
 
 
 def test_unsupported_shapes_say_why():
