@@ -38,7 +38,7 @@ form of the delta rule):
    GDN with bf16 inputs and K = 128 may take the scan's Mosaic GPU form instead
    (`PrefillBlockSizes.mosaic_scan`; `gdn_prefill_mgpu`), which keeps the state as the tensor
    cores' accumulator, and then the prep's Mosaic GPU form too (`gdn_prefill_mgpu.prep`: the
-   products and the fp16 inverse on wgmma, the per-row values in XLA around it, its outputs
+   products and the fp16 inverse on wgmma, the per-row values from `_prep_rows_kernel`, outputs
    laid by chunk slot; `_mosaic_prep`), for chunks laid from each sequence's start rounded down
    to 8 tokens (`chunk_table`'s align: the rows before the start are masked like those past the
    end).
@@ -1318,40 +1318,15 @@ def _redo(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb, *, spec, bl
 
 def _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, norms, *, spec, block,
                  interpret):
-    """`_prep`'s results for the Mosaic GPU scan from `gdn_prefill_mgpu.prep`, by chunk slot:
-    the per-row values it reads (cumulative gates, beta, the L2 factors), the row factors and
-    e^{G_C} are gathered by chunk slot and formed here, in XLA (a few bytes a row); the prep
-    forms the products, the fp16 inverse and its check; flagged chunks are formed again in TF32
-    (`_prep_redo_kernel`). norms: (q's, k's) L2 factors [T, HK] (`tame_rows`), or None without
-    the L2 norm."""
-    T_total, HV = g.shape[0], g.shape[1]
-    HK = q.shape[1]
-    C = CHUNK
-    i = jnp.arange(C, dtype=jnp.int32)
-    rows = (i >= lead[:, None]) & (i < length[:, None])                     # [S, C]
-    tok = jnp.clip(start[:, None] + i, 0, T_total - 1)
-    take = lambda x: jnp.where(rows[..., None], x[tok].astype(F32), 0.0)   # [S, C, H]
-    gs, bs = take(g), take(beta)
-    if spec.raw_gates:
-        gs = _raw_log_decay(gs, A_log.astype(F32), dt_bias.astype(F32), spec)
-        gs = jnp.where(rows[..., None], gs, 0.0)
-        bs = jnp.where(rows[..., None], jax.nn.sigmoid(bs), 0.0)
-    hi, lo = split_gate(gs)
-    g_hi, g_lo = jnp.cumsum(hi, axis=1), jnp.cumsum(lo, axis=1)
-    group = HV // HK
-    if norms is None:
-        rq = rk = jnp.broadcast_to(rows[..., None].astype(F32), gs.shape)
-    else:
-        rq, rk = (jnp.repeat(take(x), group, axis=2) for x in norms)
-    rq = rq * jnp.float32(spec.scale)
-    zero = jnp.zeros_like(gs)
-    rows_in = jnp.stack([g_hi, g_lo, bs, rq, rk] + [zero] * (mgpu_scan.NUM_ROW_VECTORS - 5))
-    rows_in = rows_in.transpose(1, 3, 0, 2)                                # [S, HV, 8, C]
-    last_hi, last_lo = g_hi[:, C - 1:], g_lo[:, C - 1:]
-    eG = jnp.exp(g_hi + g_lo)
-    factors = jnp.stack([rq * eG, rk * jnp.exp((last_hi - g_hi) + (last_lo - g_lo)), rk * eG])
-    factors = factors.transpose(0, 3, 1, 2).reshape(3, HV, -1)              # [3, HV, S * C]
-    decay = jnp.exp(last_hi + last_lo)[:, 0]                                # [S, HV]
+    """`_prep`'s results for the Mosaic GPU scan, by chunk slot: the per-row values the Mosaic
+    prep reads (cumulative gates, beta, the L2 factors), the row factors and e^{G_C} from
+    `_mosaic_prep_rows`; the products, the fp16 inverse and its check from
+    `gdn_prefill_mgpu.prep`; flagged chunks formed again in TF32 (`_prep_redo_kernel`).
+    norms: (q's, k's) L2 factors [T, HK] (`tame_rows`), or None without the L2 norm."""
+    HV = g.shape[1]
+    rows_in, factors, decay = _mosaic_prep_rows(g, beta, start, length, lead, A_log, dt_bias,
+                                                norms, num_k_heads=q.shape[1], spec=spec,
+                                                interpret=interpret)
     pad = (-q.shape[0]) % mgpu_scan.ALIGN
     if pad:
         q, k = (jnp.pad(x, ((0, pad), (0, 0), (0, 0))) for x in (q, k))
@@ -1364,6 +1339,58 @@ def _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, norms, *, s
                block=block, slot_rows=True, interpret=interpret)
     unused = jnp.zeros((1, 1, 1), F32)
     return tb, unused, unused, aqk, factors, unused, unused, decay
+
+
+def _prep_rows_kernel(start_ref, len_ref, lead_ref, g_ref, beta_ref, A_log_ref, dt_ref, qn_ref,
+                      kn_ref, rows_ref, fac_ref, decay_ref, *, spec: PrefillSpec,
+                      has_norms: bool):
+    """`_mosaic_prep_rows` for one chunk slot and value head."""
+    s, h = _slot_and_head(True)
+    hk = h // (spec.num_v_heads // spec.num_k_heads)
+    t0, n, lead = start_ref[s], len_ref[s], lead_ref[s]
+    C = CHUNK
+    rows = _chunk_rows(lead, n)
+    tok = pl.ds(t0, C)
+    beta = _chunk_beta(beta_ref, tok, h, rows, spec)
+    G_hi, G_lo = _split_cumsum(_chunk_log_decay(g_ref, A_log_ref, dt_ref, tok, h, rows, spec))
+    if has_norms:
+        rq = plgpu.load(qn_ref.at[tok, hk], mask=rows, other=0)
+        rk = plgpu.load(kn_ref.at[tok, hk], mask=rows, other=0)
+    else:
+        rq = rk = jnp.where(rows, 1.0, 0.0)
+    rq = rq * jnp.float32(spec.scale)
+    for r, x in enumerate((G_hi, G_lo, beta, rq, rk)):
+        plgpu.store(rows_ref.at[s, h, jnp.int32(r), :], x)
+    last = lax.broadcasted_iota(jnp.int32, (C,), 0) == C - 1
+    last_hi = jnp.sum(jnp.where(last, G_hi, 0.0))
+    last_lo = jnp.sum(jnp.where(last, G_lo, 0.0))
+    eG = jnp.exp(G_hi + G_lo)
+    at = pl.ds(s * C, C)
+    for f, x in enumerate((rq * eG, rk * jnp.exp((last_hi - G_hi) + (last_lo - G_lo)),
+                           rk * eG)):
+        plgpu.store(fac_ref.at[jnp.int32(f), h, at], x)
+    decay_ref[s, h] = jnp.exp(last_hi + last_lo)
+
+
+def _mosaic_prep_rows(g, beta, start, length, lead, A_log, dt_bias, norms, *, num_k_heads,
+                      spec, interpret=False):
+    """`_mosaic_prep`'s per-row part, one small Triton program per chunk slot and value head:
+    (the prep's per-row values [S, HV, NUM_ROW_VECTORS, C], 0 on the rows that are not the
+    chunk's; the scan's row factors [3, HV, S * C]; e^{G_C} [S, HV]). One launch: as XLA's
+    gathers, cumulative sums and transposes of these small arrays it took a good part of the
+    prep's time (BENCHMARKS.md)."""
+    S, HV, C = start.shape[0], g.shape[1], CHUNK
+    qn, kn = norms if norms is not None else (jnp.zeros((1, 1), F32),) * 2
+    return pl.pallas_call(
+        functools.partial(_prep_rows_kernel, spec=spec, has_norms=norms is not None),
+        out_shape=(jax.ShapeDtypeStruct((S, HV, mgpu_scan.NUM_ROW_VECTORS, C), F32),
+                   jax.ShapeDtypeStruct((3, HV, S * C), F32),
+                   jax.ShapeDtypeStruct((S, HV), F32)),
+        grid=_chunk_grid(S, HV, True),
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="gdn_prefill_prep_rows",
+    )(start, length, lead, g, beta, A_log, dt_bias, qn, kn)
 
 
 def pool_rows(pool, slots):

@@ -5,14 +5,16 @@ The same chunked form as `gdn_prefill` (see that module for the math and the Tri
 for Gated DeltaNet with bf16 inputs and K = 128, written for Hopper's asynchronous tensor-core
 products (wgmma) and bulk copies (TMA).
 
-`prep`: one program (one warpgroup) per chunk slot and value head forms q k^T and k k^T, the
+`prep`: one warpgroup per (chunk slot, value head) item forms q k^T and k k^T, the
 intra-chunk matrix and A from them with the decays e^{G_i - G_j}, and T = (I + A)^-1 by the
 recursive doubling of `gdn_prefill._invert_unit_lower` with fp16 operands, every product a
 wgmma; it flags the rows where fp16 may not have held, and the launcher forms those chunks again
-in TF32 (`gdn_prefill._prep_redo_kernel`). The per-row values it reads (cumulative gates, beta,
-the L2 factors) and the scan's row factors are formed in XLA by the launcher. Its outputs are
-laid by chunk slot (row s * CHUNK + i for row i of slot s), so that no two programs write the
-same rows (the chunks of packed sequences may share token rows), and each is one bulk copy.
+in TF32 (`gdn_prefill._prep_redo_kernel`). Two programs an SM take the items in turn and fetch
+the next item's rows while they form one (`PREP_PROGRAMS`). The per-row values it reads
+(cumulative gates, beta, the L2 factors) and the scan's row factors come from a small Triton
+launch before it (`gdn_prefill._prep_rows_kernel`). Its outputs are laid by chunk slot (row
+s * CHUNK + i for row i of slot s), so that no two items write the same rows (the chunks of
+packed sequences may share token rows), and each is one bulk copy.
 
 `scan`: each program owns one (sequence, value head, block of BV = 64 value columns) and keeps
 the transposed state slab S^T [BV, K] in fp32 registers laid out as a wgmma accumulator, so the
@@ -589,25 +591,65 @@ def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_
 
 # --------------------------------------------------------------------------- the chunk prep
 
-NUM_ROW_VECTORS = 8      # the prep's per-row inputs a chunk and value head: see `prep`
+NUM_ROW_VECTORS = 5      # the prep's per-row inputs a chunk and value head: see `prep`
 G_HI, G_LO, BETA, RQ, RK = range(5)
 F16 = jnp.float16
+# the prep's programs: two an SM of an H200 (132 SMs), each taking work items in turn with the
+# next item's rows fetched while it forms one (one program an item was 12-17% slower;
+# BENCHMARKS.md)
+PREP_PROGRAMS = 264
 
 
 def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, aqk_ref, tb_ref, flag_ref, q_s, k_s, vec_s,
                  d_s, p_s, aqk_o, tb_o, flag_o, bar, *, num_v_heads: int, num_k_heads: int,
-                 max_a: float, max_t: float, interpret: bool):
+                 num_items: int, num_programs: int, max_a: float, max_t: float,
+                 interpret: bool):
     C = CHUNK
+    # work items (chunk slot, value head), heads fastest, taken by the programs in turn; the
+    # next item's rows are fetched into the other buffer while this one is formed
     p = lax.axis_index("p")
-    s, h = p // num_v_heads, p % num_v_heads
-    hk = h // (num_v_heads // num_k_heads)
-    t0 = pl.multiple_of(start_ref[s], ALIGN)
-    rows = pl.ds(t0, C)
-    plgpu.copy_gmem_to_smem(k_ref.at[rows, hk, :], k_s, bar)
-    plgpu.copy_gmem_to_smem(q_ref.at[rows, hk, :], q_s, bar)
-    for axis in range(2):
-        plgpu.copy_gmem_to_smem(vec_ref.at[s, h], vec_s.at[axis], bar)
-    plgpu.barrier_wait(bar)
+    mine = (num_items - p + num_programs - 1) // num_programs
+
+    def slot_and_head(it):
+        w = p + it * num_programs
+        return w // num_v_heads, w % num_v_heads
+
+    def fetch(it):
+        s, h = slot_and_head(it)
+        hk = h // (num_v_heads // num_k_heads)
+        rows, buf = pl.ds(pl.multiple_of(start_ref[s], ALIGN), C), it % 2
+        plgpu.copy_gmem_to_smem(k_ref.at[rows, hk, :], k_s.at[buf], bar.at[buf])
+        plgpu.copy_gmem_to_smem(q_ref.at[rows, hk, :], q_s.at[buf], bar.at[buf])
+        for axis in range(2):
+            plgpu.copy_gmem_to_smem(vec_ref.at[s, h], vec_s.at[buf, axis], bar.at[buf])
+
+    @pl.when(mine > 0)
+    def _():
+        fetch(0)
+
+    def step(it, carry):
+        @pl.when(it + 1 < mine)
+        def _():
+            fetch(it + 1)   # into the buffer the item before this one used (its reads done)
+
+        buf = it % 2
+        plgpu.barrier_wait(bar.at[buf])
+        if not interpret:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's stores' reads
+        _prep_item(*slot_and_head(it), q_s.at[buf], k_s.at[buf], vec_s.at[buf], d_s, p_s,
+                   aqk_o, tb_o, flag_o, aqk_ref, tb_ref, flag_ref, max_a=max_a, max_t=max_t,
+                   interpret=interpret)
+        return carry
+
+    lax.fori_loop(0, mine, step, 0)
+    if not interpret:
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _prep_item(s, h, q_s, k_s, vec_s, d_s, p_s, aqk_o, tb_o, flag_o, aqk_ref, tb_ref, flag_ref,
+               *, max_a: float, max_t: float, interpret: bool):
+    """One chunk slot and value head of `prep`, from its rows in q_s, k_s, vec_s."""
+    C = CHUNK
     (kk, qk), _ = _products([[(k_s, ("T", k_s))], [(q_s, ("T", k_s))]], (C, C),
                             interpret=interpret)
 
@@ -654,15 +696,14 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, aqk_ref, tb_ref, flag_ref, q_
     plgpu.copy_smem_to_gmem(aqk_o, aqk_ref.at[at, h, :])
     plgpu.copy_smem_to_gmem(tb_o, tb_ref.at[:, at, h, :])
     plgpu.copy_smem_to_gmem(flag_o, flag_ref.at[s, h])
-    if not interpret:
-        plgpu.wait_smem_to_gmem(0)
 
 
 def prep(start, q, k, rows, *, num_v_heads: int, aqk_dtype, max_a: float, max_t: float,
-         interpret: bool = False):
-    """What the scan reads of each chunk that does not depend on the state, one program per
-    (chunk slot, value head): the intra-chunk matrix and T beta, by slot (row s * CHUNK + i
-    of chunk slot s's row i, so that no two programs store the same rows).
+         num_programs: int | None = PREP_PROGRAMS, interpret: bool = False):
+    """What the scan reads of each chunk that does not depend on the state, per (chunk slot,
+    value head): the intra-chunk matrix and T beta, by slot (row s * CHUNK + i of chunk slot
+    s's row i, so that no two items store the same rows). num_programs programs (None: one an
+    item) take the items in turn, heads fastest.
 
     start [S] (each slot's first token, a multiple of ALIGN); q, k [T, HK, 128] bf16 (the rows
     as the scan takes them); rows [S, HV, NUM_ROW_VECTORS, CHUNK] fp32, each chunk's per-row
@@ -673,12 +714,16 @@ def prep(start, q, k, rows, *, num_v_heads: int, aqk_dtype, max_a: float, max_t:
     the rows where the fp16 inverse may not have held: |A| > max_a or |T| > max_t)."""
     S, HV = start.shape[0], num_v_heads
     C, K = CHUNK, HEAD_K_DIM
-    scratch = (_swizzled((C, K)), _swizzled((C, K)), plgpu.SMEM((2, NUM_ROW_VECTORS, C), F32),
+    num_items = S * HV
+    num_programs = num_items if num_programs is None else min(num_programs, num_items)
+    scratch = (_swizzled((2, C, K)), _swizzled((2, C, K)),
+               plgpu.SMEM((2, 2, NUM_ROW_VECTORS, C), F32),
                _swizzled((C, C), F16), _swizzled((C, C), F16),
                plgpu.SMEM((C, C), aqk_dtype), plgpu.SMEM((2, C, C), BF16), plgpu.SMEM((C,), F32),
-               plgpu.Barrier(num_arrivals=4))
+               plgpu.Barrier(num_arrivals=4, num_barriers=2))
     kernel = functools.partial(_prep_kernel, num_v_heads=HV, num_k_heads=q.shape[1],
-                               max_a=max_a, max_t=max_t, interpret=interpret)
+                               num_items=num_items, num_programs=num_programs, max_a=max_a,
+                               max_t=max_t, interpret=interpret)
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     return plgpu.kernel(
         kernel,
@@ -686,7 +731,7 @@ def prep(start, q, k, rows, *, num_v_heads: int, aqk_dtype, max_a: float, max_t:
                   jax.ShapeDtypeStruct((2, S * C, HV, C), BF16),
                   jax.ShapeDtypeStruct((S, HV, C), F32)),
         scratch_types=scratch,
-        grid=(S * HV,),
+        grid=(num_programs,),
         grid_names=("p",),
         num_threads=1,
         thread_name="wg",

@@ -468,6 +468,27 @@ def test_mosaic_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_mosaic_prep_programs_take_items_in_turn(mode):
+    """The Mosaic GPU prep with fewer programs than (chunk slot, value head) items, each taking
+    several in turn with the next one's rows fetched into its other buffers, writes what one
+    program an item does, bit for bit (a chunk slot's rows from any start, GVA 2x)."""
+    from pallas_kernels import gdn_prefill_mgpu as mgpu
+    T, HK, HV, S = 320, 1, 2, 5
+    kq, kk, kr = jax.random.split(jax.random.PRNGKey(5), 3)
+    q = jax.random.normal(kq, (T, HK, 128), F32).astype(BF16)
+    k = jax.random.normal(kk, (T, HK, 128), F32).astype(BF16)
+    rows = 0.1 * jax.random.uniform(kr, (S, HV, mgpu.NUM_ROW_VECTORS, 64), F32)
+    start = jnp.array([0, 64, 136, 200, 256], jnp.int32)
+    prep = functools.partial(mgpu.prep, start, q, k, rows, num_v_heads=HV, aqk_dtype=F32,
+                             max_a=kern.HALF_INVERSE_MAX_A, max_t=kern.HALF_INVERSE_MAX_T,
+                             interpret=mode == "interpret")
+    one_each, in_turn = prep(num_programs=None), prep(num_programs=3)
+    for a, b in zip(one_each, in_turn):
+        assert np.all(np.isfinite(np.asarray(a, F32)))
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_prep_redoes_the_chunks_whose_A_exceeds_fp16(mode):
     """A goes from the prep to `_prep_inverse_kernel` in fp16: without the L2 norm its entries
     can pass fp16's 65504 (here beta |k|^2 = 2^17 between the tokens of 2- and 3-token chunks,
