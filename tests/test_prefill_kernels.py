@@ -402,6 +402,19 @@ def _prep_t_beta_against_float64(mode, q, k, v, g, beta, cu):
     return tb
 
 
+def _repeated_key_inputs(lens, K):
+    """Packed inputs (HK = 1, HV = 2; q, k, v, g, beta, cu) whose value head 0 sees one key
+    repeated with beta |k|^2 = 3 and no decay, and value head 1 the same key with typical gates
+    and beta below 1/4."""
+    q, _, v, g, beta, _, cu = _packed_inputs(12, lens, HK=1, HV=2, K=K, V=K, dtype=BF16)
+    g, beta = np.array(g), np.array(beta)
+    g[:, 0], beta[:, 0] = 0.0, 0.75
+    beta[:, 1] *= 0.25
+    k = np.zeros((sum(lens), 1, K), np.float32)
+    k[:, :, :4] = 1.0                                      # |k|^2 = 4: beta |k|^2 = 3 in head 0
+    return q, jnp.asarray(k, BF16), v, g, beta, cu
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
     """The TF32 redo pass (`_prep_redo_kernel`) replaces T beta where the fp16 inverse did
@@ -411,16 +424,9 @@ def test_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
     head 1 sees the same key with typical gates and beta below 1/4 (|A| < 1: fp16 holds its
     inverse). Every chunk's T beta against float64; more chunk slots than one redo program
     takes (`REDO_SLOTS`), so flagged chunks lie in a full and in a partial block of slots."""
-    lens, HK, HV, K = [64, 100, 1100], 1, 2, 32
+    lens = [64, 100, 1100]
     assert sum(-(-n // kern.CHUNK) for n in lens) > kern.REDO_SLOTS
-    q, k, v, g, beta, _, cu = _packed_inputs(12, lens, HK=HK, HV=HV, K=K, V=K, dtype=BF16)
-    T_total = sum(lens)
-    g, beta = np.array(g), np.array(beta)
-    g[:, 0], beta[:, 0] = 0.0, 0.75
-    beta[:, 1] *= 0.25
-    k = np.zeros((T_total, HK, K), np.float32)
-    k[:, :, :4] = 1.0                                      # |k|^2 = 4: beta |k|^2 = 3 in head 0
-    k = jnp.asarray(k, BF16)
+    q, k, v, g, beta, cu = _repeated_key_inputs(lens, 32)
     tb = _prep_t_beta_against_float64(mode, q, k, v, g, beta, cu)
     assert np.abs(tb[:64, 0, :64]).max() > 2.0 ** 60   # the inverse that fp16 cannot hold
 
@@ -435,14 +441,9 @@ def test_mosaic_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
     chunk slot) against float64; the second sequence starts off the 8-row tiles, so its chunks'
     windows hold rows of the sequences around it."""
     lens, HK, HV, K = [64, 100, 300], 1, 2, 128
-    q, k, v, g, beta, _, cu = _packed_inputs(12, lens, HK=HK, HV=HV, K=K, V=K, dtype=BF16)
     T_total = sum(lens)
-    g, beta = np.array(g), np.array(beta)
-    g[:, 0], beta[:, 0] = 0.0, 0.75
-    beta[:, 1] *= 0.25
-    kf = np.zeros((T_total, HK, K), np.float32)
-    kf[:, :, :4] = 1.0                                    # |k|^2 = 4: beta |k|^2 = 3 in head 0
-    k = jnp.asarray(kf, BF16)
+    q, k, v, g, beta, cu = _repeated_key_inputs(lens, K)
+    kf = np.asarray(k, np.float32)
     spec = _spec(HK, HV, K, K, use_qk_l2norm=False, precise=False)
     block = kern.PrefillBlockSizes(mosaic_scan=True, block_v=64)
     assert kern.unsupported_reason(spec, block) is None
