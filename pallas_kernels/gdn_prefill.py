@@ -184,8 +184,9 @@ class PrefillBlockSizes:
     # neighbouring pieces of the same token rows. Measured faster for KDA, and for GDN with many
     # (sequence, head) pairs; slower for GDN with few (BENCHMARKS.md).
     heads_fastest: bool = True
-    # prep: (I + A)^-1 by `_invert_unit_lower_blocked` (True) or `_invert_unit_lower` (False);
-    # None: blocked for KDA, register-only for GDN (`blocked_inverse_for`)
+    # the Triton prep: (I + A)^-1 by `_invert_unit_lower_blocked` (True) or `_invert_unit_lower`
+    # (False); None: blocked for KDA, register-only for GDN (`blocked_inverse_for`). The Mosaic
+    # prep (with mosaic_scan) has one form and ignores it
     blocked_inverse: bool | None = None
     # GDN, bf16: the state scan in Mosaic GPU (`gdn_prefill_mgpu`; its module docstring) rather
     # than `_scan_kernel`, and the prep in Mosaic GPU too (`_mosaic_prep`)
