@@ -861,7 +861,8 @@ def _prep_redo_kernel(start_ref, len_ref, lead_ref, k_ref, g_ref, beta_ref, A_lo
                       redo_ref, tb_in_ref, tb_ref, *, spec: PrefillSpec, slot_rows: bool,
                       interpret: bool):
     """T beta again, with the one-pass TF32 inverse, for the GDN chunks `_prep_inverse_kernel`
-    flagged (their fp16 inverse did not fit: `_half_inverse_fits`); the other chunks' rows stay
+    or the Mosaic GPU prep flagged (their fp16 inverse did not fit: `_half_inverse_fits`;
+    slot_rows: T beta by chunk slot, as the Mosaic prep lays it); the other chunks' rows stay
     as they are (tb_ref aliases tb_in_ref). One program per REDO_SLOTS chunk slots of one value
     head: it reads their flags in one load and, in the rare case that one is set, walks them. (A
     program per chunk spent its time on the dependent loads of the flag: tens of microseconds at
@@ -1323,14 +1324,12 @@ def _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, norms, *, s
     prep reads (cumulative gates, beta, the L2 factors), the row factors and e^{G_C} from
     `_mosaic_prep_rows`; the products, the fp16 inverse and its check from
     `gdn_prefill_mgpu.prep`; flagged chunks formed again in TF32 (`_prep_redo_kernel`).
-    norms: (q's, k's) L2 factors [T, HK] (`tame_rows`), or None without the L2 norm."""
+    q, k: rows aligned (`_aligned_rows`); norms: (q's, k's) L2 factors [T, HK] (`tame_rows`), or
+    None without the L2 norm."""
     HV = g.shape[1]
     rows_in, factors, decay = _mosaic_prep_rows(g, beta, start, length, lead, A_log, dt_bias,
                                                 norms, num_k_heads=q.shape[1], spec=spec,
                                                 interpret=interpret)
-    pad = (-q.shape[0]) % mgpu_scan.ALIGN
-    if pad:
-        q, k = (jnp.pad(x, ((0, pad), (0, 0), (0, 0))) for x in (q, k))
     aqk, tb, flags = mgpu_scan.prep(jnp.where(length > 0, start, 0), q, k, rows_in,
                                     num_v_heads=HV, aqk_dtype=_bounded_dtype(spec),
                                     max_a=HALF_INVERSE_MAX_A, max_t=HALF_INVERSE_MAX_T,
@@ -1392,6 +1391,13 @@ def _mosaic_prep_rows(g, beta, start, length, lead, A_log, dt_bias, norms, *, nu
         interpret=interpret,
         name="gdn_prefill_prep_rows",
     )(start, length, lead, g, beta, A_log, dt_bias, qn, kn)
+
+
+def _aligned_rows(x):
+    """x with its leading (token) axis padded to a multiple of the Mosaic GPU kernels' ALIGN:
+    their bulk copies take token axes in whole 8-row tiles."""
+    pad = (-x.shape[0]) % mgpu_scan.ALIGN
+    return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) if pad else x
 
 
 def pool_rows(pool, slots):
@@ -1472,16 +1478,14 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
         orient = (lambda x: x) if narrow else (lambda x: jnp.swapaxes(x, -1, -2))
         h0t = (orient(h0).astype(F32) if spec.has_initial_state or spec.pooled
                else jnp.zeros((1, 1, 1, 1), F32))
-        # the bulk copies take token axes in whole 8-row tiles: rows up to a multiple of 8
-        pad = (-T_total) % mgpu_scan.ALIGN
-        rows = lambda x: jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) if pad else x
-        o, final_t = mgpu_scan.scan(cu, _longest_first(cu), first, live, decay, rows(q), rows(k),
-                                    rows(v), tb, aqk, fq, h0t, num_v_heads=HV,
+        # (q and k come with their rows aligned, as the Mosaic prep took them)
+        o, final_t = mgpu_scan.scan(cu, _longest_first(cu), first, live, decay, q, k,
+                                    _aligned_rows(v), tb, aqk, fq, h0t, num_v_heads=HV,
                                     num_k_heads=q.shape[1],
                                     has_initial_state=spec.has_initial_state or spec.pooled,
                                     narrow=narrow, warp_specialized=not interpret,
                                     interpret=interpret)
-        o = o[:T_total] if pad else o
+        o = o[:T_total]
         final = orient(final_t)
         if spec.pooled:
             # in place (the pool is donated); a padding slot's index lies past the pool: dropped
@@ -1530,13 +1534,11 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
     HV = v.shape[1]
     N = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
-    # the Mosaic GPU scan takes the Mosaic GPU prep's layouts (`gdn_prefill_mgpu.prep`)
-    mosaic_prep = block.mosaic_scan
     norms = None
     if spec.use_qk_l2norm and not spec.per_channel_gate:
         # GDN's raw q, k rows go into dot products and are normalised afterwards (KDA's intra
         # kernel tames its rows itself)
-        if mosaic_prep:
+        if block.mosaic_scan:   # the Mosaic GPU prep takes the L2 factors from this pass
             (q, qn), (k, kn) = (tame_rows(x, with_norms=True, interpret=interpret)
                                 for x in (q, k))
             norms = (qn, kn)
@@ -1547,7 +1549,10 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
         cu, q.shape[0], mgpu_scan.ALIGN if block.mosaic_scan else 1)
     A_log = jnp.zeros((HV,), F32) if A_log is None else A_log
     dt_bias = jnp.zeros((HV,), F32) if dt_bias is None else dt_bias
-    if mosaic_prep:
+    if block.mosaic_scan:
+        # the Mosaic GPU scan takes the Mosaic GPU prep's layouts (`gdn_prefill_mgpu.prep`);
+        # both read q and k rows padded once here
+        q, k = _aligned_rows(q), _aligned_rows(k)
         mids = _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, norms,
                             spec=spec, block=block, interpret=interpret)
     else:
