@@ -129,7 +129,7 @@ L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 
 __all__ = ["PrefillSpec", "PrefillBlockSizes", "unsupported_reason", "chunk_table", "pool_rows",
-           "chunk_prefill", "split_gate", "tame_rows"]
+           "chunk_prefill", "split_gate", "tame_rows", "tamed_row_norms", "tame_rows_if"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -705,15 +705,19 @@ def _chunk_rows(lead, end):
 
 
 def _gdn_chunk(k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, lead, n, h, hk,
-               spec: PrefillSpec):
+               spec: PrefillSpec, tame: bool = False):
     """What GDN's chunk prep and its TF32 redo both start from: the raw k rows [C, K] (input
-    dtype), their L2 norm factors rk [C], the cumulative decays (hi, lo) [C], the decays
-    e^{G_i - G_j} [C, C] (0 above the diagonal) and beta [C]."""
+    dtype; tame: with their huge rows tamed here, as `tame_rows` does), their L2 norm factors
+    rk [C], the cumulative decays (hi, lo) [C], the decays e^{G_i - G_j} [C, C] (0 above the
+    diagonal) and beta [C]."""
     C = CHUNK
     rows = _chunk_rows(lead, n)
     tok = pl.ds(t0, C)
     beta = _chunk_beta(beta_ref, tok, h, rows, spec)
     k_in = plgpu.load(k_ref.at[tok, hk, :], mask=rows[:, None], other=0)
+    if tame:
+        huge, factor = huge_row_factor(jnp.max(jnp.abs(k_in.astype(F32)), axis=1))
+        k_in = jnp.where(huge[:, None], k_in * factor[:, None].astype(k_in.dtype), k_in)
     rk = _l2_factor(k_in, spec.use_qk_l2norm)
     G = _split_cumsum(_chunk_log_decay(g_ref, A_log_ref, dt_ref, tok, h, rows, spec))
     i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
@@ -862,7 +866,8 @@ def _prep_redo_kernel(start_ref, len_ref, lead_ref, k_ref, g_ref, beta_ref, A_lo
                       interpret: bool):
     """T beta again, with the one-pass TF32 inverse, for the GDN chunks `_prep_inverse_kernel`
     or the Mosaic GPU prep flagged (their fp16 inverse did not fit: `_half_inverse_fits`;
-    slot_rows: T beta by chunk slot, as the Mosaic prep lays it); the other chunks' rows stay
+    slot_rows: T beta by chunk slot, as the Mosaic prep lays it, from k rows as given, whose
+    huge rows it tames itself with the L2 norm); the other chunks' rows stay
     as they are (tb_ref aliases tb_in_ref). One program per REDO_SLOTS chunk slots of one value
     head: it reads their flags in one load and, in the rare case that one is set, walks them. (A
     program per chunk spent its time on the dependent loads of the flag: tens of microseconds at
@@ -884,7 +889,8 @@ def _prep_redo_kernel(start_ref, len_ref, lead_ref, k_ref, g_ref, beta_ref, A_lo
             @pl.when((s0 + i < num_slots) & (n > 0) & (redo_ref[s, h] != 0))
             def _():
                 k_in, rk, _, decay, beta = _gdn_chunk(
-                    k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, lead, n, h, hk, spec)
+                    k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, lead, n, h, hk, spec,
+                    tame=slot_rows and spec.use_qk_l2norm)
                 A = _gdn_system(k_in, rk, decay, beta, precise=False, interpret=interpret)
                 T = _invert_unit_lower(A, False, interpret)
                 rows = _chunk_rows(lead, n)[:, None]
@@ -1318,14 +1324,15 @@ def _redo(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb, *, spec, bl
     )(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb)
 
 
-def _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, norms, *, spec, block,
-                 interpret):
+def _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, norms, tamed, *, spec,
+                 block, interpret):
     """`_prep`'s results for the Mosaic GPU scan, by chunk slot: the per-row values the Mosaic
     prep reads (cumulative gates, beta, the L2 factors), the row factors and e^{G_C} from
     `_mosaic_prep_rows`; the products, the fp16 inverse and its check from
     `gdn_prefill_mgpu.prep`; flagged chunks formed again in TF32 (`_prep_redo_kernel`).
-    q, k: rows aligned (`_aligned_rows`); norms: (q's, k's) L2 factors [T, HK] (`tame_rows`), or
-    None without the L2 norm."""
+    q, k: rows aligned (`_aligned_rows`), as given; norms: (q's, k's) L2 factors [T, HK]
+    (`tamed_row_norms`), or None without the L2 norm; tamed: their tamed copies and the flag
+    that says whether to read them (`gdn_prefill_mgpu.scan`), or None."""
     HV = g.shape[1]
     rows_in, factors, decay = _mosaic_prep_rows(g, beta, start, length, lead, A_log, dt_bias,
                                                 norms, num_k_heads=q.shape[1], spec=spec,
@@ -1333,7 +1340,7 @@ def _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, norms, *, s
     aqk, tb, flags = mgpu_scan.prep(jnp.where(length > 0, start, 0), q, k, rows_in,
                                     num_v_heads=HV, aqk_dtype=_bounded_dtype(spec),
                                     max_a=HALF_INVERSE_MAX_A, max_t=HALF_INVERSE_MAX_T,
-                                    interpret=interpret)
+                                    tamed=tamed, interpret=interpret)
     redo = ((jnp.max(flags, axis=2) > 0) & (length[:, None] > 0)).astype(jnp.int32)
     tb = _redo(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb, spec=spec,
                block=block, slot_rows=True, interpret=interpret)
@@ -1420,46 +1427,81 @@ def _longest_first(cu):
 TAME_BLOCK_ROWS = 64
 
 
-def _tame_rows_kernel(x_ref, o_ref, *norm_ref, num_rows: int):
-    """`gdn_decode.tame_huge_rows` for TAME_BLOCK_ROWS rows of x [R, K], in one read and one
-    write (XLA makes it two reads of x: a reduction, then a select); with norm_ref, also the
-    tamed rows' L2 factors (`_l2_factor`)."""
+def _tame_rows_kernel(*refs, num_rows: int, role: str):
+    """`gdn_decode.tame_huge_rows` for TAME_BLOCK_ROWS rows of x [R, K], in one read (XLA makes
+    it two reads of x: a reduction, then a select). role:
+    - "rows": (x_ref, o_ref), the tamed rows written in full;
+    - "norms": (x_ref, norm_ref, huge_ref), no rows written: the tamed rows' L2 factors
+      (`_l2_factor`) and, per block, whether it holds a huge row;
+    - "rows_if": (flag_ref, x_ref, o_ref), the tamed rows written only where flag_ref[0] is not
+      0 (a program does nothing else: o is left unwritten in the common case)."""
+    if role == "rows_if":
+        flag_ref, x_ref, o_ref = refs
+    elif role == "rows":
+        x_ref, o_ref = refs
+    else:
+        x_ref, norm_ref, huge_ref = refs
     r0 = pl.program_id(0) * TAME_BLOCK_ROWS
     here = r0 + lax.broadcasted_iota(jnp.int32, (TAME_BLOCK_ROWS,), 0) < num_rows
-    rows = here[:, None]
     block = pl.ds(r0, TAME_BLOCK_ROWS)
-    x = plgpu.load(x_ref.at[block, :], mask=rows, other=0)
-    huge, factor = huge_row_factor(jnp.max(jnp.abs(x.astype(F32)), axis=1))
-    # the other rows kept as they are, not multiplied by 1: a flush-to-zero multiply would lose
-    # subnormals
-    x = jnp.where(huge[:, None], x * factor[:, None].astype(x.dtype), x)
-    plgpu.store(o_ref.at[block, :], x, mask=rows)
-    if norm_ref:
-        plgpu.store(norm_ref[0].at[block], _l2_factor(x, True), mask=here)
+
+    def tame():
+        x = plgpu.load(x_ref.at[block, :], mask=here[:, None], other=0)
+        huge, factor = huge_row_factor(jnp.max(jnp.abs(x.astype(F32)), axis=1))
+        # the other rows kept as they are, not multiplied by 1: a flush-to-zero multiply would
+        # lose subnormals
+        x = jnp.where(huge[:, None], x * factor[:, None].astype(x.dtype), x)
+        if role == "norms":
+            plgpu.store(norm_ref.at[block], _l2_factor(x, True), mask=here)
+            huge_ref[pl.program_id(0)] = jnp.max(huge.astype(jnp.int32))
+        else:
+            plgpu.store(o_ref.at[block, :], x, mask=here[:, None])
+
+    if role == "rows_if":
+        pl.when(flag_ref[0] != 0)(tame)
+    else:
+        tame()
 
 
-def tame_rows(x, *, with_norms: bool = False, interpret: bool = False):
-    """x [..., K] with its huge rows tamed as `gdn_decode.tame_huge_rows` does (same bits), as
-    one Pallas kernel over the rows; with_norms: (that, the tamed rows' L2 factors [...] fp32)."""
+def _tame_call(x, role, *, flag=None, interpret=False):
     rows = x.reshape(-1, x.shape[-1])
-    out_shape = [jax.ShapeDtypeStruct(rows.shape, rows.dtype)]
-    if with_norms:
-        out_shape.append(jax.ShapeDtypeStruct(rows.shape[:1], F32))
-    out = pl.pallas_call(
-        functools.partial(_tame_rows_kernel, num_rows=rows.shape[0]),
-        out_shape=tuple(out_shape),
-        grid=(pl.cdiv(rows.shape[0], TAME_BLOCK_ROWS),),
+    num_blocks = pl.cdiv(rows.shape[0], TAME_BLOCK_ROWS)
+    if role == "norms":
+        out_shape = (jax.ShapeDtypeStruct(rows.shape[:1], F32),
+                     jax.ShapeDtypeStruct((num_blocks,), jnp.int32))
+    else:
+        out_shape = jax.ShapeDtypeStruct(rows.shape, rows.dtype)
+    return pl.pallas_call(
+        functools.partial(_tame_rows_kernel, num_rows=rows.shape[0], role=role),
+        out_shape=out_shape,
+        grid=(num_blocks,),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
-        name="tame_huge_rows",
-    )(rows)
-    if with_norms:
-        return out[0].reshape(x.shape), out[1].reshape(x.shape[:-1])
-    return out[0].reshape(x.shape)
+        name="tame_huge_rows" if role == "rows" else f"tame_huge_rows_{role}",
+    )(*((flag, rows) if role == "rows_if" else (rows,)))
+
+
+def tame_rows(x, *, interpret: bool = False):
+    """x [..., K] with its huge rows tamed as `gdn_decode.tame_huge_rows` does (same bits), as
+    one Pallas kernel over the rows."""
+    return _tame_call(x, "rows", interpret=interpret).reshape(x.shape)
+
+
+def tamed_row_norms(x, *, interpret: bool = False):
+    """(the L2 factors [...] fp32 of x [..., K]'s rows as `tame_rows` leaves them, any_huge [1]
+    int32: 1 when some row of x is huge), from one read of x and no write of it."""
+    norms, huge = _tame_call(x, "norms", interpret=interpret)
+    return norms.reshape(x.shape[:-1]), jnp.max(huge, keepdims=True)
+
+
+def tame_rows_if(x, flag, *, interpret: bool = False):
+    """`tame_rows(x)` where flag [1] int32 is not 0; where it is 0, an array of x's shape left
+    unwritten (its reader must not read it then), at the cost of a launch that reads one flag."""
+    return _tame_call(x, "rows_if", flag=flag, interpret=interpret).reshape(x.shape)
 
 
 def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, spec, block,
-          state_dtype, num_boundary, interpret):
+          state_dtype, num_boundary, tamed=None, interpret=False):
     T_total, HV, V = v.shape
     K = q.shape[2]
     N = cu.shape[0] - 1
@@ -1483,7 +1525,7 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
                                     _aligned_rows(v), tb, aqk, fq, h0t, num_v_heads=HV,
                                     num_k_heads=q.shape[1],
                                     has_initial_state=spec.has_initial_state or spec.pooled,
-                                    narrow=narrow, warp_specialized=not interpret,
+                                    narrow=narrow, tamed=tamed, warp_specialized=not interpret,
                                     interpret=interpret)
         o = o[:T_total]
         final = orient(final_t)
@@ -1523,7 +1565,8 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
                   state_dtype=jnp.float32, interpret: bool = False):
     """Run the kernels on packed, validated inputs (the caller checks shapes; see the module
     docstring): prep and scan, KDA's intra-chunk kernel before them, and for GDN the q/k tame
-    pass first (with the L2 norm) and the prep's TF32 redo pass between them (16-bit inputs).
+    pass first (with the L2 norm; on the Mosaic GPU path the L2 factors, and a tamed copy only
+    when some row is huge) and the prep's TF32 redo pass between them (16-bit inputs).
 
     q, k [T, HK, K]; v [T, HV, V]; g [T, HV] (KDA: [T, HV, K]), beta [T, HV] (raw a, b with
     A_log [HV] and dt_bias [HV] (KDA: [HV * K]) when spec.raw_gates); cu_seqlens [N + 1] int32. Pooled: pool [P, HV, K, V] (donated, updated in
@@ -1534,14 +1577,16 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
     HV = v.shape[1]
     N = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
-    norms = None
+    norms = use_tamed = tamed = None
     if spec.use_qk_l2norm and not spec.per_channel_gate:
-        # GDN's raw q, k rows go into dot products and are normalised afterwards (KDA's intra
-        # kernel tames its rows itself)
-        if block.mosaic_scan:   # the Mosaic GPU prep takes the L2 factors from this pass
-            (q, qn), (k, kn) = (tame_rows(x, with_norms=True, interpret=interpret)
-                                for x in (q, k))
-            norms = (qn, kn)
+        # GDN's raw q, k rows go into dot products and are normalised afterwards, so rows whose
+        # squares could overflow are tamed first (KDA's intra kernel tames its rows itself)
+        if block.mosaic_scan:
+            # one read of q and k for their L2 factors; the Mosaic kernels read the rows as
+            # given, or tamed copies when some row is huge (written only then, below)
+            (qn, q_huge), (kn, k_huge) = (tamed_row_norms(x, interpret=interpret)
+                                          for x in (q, k))
+            norms, use_tamed = (qn, kn), jnp.maximum(q_huge, k_huge)
         else:
             q, k = tame_rows(q, interpret=interpret), tame_rows(k, interpret=interpret)
     # the Mosaic GPU scan reads each sequence's chunks from its start rounded down to ALIGN
@@ -1553,7 +1598,10 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
         # the Mosaic GPU scan takes the Mosaic GPU prep's layouts (`gdn_prefill_mgpu.prep`);
         # both read q and k rows padded once here
         q, k = _aligned_rows(q), _aligned_rows(k)
-        mids = _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, norms,
+        if use_tamed is not None:
+            tamed = (tame_rows_if(q, use_tamed, interpret=interpret),
+                     tame_rows_if(k, use_tamed, interpret=interpret), use_tamed)
+        mids = _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, norms, tamed,
                             spec=spec, block=block, interpret=interpret)
     else:
         mids = _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, spec=spec,
@@ -1567,7 +1615,7 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
     slots = jnp.zeros((N,), jnp.int32) if slots is None else slots.astype(jnp.int32)
     o, final, boundary = _scan(cu, first, slots, q, k, v, *mids, h0, spec=spec,
                                block=block, state_dtype=state_dtype,
-                               num_boundary=start.shape[0], interpret=interpret)
+                               num_boundary=start.shape[0], tamed=tamed, interpret=interpret)
     final = final if (spec.pooled or spec.output_final_state) else None
     boundary = boundary if spec.boundary_states else None
     return o, final, boundary, (start, length, first)

@@ -201,8 +201,29 @@ def _iota(shape, axis, interpret):
     return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
 
-def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_ref, tb_ref,
-            aqk_ref, fac_ref, h0_ref, o_ref, hT_ref, q_s, k_s, v_s, tb_s, aqk_s, fac_s, aqk_h,
+def _copy_rows(refs, use_tamed, at, dst, bar):
+    """Bulk copy of the q or k rows refs[.][at] into dst: from the launcher's tamed copy refs[1]
+    when the call holds a huge row (use_tamed), else from the rows as given, refs[0] (the tamed
+    copy is then left unwritten: the common case reads and writes no copy of q and k)."""
+    raw, tamed = refs
+
+    @pl.when(use_tamed)
+    def _():
+        plgpu.copy_gmem_to_smem(tamed.at[at], dst, bar)
+
+    @pl.when(jnp.logical_not(use_tamed))
+    def _():
+        plgpu.copy_gmem_to_smem(raw.at[at], dst, bar)
+
+
+def _tamed_or_given(q, k, tamed):
+    """The (q_tamed, k_tamed, use_tamed [1] int32) operands of `scan` and `prep`: `tamed` as
+    the launcher gives it, or the rows themselves with use_tamed 0."""
+    return tamed if tamed is not None else (q, k, jnp.zeros((1,), jnp.int32))
+
+
+def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_ref, kt_ref,
+            tamed_ref, v_ref, tb_ref, aqk_ref, fac_ref, h0_ref, o_ref, hT_ref, q_s, k_s, v_s, tb_s, aqk_s, fac_s, aqk_h,
             pub, o_s, loaded, consumed, published, out_done, h0_bar, *, num_v_heads: int,
             num_k_heads: int, head_v_dim: int, has_initial_state: bool, narrow: bool,
             warp_specialized: bool, interpret: bool):
@@ -227,6 +248,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
     num_chunks = jnp.where(live, span_chunks, 0)
     zero_chunks = span_chunks - num_chunks
     first = first_ref[n]
+    use_tamed = tamed_ref[0] != 0
     cols = pl.ds(pl.multiple_of(jv * BV, BV), BV)
     if narrow:
         (s_pubs, d_pubs), ((x_pub, u_pub), state_s) = pub
@@ -247,11 +269,11 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
         tok, bar = pl.ds(t0, C), loaded.at[slot]
         # the prep's rows are by chunk slot (`prep`)
         at = pl.ds(pl.multiple_of((first + c) * C, C), C)
-        plgpu.copy_gmem_to_smem(k_ref.at[tok, hk, :], k_s.at[slot], bar)
+        _copy_rows((k_ref, kt_ref), use_tamed, (tok, hk), k_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(v_ref.at[tok, h, cols], v_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(tb_ref.at[:, at, h, :], tb_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(fac_ref.at[:, h, at], fac_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(q_ref.at[tok, hk, :], q_s.at[slot], bar)
+        _copy_rows((q_ref, qt_ref), use_tamed, (tok, hk), q_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(aqk_ref.at[at, h, :], aqk_s.at[slot], bar)
 
     def wait_output_done(c):
@@ -522,7 +544,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, v_r
 
 def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_heads: int,
          num_k_heads: int, has_initial_state: bool, narrow: bool = False,
-         warp_specialized: bool = True, interpret: bool = False):
+         tamed=None, warp_specialized: bool = True, interpret: bool = False):
     """The scan over packed sequences, each one's chunks from its start rounded down to ALIGN.
 
     cu [N + 1], order [N] (the sequences' launch order), first [N] (each sequence's first chunk
@@ -535,6 +557,8 @@ def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_
     the states h0 [N, HV, K, V] and the final states as they are), else of BLOCK_V holding
     S^T [BV, K] (h0 [N, HV, V, K] and the final states *transposed*); h0 may be a placeholder
     without has_initial_state.
+    tamed: (q_tamed, k_tamed, use_tamed [1] int32): q and k with their huge rows tamed, read
+    instead of q and k where use_tamed is not 0 (and unread, may be unwritten, where it is 0).
     Returns (o [T, HV, V] bf16, final states [N, HV, K, V] (narrow) or [N, HV, V, K], fp32)."""
     T, HV, V = v.shape
     N = cu.shape[0] - 1
@@ -586,7 +610,8 @@ def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_
         kernel_name="gdn_prefill_mgpu_scan",
         compiler_params=plgpu.CompilerParams(approx_math=False),
         **extra,
-    )(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0)
+    )(cu, order, first, live, decay, q, k, *_tamed_or_given(q, k, tamed), v, tb, aqk, factors,
+      h0)
 
 
 # --------------------------------------------------------------------------- the chunk prep
@@ -600,7 +625,7 @@ F16 = jnp.float16
 PREP_PROGRAMS = 264
 
 
-def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, aqk_ref, tb_ref, flag_ref, q_s, k_s, vec_s,
+def _prep_kernel(start_ref, q_ref, k_ref, qt_ref, kt_ref, tamed_ref, vec_ref, aqk_ref, tb_ref, flag_ref, q_s, k_s, vec_s,
                  d_s, p_s, aqk_o, tb_o, flag_o, bar, *, num_v_heads: int, num_k_heads: int,
                  num_items: int, num_programs: int, max_a: float, max_t: float,
                  interpret: bool):
@@ -609,6 +634,7 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, aqk_ref, tb_ref, flag_ref, q_
     # next item's rows are fetched into the other buffer while this one is formed
     p = lax.axis_index("p")
     mine = (num_items - p + num_programs - 1) // num_programs
+    use_tamed = tamed_ref[0] != 0
 
     def slot_and_head(it):
         w = p + it * num_programs
@@ -618,8 +644,8 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, aqk_ref, tb_ref, flag_ref, q_
         s, h = slot_and_head(it)
         hk = h // (num_v_heads // num_k_heads)
         rows, buf = pl.ds(pl.multiple_of(start_ref[s], ALIGN), C), it % 2
-        plgpu.copy_gmem_to_smem(k_ref.at[rows, hk, :], k_s.at[buf], bar.at[buf])
-        plgpu.copy_gmem_to_smem(q_ref.at[rows, hk, :], q_s.at[buf], bar.at[buf])
+        _copy_rows((k_ref, kt_ref), use_tamed, (rows, hk), k_s.at[buf], bar.at[buf])
+        _copy_rows((q_ref, qt_ref), use_tamed, (rows, hk), q_s.at[buf], bar.at[buf])
         for axis in range(2):
             plgpu.copy_gmem_to_smem(vec_ref.at[s, h], vec_s.at[buf, axis], bar.at[buf])
 
@@ -699,7 +725,7 @@ def _prep_item(s, h, q_s, k_s, vec_s, d_s, p_s, aqk_o, tb_o, flag_o, aqk_ref, tb
 
 
 def prep(start, q, k, rows, *, num_v_heads: int, aqk_dtype, max_a: float, max_t: float,
-         num_programs: int | None = PREP_PROGRAMS, interpret: bool = False):
+         tamed=None, num_programs: int | None = PREP_PROGRAMS, interpret: bool = False):
     """What the scan reads of each chunk that does not depend on the state, per (chunk slot,
     value head): the intra-chunk matrix and T beta, by slot (row s * CHUNK + i of chunk slot
     s's row i, so that no two items store the same rows). num_programs programs (None: one an
@@ -708,7 +734,7 @@ def prep(start, q, k, rows, *, num_v_heads: int, aqk_dtype, max_a: float, max_t:
     start [S] (each slot's first token, a multiple of ALIGN); q, k [T, HK, 128] bf16 (the rows
     as the scan takes them); rows [S, HV, NUM_ROW_VECTORS, CHUNK] fp32, each chunk's per-row
     values: G_HI, G_LO the cumulative log decays' parts, BETA, RQ (q's L2 factor times the
-    scale), RK (k's L2 factor), all 0 on the rows that are not the chunk's.
+    scale), RK (k's L2 factor), all 0 on the rows that are not the chunk's; tamed: as `scan`'s.
     Returns (aqk [S * CHUNK, HV, CHUNK] aqk_dtype, q k^T e^{G_i - G_j} scaled on and below the
     diagonal; T beta's bf16 halves [2, S * CHUNK, HV, CHUNK]; flags [S, HV, CHUNK] fp32, 1 on
     the rows where the fp16 inverse may not have held: |A| > max_a or |T| > max_t)."""
@@ -738,4 +764,4 @@ def prep(start, q, k, rows, *, num_v_heads: int, aqk_dtype, max_a: float, max_t:
         kernel_name="gdn_prefill_mgpu_prep",
         compiler_params=plgpu.CompilerParams(approx_math=False),
         **extra,
-    )(start, q, k, rows)
+    )(start, q, k, *_tamed_or_given(q, k, tamed), rows)

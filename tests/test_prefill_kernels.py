@@ -174,6 +174,34 @@ def test_huge_rows_equal_rows_tamed_before_the_call(mode, dtype, kda):
     assert rel_err(o, plain_o) <= tol and rel_err(hT, plain_s) <= tol
 
 @pytest.mark.parametrize("mode", MODES)
+def test_mosaic_huge_rows_equal_rows_tamed_before_the_call(mode):
+    """The Mosaic GPU kernels read q and k as given, and the launcher's tamed copy
+    (`tame_rows_if`, written only then) in a call that holds a huge row; the TF32 redo pass
+    tames the k rows it reads itself. q/k rows far above the bound mixed with ordinary ones in
+    every chunk, and value head 0 with one key direction, beta 3 and no decay (its fp16
+    inverses do not hold: those chunks go through the redo pass): finite, and the same bits as
+    rows tamed before the call (a call without a huge row, which reads the rows as given)."""
+    from pallas_kernels.gdn_decode import tame_huge_rows
+    lens, HK, HV, K = [70, 33], 1, 2, 128
+    q, k, v, g, beta, h0, cu = _packed_inputs(4, lens, HK=HK, HV=HV, K=K, V=K, dtype=BF16)
+    g, beta = np.array(g), np.array(beta)
+    g[:, 0], beta[:, 0] = 0.0, 3.0
+    k = jnp.broadcast_to(k[:1], k.shape)
+    sizes = np.resize(np.asarray([3e38 / 4.0, 1.0, 2.0 ** 55, 1e20, 1.0], np.float32), sum(lens))
+    big = jnp.asarray(sizes)[:, None, None].astype(BF16)
+    spec = _spec(HK, HV, K, K, has_initial_state=True, precise=False)
+    block = kern.PrefillBlockSizes(mosaic_scan=True, block_v=64)
+    assert kern.unsupported_reason(spec, block) is None
+    run = lambda q, k: kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
+                                          initial_state=h0, interpret=mode == "interpret")[:2]
+    o, hT = run(q * big, k * big)
+    assert np.all(np.isfinite(np.asarray(o, np.float32))) and np.all(np.isfinite(np.asarray(hT)))
+    want_o, want_s = run(tame_huge_rows(q * big), tame_huge_rows(k * big))
+    np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(want_o, np.float32))
+    np.testing.assert_array_equal(np.asarray(hT), np.asarray(want_s))
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [F32, BF16, jnp.float16], ids=["fp32", "bf16", "fp16"])
 def test_tame_rows_kernel_is_tame_huge_rows_bit_for_bit(mode, dtype):
     """The launcher's one-pass Pallas tame equals `tame_huge_rows` (XLA) bit for bit on rows of
@@ -201,6 +229,22 @@ def test_tame_rows_kernel_is_tame_huge_rows_bit_for_bit(mode, dtype):
                                   np.asarray(want.view(jnp.uint16 if dtype != F32 else jnp.uint32)))
     if dtype != jnp.float16:  # fp16 cannot hold a row above the bound
         assert not np.array_equal(np.asarray(got, np.float32), np.asarray(x, np.float32))
+    # the Mosaic path's pair: the L2 factors from one read, and the copy only when needed
+    interpret = mode == "interpret"
+    norms, any_huge = kern.tamed_row_norms(x, interpret=interpret)
+    want_norms = jax.lax.rsqrt(jnp.sum(jnp.square(want.astype(F32)), -1) + kern.L2NORM_EPS)
+    finite = np.isfinite(np.asarray(want_norms))
+    assert norms.shape == x.shape[:-1] and np.array_equal(finite, np.isfinite(np.asarray(norms)))
+    np.testing.assert_allclose(np.asarray(norms)[finite], np.asarray(want_norms)[finite],
+                               rtol=1e-6)
+    assert int(any_huge[0]) == 1           # (in fp16 the row holding inf is the huge one)
+    tamed = kern.tame_rows_if(x, jnp.ones((1,), jnp.int32), interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(tamed.view(jnp.uint16 if dtype != F32 else jnp.uint32)),
+                                  np.asarray(want.view(jnp.uint16 if dtype != F32 else jnp.uint32)))
+    ordinary = np.resize(sizes, R) <= 1.0
+    ordinary[7:10] = False
+    ordinary = x[ordinary]
+    assert int(kern.tamed_row_norms(ordinary, interpret=interpret)[1][0]) == 0
 
 @pytest.mark.parametrize("mode", MODES)
 def test_extreme_gates_no_nan(mode):
@@ -449,7 +493,7 @@ def test_mosaic_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
     assert kern.unsupported_reason(spec, block) is None
     start, length, _, lead = kern.chunk_table(cu, T_total, kern.mgpu_scan.ALIGN)
     tb = kern._mosaic_prep(q, k, jnp.asarray(g), jnp.asarray(beta), start, length, lead,
-                           jnp.zeros((HV,), F32), jnp.zeros((HV,), F32), None, spec=spec,
+                           jnp.zeros((HV,), F32), jnp.zeros((HV,), F32), None, None, spec=spec,
                            block=block, interpret=mode == "interpret")[0]
     tb = np.asarray(tb[0], np.float64) + np.asarray(tb[1], np.float64)   # [S * C, HV, C]
     C = kern.CHUNK
