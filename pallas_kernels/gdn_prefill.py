@@ -1427,77 +1427,102 @@ def _longest_first(cu):
 TAME_BLOCK_ROWS = 64
 
 
-def _tame_rows_kernel(*refs, num_rows: int, role: str):
-    """`gdn_decode.tame_huge_rows` for TAME_BLOCK_ROWS rows of x [R, K], in one read (XLA makes
-    it two reads of x: a reduction, then a select). role:
-    - "rows": (x_ref, o_ref), the tamed rows written in full;
-    - "norms": (x_ref, norm_ref, huge_ref), no rows written: the tamed rows' L2 factors
-      (`_l2_factor`) and, per block, whether it holds a huge row;
-    - "rows_if": (flag_ref, x_ref, o_ref), the tamed rows written only where flag_ref[0] is not
-      0 (a program does nothing else: o is left unwritten in the common case)."""
-    if role == "rows_if":
-        flag_ref, x_ref, o_ref = refs
-    elif role == "rows":
-        x_ref, o_ref = refs
-    else:
-        x_ref, norm_ref, huge_ref = refs
-    r0 = pl.program_id(0) * TAME_BLOCK_ROWS
+def _tamed_block(x_ref, b, num_rows: int):
+    """Rows block b of x [R, K] (TAME_BLOCK_ROWS of them) as `gdn_decode.tame_huge_rows` leaves
+    them (same bits; XLA makes it two reads of x: a reduction, then a select), with which of
+    them are huge and which lie inside x, and the block's slice."""
+    r0 = b * TAME_BLOCK_ROWS
     here = r0 + lax.broadcasted_iota(jnp.int32, (TAME_BLOCK_ROWS,), 0) < num_rows
     block = pl.ds(r0, TAME_BLOCK_ROWS)
+    x = plgpu.load(x_ref.at[block, :], mask=here[:, None], other=0)
+    huge, factor = huge_row_factor(jnp.max(jnp.abs(x.astype(F32)), axis=1))
+    # the other rows kept as they are, not multiplied by 1: a flush-to-zero multiply would lose
+    # subnormals
+    return jnp.where(huge[:, None], x * factor[:, None].astype(x.dtype), x), huge, here, block
 
-    def tame():
-        x = plgpu.load(x_ref.at[block, :], mask=here[:, None], other=0)
-        huge, factor = huge_row_factor(jnp.max(jnp.abs(x.astype(F32)), axis=1))
-        # the other rows kept as they are, not multiplied by 1: a flush-to-zero multiply would
-        # lose subnormals
-        x = jnp.where(huge[:, None], x * factor[:, None].astype(x.dtype), x)
-        if role == "norms":
-            plgpu.store(norm_ref.at[block], _l2_factor(x, True), mask=here)
-            huge_ref[pl.program_id(0)] = jnp.max(huge.astype(jnp.int32))
-        else:
-            plgpu.store(o_ref.at[block, :], x, mask=here[:, None])
 
-    if role == "rows_if":
-        pl.when(flag_ref[0] != 0)(tame)
+def _tame_rows_kernel(*refs, num_rows: int, with_norms: bool):
+    """One TAME_BLOCK_ROWS block of x [R, K] a program, read once. with_norms=False: (x_ref,
+    o_ref), the tamed rows written. with_norms=True: (x_ref, norm_ref, huge_ref), no rows
+    written: the tamed rows' L2 factors (`_l2_factor`) and whether the block holds a huge
+    row."""
+    b = pl.program_id(0)
+    x, huge, here, block = _tamed_block(refs[0], b, num_rows)
+    if with_norms:
+        plgpu.store(refs[1].at[block], _l2_factor(x, True), mask=here)
+        refs[2][b] = jnp.max(huge.astype(jnp.int32))
     else:
-        tame()
+        plgpu.store(refs[1].at[block, :], x, mask=here[:, None])
 
 
-def _tame_call(x, role, *, flag=None, interpret=False):
+TAME_IF_PROGRAMS = 264   # `tame_rows_if`'s programs: in the usual case each reads one flag
+
+
+def _tame_rows_if_kernel(flag_ref, *refs, num_rows: int):
+    """`tame_rows_if`: refs are (x_0, ..., o_0, ...); nothing happens unless flag_ref[0] != 0,
+    and then the programs take the blocks of every x in turn."""
+    xs, outs = refs[:len(refs) // 2], refs[len(refs) // 2:]
+    num_blocks = pl.cdiv(num_rows, TAME_BLOCK_ROWS)
+    p, num_programs = pl.program_id(0), pl.num_programs(0)
+
+    @pl.when(flag_ref[0] != 0)
+    def _():
+        def step(i, carry):
+            b = p + i * num_programs
+            for x_ref, o_ref in zip(xs, outs):
+                x, _, here, block = _tamed_block(x_ref, b, num_rows)
+                plgpu.store(o_ref.at[block, :], x, mask=here[:, None])
+            return carry
+
+        lax.fori_loop(0, (num_blocks - p + num_programs - 1) // num_programs, step, 0)
+
+
+def _tame_call(x, with_norms: bool, interpret: bool):
     rows = x.reshape(-1, x.shape[-1])
     num_blocks = pl.cdiv(rows.shape[0], TAME_BLOCK_ROWS)
-    if role == "norms":
+    if with_norms:
         out_shape = (jax.ShapeDtypeStruct(rows.shape[:1], F32),
                      jax.ShapeDtypeStruct((num_blocks,), jnp.int32))
     else:
         out_shape = jax.ShapeDtypeStruct(rows.shape, rows.dtype)
     return pl.pallas_call(
-        functools.partial(_tame_rows_kernel, num_rows=rows.shape[0], role=role),
+        functools.partial(_tame_rows_kernel, num_rows=rows.shape[0], with_norms=with_norms),
         out_shape=out_shape,
         grid=(num_blocks,),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
-        name="tame_huge_rows" if role == "rows" else f"tame_huge_rows_{role}",
-    )(*((flag, rows) if role == "rows_if" else (rows,)))
+        name="tamed_row_norms" if with_norms else "tame_huge_rows",
+    )(rows)
 
 
 def tame_rows(x, *, interpret: bool = False):
     """x [..., K] with its huge rows tamed as `gdn_decode.tame_huge_rows` does (same bits), as
     one Pallas kernel over the rows."""
-    return _tame_call(x, "rows", interpret=interpret).reshape(x.shape)
+    return _tame_call(x, False, interpret).reshape(x.shape)
 
 
 def tamed_row_norms(x, *, interpret: bool = False):
     """(the L2 factors [...] fp32 of x [..., K]'s rows as `tame_rows` leaves them, any_huge [1]
     int32: 1 when some row of x is huge), from one read of x and no write of it."""
-    norms, huge = _tame_call(x, "norms", interpret=interpret)
+    norms, huge = _tame_call(x, True, interpret)
     return norms.reshape(x.shape[:-1]), jnp.max(huge, keepdims=True)
 
 
-def tame_rows_if(x, flag, *, interpret: bool = False):
-    """`tame_rows(x)` where flag [1] int32 is not 0; where it is 0, an array of x's shape left
-    unwritten (its reader must not read it then), at the cost of a launch that reads one flag."""
-    return _tame_call(x, "rows_if", flag=flag, interpret=interpret).reshape(x.shape)
+def tame_rows_if(xs, flag, *, num_programs: int = TAME_IF_PROGRAMS, interpret: bool = False):
+    """`tame_rows(x)` for each x of xs (arrays of one shape [..., K]) where flag [1] int32 is not
+    0; where it is 0, arrays of that shape left unwritten (their reader must not read them
+    then), at the cost of one small launch whose programs read the flag."""
+    rows = [x.reshape(-1, x.shape[-1]) for x in xs]
+    num_blocks = pl.cdiv(rows[0].shape[0], TAME_BLOCK_ROWS)
+    outs = pl.pallas_call(
+        functools.partial(_tame_rows_if_kernel, num_rows=rows[0].shape[0]),
+        out_shape=tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rows),
+        grid=(min(num_programs, num_blocks),),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="tame_huge_rows_if",
+    )(flag, *rows)
+    return tuple(o.reshape(x.shape) for o, x in zip(outs, xs))
 
 
 def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, spec, block,
@@ -1599,8 +1624,7 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
         # both read q and k rows padded once here
         q, k = _aligned_rows(q), _aligned_rows(k)
         if use_tamed is not None:
-            tamed = (tame_rows_if(q, use_tamed, interpret=interpret),
-                     tame_rows_if(k, use_tamed, interpret=interpret), use_tamed)
+            tamed = (*tame_rows_if((q, k), use_tamed, interpret=interpret), use_tamed)
         mids = _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, norms, tamed,
                             spec=spec, block=block, interpret=interpret)
     else:
