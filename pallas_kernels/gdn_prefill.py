@@ -716,8 +716,7 @@ def _gdn_chunk(k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, lead, n, h, hk,
     beta = _chunk_beta(beta_ref, tok, h, rows, spec)
     k_in = plgpu.load(k_ref.at[tok, hk, :], mask=rows[:, None], other=0)
     if tame:
-        huge, factor = huge_row_factor(jnp.max(jnp.abs(k_in.astype(F32)), axis=1))
-        k_in = jnp.where(huge[:, None], k_in * factor[:, None].astype(k_in.dtype), k_in)
+        k_in, _ = _tamed(k_in)
     rk = _l2_factor(k_in, spec.use_qk_l2norm)
     G = _split_cumsum(_chunk_log_decay(g_ref, A_log_ref, dt_ref, tok, h, rows, spec))
     i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
@@ -1427,18 +1426,24 @@ def _longest_first(cu):
 TAME_BLOCK_ROWS = 64
 
 
-def _tamed_block(x_ref, b, num_rows: int):
-    """Rows block b of x [R, K] (TAME_BLOCK_ROWS of them) as `gdn_decode.tame_huge_rows` leaves
-    them (same bits; XLA makes it two reads of x: a reduction, then a select), with which of
-    them are huge and which lie inside x, and the block's slice."""
-    r0 = b * TAME_BLOCK_ROWS
-    here = r0 + lax.broadcasted_iota(jnp.int32, (TAME_BLOCK_ROWS,), 0) < num_rows
-    block = pl.ds(r0, TAME_BLOCK_ROWS)
-    x = plgpu.load(x_ref.at[block, :], mask=here[:, None], other=0)
+def _tamed(x):
+    """(the rows x [R, K] as `gdn_decode.tame_huge_rows` leaves them, same bits; which of them
+    are huge [R]), inside a kernel."""
     huge, factor = huge_row_factor(jnp.max(jnp.abs(x.astype(F32)), axis=1))
     # the other rows kept as they are, not multiplied by 1: a flush-to-zero multiply would lose
     # subnormals
-    return jnp.where(huge[:, None], x * factor[:, None].astype(x.dtype), x), huge, here, block
+    return jnp.where(huge[:, None], x * factor[:, None].astype(x.dtype), x), huge
+
+
+def _tamed_block(x_ref, b, num_rows: int):
+    """Rows block b of x [R, K] (TAME_BLOCK_ROWS of them) tamed (`_tamed`; XLA makes it two
+    reads of x: a reduction, then a select), with which of them are huge and which lie inside
+    x, and the block's slice."""
+    r0 = b * TAME_BLOCK_ROWS
+    here = r0 + lax.broadcasted_iota(jnp.int32, (TAME_BLOCK_ROWS,), 0) < num_rows
+    block = pl.ds(r0, TAME_BLOCK_ROWS)
+    x, huge = _tamed(plgpu.load(x_ref.at[block, :], mask=here[:, None], other=0))
+    return x, huge, here, block
 
 
 def _tame_rows_kernel(*refs, num_rows: int, with_norms: bool):
