@@ -223,10 +223,10 @@ def _tamed_or_given(q, k, tamed):
 
 
 def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_ref, kt_ref,
-            tamed_ref, v_ref, tb_ref, aqk_ref, fac_ref, h0_ref, o_ref, hT_ref, q_s, k_s, v_s, tb_s, aqk_s, fac_s, aqk_h,
-            pub, o_s, loaded, consumed, published, out_done, h0_bar, *, num_v_heads: int,
-            num_k_heads: int, head_v_dim: int, has_initial_state: bool, narrow: bool,
-            warp_specialized: bool, interpret: bool):
+            tamed_ref, v_ref, tb_ref, aqk_ref, fac_ref, h0_ref, o_ref, hT_ref, q_s, k_s, v_s,
+            tb_s, aqk_s, fac_s, aqk_h, pub, o_s, loaded, consumed, published, out_done, h0_bar,
+            *, num_v_heads: int, num_k_heads: int, head_v_dim: int, has_initial_state: bool,
+            narrow: bool, warp_specialized: bool, interpret: bool):
     C, K = CHUNK, HEAD_K_DIM
     BV = BLOCK_V_NARROW if narrow else BLOCK_V
     # the state's and deltas' halves for the output warpgroup: double-buffered in the narrow
@@ -625,10 +625,10 @@ F16 = jnp.float16
 PREP_PROGRAMS = 264
 
 
-def _prep_kernel(start_ref, q_ref, k_ref, qt_ref, kt_ref, tamed_ref, vec_ref, aqk_ref, tb_ref, flag_ref, q_s, k_s, vec_s,
-                 d_s, p_s, aqk_o, tb_o, flag_o, bar, *, num_v_heads: int, num_k_heads: int,
-                 num_items: int, num_programs: int, max_a: float, max_t: float,
-                 interpret: bool):
+def _prep_kernel(start_ref, q_ref, k_ref, qt_ref, kt_ref, tamed_ref, vec_ref, aqk_ref, tb_ref,
+                 flag_ref, q_s, k_s, vec_s, d_s, p_s, aqk_o, tb_o, flag_o, bar, *,
+                 num_v_heads: int, num_k_heads: int, num_items: int, num_programs: int,
+                 max_a: float, max_t: float, interpret: bool):
     C = CHUNK
     # work items (chunk slot, value head), heads fastest, taken by the programs in turn; the
     # next item's rows are fetched into the other buffer while this one is formed

@@ -754,8 +754,8 @@ def test_mosaic_scan_pool_slots_in_place(mode, block_v, pool_dtype, lens):
 
 def test_mosaic_scan_lowers_for_hopper():
     """Both forms of the Mosaic GPU scan (wide and narrow), with three warpgroups and with one,
-    and the Mosaic GPU prep lower through Mosaic GPU (layout inference included) for CUDA without a GPU; only the
-    compile to machine code needs the device."""
+    and the Mosaic GPU prep lower through Mosaic GPU (layout inference included) for CUDA
+    without a GPU; only the compile to machine code needs the device."""
     from pallas_kernels import gdn_prefill_mgpu as mgpu
     T, HK, HV, K, V = 200, 2, 4, 128, 128
     x, y = jnp.ones((T, HK, K), BF16), jnp.ones((T, HV, V), BF16)
