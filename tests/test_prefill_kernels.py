@@ -421,6 +421,16 @@ def test_half_inverse_falls_back_where_fp16_cannot_hold_it(mode):
     assert not np.all(np.isfinite(half[3]))  # the fp16 form alone overflows there
 
 
+def _chunk_t_beta_float64(k, g, beta, rows, h):
+    """float64 (I + A)^-1 beta of one chunk's rows (a slice of tokens) and value head h, from
+    the key rows k [T, 1, K] (one key head, no L2 norm)."""
+    b = beta[rows, h].astype(np.float64)
+    G = np.cumsum(g[rows, h].astype(np.float64))
+    kr = np.asarray(k[rows, 0], np.float64)
+    A = np.tril(b[:, None] * (kr @ kr.T) * np.exp(G[:, None] - G[None, :]), -1)
+    return np.linalg.inv(np.eye(len(b)) + A) * b[None, :]
+
+
 def _prep_t_beta_against_float64(mode, q, k, v, g, beta, cu):
     """GDN's prep (16-bit rows, no L2 norm: the fp16 inverse with its TF32 redo) on one key head
     (k [T, 1, K]): every chunk's T beta [T, HV, 64] (float64 numpy) checked finite and within
@@ -433,16 +443,13 @@ def _prep_t_beta_against_float64(mode, q, k, v, g, beta, cu):
     tb = kern._prep(q, k, v, jnp.asarray(g), jnp.asarray(beta), start, length, lead,
                     jnp.zeros((HV,), F32), jnp.zeros((HV,), F32), spec=spec, block=block,
                     interpret=mode == "interpret")[0]
-    tb, kf = np.asarray(tb, np.float64), np.asarray(k, np.float64)
+    tb, kf = np.asarray(tb, np.float64), np.asarray(k, np.float32)
     for t0, n in zip(np.asarray(start), np.asarray(length)):
         if n == 0:
             continue
         for h in range(HV):
-            rows, b = slice(t0, t0 + n), beta[t0:t0 + n, h].astype(np.float64)
-            G = np.cumsum(g[t0:t0 + n, h].astype(np.float64))
-            kk = kf[rows, 0] @ kf[rows, 0].T
-            A = np.tril(b[:, None] * kk * np.exp(G[:, None] - G[None, :]), -1)
-            want = np.linalg.inv(np.eye(n) + A) * b[None, :]
+            rows = slice(t0, t0 + n)
+            want = _chunk_t_beta_float64(kf, g, beta, rows, h)
             got = tb[rows, h, :n]
             assert np.all(np.isfinite(got)), (t0, h)
             assert rel_err(got, want) <= 2e-3, (t0, h, rel_err(got, want))
@@ -504,11 +511,7 @@ def test_mosaic_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
         if n == 0:
             continue
         for h in range(HV):
-            rows, b = slice(t0 + a, t0 + n), beta[t0 + a:t0 + n, h].astype(np.float64)
-            G = np.cumsum(g[rows, h].astype(np.float64))
-            kk = kf[rows, 0].astype(np.float64) @ kf[rows, 0].T.astype(np.float64)
-            A = np.tril(b[:, None] * kk * np.exp(G[:, None] - G[None, :]), -1)
-            want = np.linalg.inv(np.eye(n - a) + A) * b[None, :]
+            want = _chunk_t_beta_float64(kf, g, beta, slice(t0 + a, t0 + n), h)
             got = tb[s * C + a:s * C + n, h, a:n]
             assert np.all(np.isfinite(got)), (s, h)
             assert rel_err(got, want) <= 2e-3, (s, h, rel_err(got, want))
