@@ -38,10 +38,10 @@ form of the delta rule):
    GDN with bf16 inputs and K = 128 may take the scan's Mosaic GPU form instead
    (`PrefillBlockSizes.mosaic_scan`; `gdn_prefill_mgpu`), which keeps the state as the tensor
    cores' accumulator, and then the prep's Mosaic GPU form too (`gdn_prefill_mgpu.prep`: the
-   products and the fp16 inverse on wgmma, the per-row values from `_prep_rows_kernel`, outputs
-   laid by chunk slot; `_mosaic_prep`), for chunks laid from each sequence's start rounded down
-   to 8 tokens (`chunk_table`'s align: the rows before the start are masked like those past the
-   end).
+   products and the fp16 inverse on wgmma, the q/k L2 norms from the diagonals of its products,
+   the per-row values from `_prep_rows_kernel`, outputs laid by chunk slot; `_mosaic_prep`),
+   for chunks laid from each sequence's start rounded down to 8 tokens (`chunk_table`'s align:
+   the rows before the start are masked like those past the end).
 
 KDA (`per_channel_gate`): the decay is per key channel, e^{G_ic - G_jc}, so A and the intra-chunk
 attention matrix cannot be row-scaled products, and the per-channel work runs first in a kernel
@@ -129,7 +129,7 @@ L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 
 __all__ = ["PrefillSpec", "PrefillBlockSizes", "unsupported_reason", "chunk_table", "pool_rows",
-           "chunk_prefill", "split_gate", "tame_rows", "tamed_row_norms", "tame_rows_if"]
+           "chunk_prefill", "split_gate", "tame_rows", "tame_rows_if"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1323,48 +1323,47 @@ def _redo(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb, *, spec, bl
     )(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb)
 
 
-def _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, norms, tamed, *, spec,
-                 block, interpret):
-    """`_prep`'s results for the Mosaic GPU scan, by chunk slot: the per-row values the Mosaic
-    prep reads (cumulative gates, beta, the L2 factors), the row factors and e^{G_C} from
-    `_mosaic_prep_rows`; the products, the fp16 inverse and its check from
-    `gdn_prefill_mgpu.prep`; flagged chunks formed again in TF32 (`_prep_redo_kernel`).
-    q, k: rows aligned (`_aligned_rows`), as given; norms: (q's, k's) L2 factors [T, HK]
-    (`tamed_row_norms`), or None without the L2 norm; tamed: their tamed copies and the flag
-    that says whether to read them (`gdn_prefill_mgpu.scan`), or None."""
+def _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
+                 interpret):
+    """`_prep`'s results for the Mosaic GPU scan, by chunk slot, and the flag [1] int32 that
+    says whether the scan must read tamed copies of q and k (None without the L2 norm): the
+    per-row values the Mosaic prep reads (cumulative gates, beta) and the row factors and
+    e^{G_C} from `_mosaic_prep_rows`; the products, the L2 factors (applied to the row factors),
+    the fp16 inverse and its check from `gdn_prefill_mgpu.prep`; flagged chunks formed again in
+    TF32 (`_prep_redo_kernel`). q, k: rows aligned (`_aligned_rows`), as given."""
     HV = g.shape[1]
     rows_in, factors, decay = _mosaic_prep_rows(g, beta, start, length, lead, A_log, dt_bias,
-                                                norms, num_k_heads=q.shape[1], spec=spec,
-                                                interpret=interpret)
-    aqk, tb, flags = mgpu_scan.prep(jnp.where(length > 0, start, 0), q, k, rows_in,
-                                    num_v_heads=HV, aqk_dtype=_bounded_dtype(spec),
-                                    max_a=HALF_INVERSE_MAX_A, max_t=HALF_INVERSE_MAX_T,
-                                    tamed=tamed, interpret=interpret)
-    redo = ((jnp.max(flags, axis=2) > 0) & (length[:, None] > 0)).astype(jnp.int32)
+                                                spec=spec, interpret=interpret)
+    l2norm = spec.use_qk_l2norm
+    out = mgpu_scan.prep(jnp.where(length > 0, start, 0), q, k, rows_in,
+                         factors if l2norm else None, num_v_heads=HV,
+                         aqk_dtype=_bounded_dtype(spec), max_a=HALF_INVERSE_MAX_A,
+                         max_t=HALF_INVERSE_MAX_T, interpret=interpret)
+    aqk, tb, flags = out[:3]
+    use_tamed = None
+    if l2norm:
+        factors = out[3]
+        use_tamed = jnp.max(flags[:, :, mgpu_scan.HUGE]).astype(jnp.int32).reshape(1)
+    redo = ((jnp.max(flags[:, :, mgpu_scan.UNFIT], axis=2) > 0)
+            & (length[:, None] > 0)).astype(jnp.int32)
     tb = _redo(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb, spec=spec,
                block=block, slot_rows=True, interpret=interpret)
     unused = jnp.zeros((1, 1, 1), F32)
-    return tb, unused, unused, aqk, factors, unused, unused, decay
+    return (tb, unused, unused, aqk, factors, unused, unused, decay), use_tamed
 
 
-def _prep_rows_kernel(start_ref, len_ref, lead_ref, g_ref, beta_ref, A_log_ref, dt_ref, qn_ref,
-                      kn_ref, rows_ref, fac_ref, decay_ref, *, spec: PrefillSpec,
-                      has_norms: bool):
+def _prep_rows_kernel(start_ref, len_ref, lead_ref, g_ref, beta_ref, A_log_ref, dt_ref,
+                      rows_ref, fac_ref, decay_ref, *, spec: PrefillSpec):
     """`_mosaic_prep_rows` for one chunk slot and value head."""
     s, h = _slot_and_head(True)
-    hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n, lead = start_ref[s], len_ref[s], lead_ref[s]
     C = CHUNK
     rows = _chunk_rows(lead, n)
     tok = pl.ds(t0, C)
     beta = _chunk_beta(beta_ref, tok, h, rows, spec)
     G_hi, G_lo = _split_cumsum(_chunk_log_decay(g_ref, A_log_ref, dt_ref, tok, h, rows, spec))
-    if has_norms:
-        rq = plgpu.load(qn_ref.at[tok, hk], mask=rows, other=0)
-        rk = plgpu.load(kn_ref.at[tok, hk], mask=rows, other=0)
-    else:
-        rq = rk = jnp.where(rows, 1.0, 0.0)
-    rq = rq * jnp.float32(spec.scale)
+    rk = jnp.where(rows, 1.0, 0.0)
+    rq = rk * jnp.float32(spec.scale)
     for r, x in enumerate((G_hi, G_lo, beta, rq, rk)):
         plgpu.store(rows_ref.at[s, h, jnp.int32(r), :], x)
     last = lax.broadcasted_iota(jnp.int32, (C,), 0) == C - 1
@@ -1378,17 +1377,15 @@ def _prep_rows_kernel(start_ref, len_ref, lead_ref, g_ref, beta_ref, A_log_ref, 
     decay_ref[s, h] = jnp.exp(last_hi + last_lo)
 
 
-def _mosaic_prep_rows(g, beta, start, length, lead, A_log, dt_bias, norms, *, num_k_heads,
-                      spec, interpret=False):
+def _mosaic_prep_rows(g, beta, start, length, lead, A_log, dt_bias, *, spec, interpret=False):
     """`_mosaic_prep`'s per-row part, one small Triton program per chunk slot and value head:
     (the prep's per-row values [S, HV, NUM_ROW_VECTORS, C], 0 on the rows that are not the
-    chunk's; the scan's row factors [3, HV, S * C]; e^{G_C} [S, HV]). One launch: as XLA's
-    gathers, cumulative sums and transposes of these small arrays it took a good part of the
-    prep's time (BENCHMARKS.md)."""
+    chunk's; the scan's row factors [3, HV, S * C] without the L2 norm, which the Mosaic prep
+    applies; e^{G_C} [S, HV]). One launch: as XLA's gathers, cumulative sums and transposes of
+    these small arrays it took a good part of the prep's time (BENCHMARKS.md)."""
     S, HV, C = start.shape[0], g.shape[1], CHUNK
-    qn, kn = norms if norms is not None else (jnp.zeros((1, 1), F32),) * 2
     return pl.pallas_call(
-        functools.partial(_prep_rows_kernel, spec=spec, has_norms=norms is not None),
+        functools.partial(_prep_rows_kernel, spec=spec),
         out_shape=(jax.ShapeDtypeStruct((S, HV, mgpu_scan.NUM_ROW_VECTORS, C), F32),
                    jax.ShapeDtypeStruct((3, HV, S * C), F32),
                    jax.ShapeDtypeStruct((S, HV), F32)),
@@ -1396,7 +1393,7 @@ def _mosaic_prep_rows(g, beta, start, length, lead, A_log, dt_bias, norms, *, nu
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="gdn_prefill_prep_rows",
-    )(start, length, lead, g, beta, A_log, dt_bias, qn, kn)
+    )(start, length, lead, g, beta, A_log, dt_bias)
 
 
 def _aligned_rows(x):
@@ -1446,18 +1443,10 @@ def _tamed_block(x_ref, b, num_rows: int):
     return x, huge, here, block
 
 
-def _tame_rows_kernel(*refs, num_rows: int, with_norms: bool):
-    """One TAME_BLOCK_ROWS block of x [R, K] a program, read once. with_norms=False: (x_ref,
-    o_ref), the tamed rows written. with_norms=True: (x_ref, norm_ref, huge_ref), no rows
-    written: the tamed rows' L2 factors (`_l2_factor`) and whether the block holds a huge
-    row."""
-    b = pl.program_id(0)
-    x, huge, here, block = _tamed_block(refs[0], b, num_rows)
-    if with_norms:
-        plgpu.store(refs[1].at[block], _l2_factor(x, True), mask=here)
-        refs[2][b] = jnp.max(huge.astype(jnp.int32))
-    else:
-        plgpu.store(refs[1].at[block, :], x, mask=here[:, None])
+def _tame_rows_kernel(x_ref, o_ref, *, num_rows: int):
+    """One TAME_BLOCK_ROWS block of x [R, K] a program: the tamed rows written."""
+    x, _, here, block = _tamed_block(x_ref, pl.program_id(0), num_rows)
+    plgpu.store(o_ref.at[block, :], x, mask=here[:, None])
 
 
 TAME_IF_PROGRAMS = 264   # `tame_rows_if`'s programs: in the usual case each reads one flag
@@ -1482,35 +1471,18 @@ def _tame_rows_if_kernel(flag_ref, *refs, num_rows: int):
         lax.fori_loop(0, (num_blocks - p + num_programs - 1) // num_programs, step, 0)
 
 
-def _tame_call(x, with_norms: bool, interpret: bool):
-    rows = x.reshape(-1, x.shape[-1])
-    num_blocks = pl.cdiv(rows.shape[0], TAME_BLOCK_ROWS)
-    if with_norms:
-        out_shape = (jax.ShapeDtypeStruct(rows.shape[:1], F32),
-                     jax.ShapeDtypeStruct((num_blocks,), jnp.int32))
-    else:
-        out_shape = jax.ShapeDtypeStruct(rows.shape, rows.dtype)
-    return pl.pallas_call(
-        functools.partial(_tame_rows_kernel, num_rows=rows.shape[0], with_norms=with_norms),
-        out_shape=out_shape,
-        grid=(num_blocks,),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="tamed_row_norms" if with_norms else "tame_huge_rows",
-    )(rows)
-
-
 def tame_rows(x, *, interpret: bool = False):
     """x [..., K] with its huge rows tamed as `gdn_decode.tame_huge_rows` does (same bits), as
     one Pallas kernel over the rows."""
-    return _tame_call(x, False, interpret).reshape(x.shape)
-
-
-def tamed_row_norms(x, *, interpret: bool = False):
-    """(the L2 factors [...] fp32 of x [..., K]'s rows as `tame_rows` leaves them, any_huge [1]
-    int32: 1 when some row of x is huge), from one read of x and no write of it."""
-    norms, huge = _tame_call(x, True, interpret)
-    return norms.reshape(x.shape[:-1]), jnp.max(huge, keepdims=True)
+    rows = x.reshape(-1, x.shape[-1])
+    return pl.pallas_call(
+        functools.partial(_tame_rows_kernel, num_rows=rows.shape[0]),
+        out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
+        grid=(pl.cdiv(rows.shape[0], TAME_BLOCK_ROWS),),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="tame_huge_rows",
+    )(rows).reshape(x.shape)
 
 
 def tame_rows_if(xs, flag, *, num_programs: int = TAME_IF_PROGRAMS, interpret: bool = False):
@@ -1595,8 +1567,8 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
                   state_dtype=jnp.float32, interpret: bool = False):
     """Run the kernels on packed, validated inputs (the caller checks shapes; see the module
     docstring): prep and scan, KDA's intra-chunk kernel before them, and for GDN the q/k tame
-    pass first (with the L2 norm; on the Mosaic GPU path the L2 factors, and a tamed copy only
-    when some row is huge) and the prep's TF32 redo pass between them (16-bit inputs).
+    pass first (with the L2 norm; on the Mosaic GPU path instead a tamed copy for the scan only
+    when the prep tamed a row) and the prep's TF32 redo pass between them (16-bit inputs).
 
     q, k [T, HK, K]; v [T, HV, V]; g [T, HV] (KDA: [T, HV, K]), beta [T, HV] (raw a, b with
     A_log [HV] and dt_bias [HV] (KDA: [HV * K]) when spec.raw_gates); cu_seqlens [N + 1] int32. Pooled: pool [P, HV, K, V] (donated, updated in
@@ -1607,18 +1579,13 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
     HV = v.shape[1]
     N = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
-    norms = use_tamed = tamed = None
-    if spec.use_qk_l2norm and not spec.per_channel_gate:
+    tamed = None
+    if spec.use_qk_l2norm and not spec.per_channel_gate and not block.mosaic_scan:
         # GDN's raw q, k rows go into dot products and are normalised afterwards, so rows whose
-        # squares could overflow are tamed first (KDA's intra kernel tames its rows itself)
-        if block.mosaic_scan:
-            # one read of q and k for their L2 factors; the Mosaic kernels read the rows as
-            # given, or tamed copies when some row is huge (written only then, below)
-            (qn, q_huge), (kn, k_huge) = (tamed_row_norms(x, interpret=interpret)
-                                          for x in (q, k))
-            norms, use_tamed = (qn, kn), jnp.maximum(q_huge, k_huge)
-        else:
-            q, k = tame_rows(q, interpret=interpret), tame_rows(k, interpret=interpret)
+        # squares could overflow are tamed first (KDA's intra kernel tames its rows itself; the
+        # Mosaic GPU prep tames the tiles that hold such a row, and the scan then reads tamed
+        # copies, below)
+        q, k = tame_rows(q, interpret=interpret), tame_rows(k, interpret=interpret)
     # the Mosaic GPU scan reads each sequence's chunks from its start rounded down to ALIGN
     start, length, first, lead = chunk_table(
         cu, q.shape[0], mgpu_scan.ALIGN if block.mosaic_scan else 1)
@@ -1628,10 +1595,11 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
         # the Mosaic GPU scan takes the Mosaic GPU prep's layouts (`gdn_prefill_mgpu.prep`);
         # both read q and k rows padded once here
         q, k = _aligned_rows(q), _aligned_rows(k)
+        mids, use_tamed = _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias,
+                                       spec=spec, block=block, interpret=interpret)
         if use_tamed is not None:
+            # the copies are written only when the prep tamed a row
             tamed = (*tame_rows_if((q, k), use_tamed, interpret=interpret), use_tamed)
-        mids = _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, norms, tamed,
-                            spec=spec, block=block, interpret=interpret)
     else:
         mids = _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, spec=spec,
                      block=block, interpret=interpret)

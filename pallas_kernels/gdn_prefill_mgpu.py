@@ -11,8 +11,13 @@ recursive doubling of `gdn_prefill._invert_unit_lower` with fp16 operands, every
 wgmma; it flags the rows where fp16 may not have held, and the launcher forms those chunks again
 in TF32 (`gdn_prefill._prep_redo_kernel`). Two programs an SM take the items in turn and fetch
 the next item's rows while they form one (`PREP_PROGRAMS`). The per-row values it reads
-(cumulative gates, beta, the L2 factors) and the scan's row factors come from a small Triton
-launch before it (`gdn_prefill._prep_rows_kernel`). Its outputs are laid by chunk slot (row
+(cumulative gates, beta) and the scan's row factors come from a small Triton launch before it
+(`gdn_prefill._prep_rows_kernel`); with the L2 norm the prep takes the rows' sums of squares
+from the diagonals of k k^T and of q q^T (a third product) and applies the L2 factors to its
+products and to the scan's row factors, so q and k get no pass of their own. A tile that holds
+a row too large to square in fp32 is tamed in shared memory before the products (as
+`gdn_prefill.tame_rows` does, same bits), and the launcher then gives the scan tamed copies of
+q and k. Its outputs are laid by chunk slot (row
 s * CHUNK + i for row i of slot s), so that no two items write the same rows (the chunks of
 packed sequences may share token rows), and each is one bulk copy.
 
@@ -67,6 +72,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.gdn_decode import L2NORM_EPS, huge_row_factor
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -217,7 +224,7 @@ def _copy_rows(refs, use_tamed, at, dst, bar):
 
 
 def _tamed_or_given(q, k, tamed):
-    """The (q_tamed, k_tamed, use_tamed [1] int32) operands of `scan` and `prep`: `tamed` as
+    """The (q_tamed, k_tamed, use_tamed [1] int32) operands of `scan`: `tamed` as
     the launcher gives it, or the rows themselves with use_tamed 0."""
     return tamed if tamed is not None else (q, k, jnp.zeros((1,), jnp.int32))
 
@@ -618,6 +625,7 @@ def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_
 
 NUM_ROW_VECTORS = 5      # the prep's per-row inputs a chunk and value head: see `prep`
 G_HI, G_LO, BETA, RQ, RK = range(5)
+UNFIT, HUGE = range(2)   # the prep's flags a row: its fp16 inverse may not have held; tamed
 F16 = jnp.float16
 # the prep's programs: two an SM of an H200 (132 SMs), each taking work items in turn with the
 # next item's rows fetched while it forms one (one program an item was 12-17% slower;
@@ -625,16 +633,19 @@ F16 = jnp.float16
 PREP_PROGRAMS = 264
 
 
-def _prep_kernel(start_ref, q_ref, k_ref, qt_ref, kt_ref, tamed_ref, vec_ref, aqk_ref, tb_ref,
-                 flag_ref, q_s, k_s, vec_s, d_s, p_s, aqk_o, tb_o, flag_o, bar, *,
-                 num_v_heads: int, num_k_heads: int, num_items: int, num_programs: int,
-                 max_a: float, max_t: float, interpret: bool):
+def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_k_heads: int,
+                 num_items: int, num_programs: int, max_a: float, max_t: float, l2norm: bool,
+                 interpret: bool):
     C = CHUNK
+    # with the L2 norm: the factors in and out
+    fac_ref, *refs = refs if l2norm else (None, *refs)
+    aqk_ref, tb_ref, flag_ref, *refs = refs
+    fac_out_ref, *refs = refs if l2norm else (None, *refs)
+    (q_s, inverse_s), k_s, vec_s, fac_s, nrm_s, aqk_o, tb_o, flag_o, fac_o, bar = refs
     # work items (chunk slot, value head), heads fastest, taken by the programs in turn; the
     # next item's rows are fetched into the other buffer while this one is formed
     p = lax.axis_index("p")
     mine = (num_items - p + num_programs - 1) // num_programs
-    use_tamed = tamed_ref[0] != 0
 
     def slot_and_head(it):
         w = p + it * num_programs
@@ -644,10 +655,13 @@ def _prep_kernel(start_ref, q_ref, k_ref, qt_ref, kt_ref, tamed_ref, vec_ref, aq
         s, h = slot_and_head(it)
         hk = h // (num_v_heads // num_k_heads)
         rows, buf = pl.ds(pl.multiple_of(start_ref[s], ALIGN), C), it % 2
-        _copy_rows((k_ref, kt_ref), use_tamed, (rows, hk), k_s.at[buf], bar.at[buf])
-        _copy_rows((q_ref, qt_ref), use_tamed, (rows, hk), q_s.at[buf], bar.at[buf])
+        plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s.at[buf], bar.at[buf])
+        plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s.at[buf], bar.at[buf])
         for axis in range(2):
             plgpu.copy_gmem_to_smem(vec_ref.at[s, h], vec_s.at[buf, axis], bar.at[buf])
+        if l2norm:
+            plgpu.copy_gmem_to_smem(fac_ref.at[:, h, pl.ds(pl.multiple_of(s * C, C), C)],
+                                    fac_s.at[buf], bar.at[buf])
 
     @pl.when(mine > 0)
     def _():
@@ -662,9 +676,14 @@ def _prep_kernel(start_ref, q_ref, k_ref, qt_ref, kt_ref, tamed_ref, vec_ref, aq
         plgpu.barrier_wait(bar.at[buf])
         if not interpret:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's stores' reads
-        _prep_item(*slot_and_head(it), q_s.at[buf], k_s.at[buf], vec_s.at[buf], d_s, p_s,
-                   aqk_o, tb_o, flag_o, aqk_ref, tb_ref, flag_ref, max_a=max_a, max_t=max_t,
-                   interpret=interpret)
+        # the inverse's operand tiles in the memory of this item's q tile; their index a
+        # traced value (a constant index of a ref that a `run_state` update reads becomes an
+        # operand of it, which its lowering cannot return)
+        zero = buf - buf
+        d_s, p_s = inverse_s.at[buf, zero], inverse_s.at[buf, zero + 1]
+        _prep_item(*slot_and_head(it), q_s.at[buf], k_s.at[buf], vec_s.at[buf], fac_s.at[buf],
+                   nrm_s, d_s, p_s, aqk_o, tb_o, flag_o, fac_o, aqk_ref, tb_ref, flag_ref,
+                   fac_out_ref, max_a=max_a, max_t=max_t, l2norm=l2norm, interpret=interpret)
         return carry
 
     lax.fori_loop(0, mine, step, 0)
@@ -672,12 +691,56 @@ def _prep_kernel(start_ref, q_ref, k_ref, qt_ref, kt_ref, tamed_ref, vec_ref, aq
         plgpu.wait_smem_to_gmem(0)
 
 
-def _prep_item(s, h, q_s, k_s, vec_s, d_s, p_s, aqk_o, tb_o, flag_o, aqk_ref, tb_ref, flag_ref,
-               *, max_a: float, max_t: float, interpret: bool):
-    """One chunk slot and value head of `prep`, from its rows in q_s, k_s, vec_s."""
+def _huge_rows(x_s, interpret):
+    """(the tile x_s [C, K] in registers, which of its rows are huge [C], the exact powers of
+    two `tame_rows` scales them by [C])."""
+    x = _load(x_s, None if interpret else plgpu.Layout.WGMMA, interpret)
+    huge, factor = huge_row_factor(jnp.max(jnp.abs(x.astype(F32)), axis=1))
+    return x, huge, factor
+
+
+def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, aqk_o, tb_o, flag_o, fac_o,
+               aqk_ref, tb_ref, flag_ref, fac_out_ref, *, max_a: float, max_t: float,
+               l2norm: bool, interpret: bool):
+    """One chunk slot and value head of `prep`, from its rows in q_s, k_s, vec_s (and with the
+    L2 norm the scan's row factors without it in fac_s)."""
     C = CHUNK
-    (kk, qk), _ = _products([[(k_s, ("T", k_s))], [(q_s, ("T", k_s))]], (C, C),
-                            interpret=interpret)
+    i, j = _iota((C, C), 0, interpret), _iota((C, C), 1, interpret)
+    row_layout = None if interpret else plgpu.Layout.WGMMA.reduce(1)
+    if l2norm:
+        # rows too large to square in fp32 (max |x| > 2**50): tamed in place as `tame_rows`
+        # does (same bits), only in a tile that holds one (no product waits on a branch)
+        tiles = [_huge_rows(x_s, interpret) for x_s in (q_s, k_s)]
+        huge_rows = tiles[0][1] | tiles[1][1]
+        nrm_s[0] = jnp.where(huge_rows, 1.0, 0.0)
+        _commit_smem(interpret)
+        any_huge = nrm_s[0, 0]
+        for r in range(1, C):
+            any_huge = jnp.maximum(any_huge, nrm_s[0, r])
+
+        @pl.when(any_huge != 0)
+        def _():
+            for x_s, (x, huge, factor) in zip((q_s, k_s), tiles):
+                # the other rows kept as they are, not multiplied by 1 (a flush-to-zero
+                # multiply would lose subnormals)
+                x_s[...] = jnp.where(lax.broadcast_in_dim(huge, x.shape, (0,)),
+                                     x * lax.broadcast_in_dim(factor, x.shape,
+                                                              (0,)).astype(x.dtype), x)
+
+        _commit_smem(interpret)   # the tamed tiles for the products, and nrm_s read
+
+    groups = [[(k_s, ("T", k_s))], [(q_s, ("T", k_s))]]
+    if l2norm:
+        # the rows' sums of squares: the diagonals of q q^T and k k^T (fp32 sums of exact
+        # products)
+        (kk, qk, qq), _ = _products(groups + [[(q_s, ("T", q_s))]], (C, C),
+                                    interpret=interpret)
+        on_diagonal = i == j
+        sq, sk = (jnp.sum(jnp.where(on_diagonal, x, 0.0), axis=1) for x in (qq, kk))
+        nrm_s[1] = sk    # k's, for the columns' layout
+        _commit_smem(interpret)
+    else:
+        (kk, qk), _ = _products(groups, (C, C), interpret=interpret)
 
     def vector(r, axis):
         """Row vector r of the chunk's, broadcast along axis of a [C, C] tile. Each layout has
@@ -687,15 +750,24 @@ def _prep_item(s, h, q_s, k_s, vec_s, d_s, p_s, aqk_o, tb_o, flag_o, aqk_ref, tb
         x = lax.broadcast_in_dim(_load(vec_s.at[axis, r], layout, interpret), (C, C), (axis,))
         return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
-    on_rows = lambda r: vector(r, 0)
-    on_cols = lambda r: vector(r, 1)
-    i, j = _iota((C, C), 0, interpret), _iota((C, C), 1, interpret)
+    rq_rows, rk_rows, rk_cols = vector(RQ, 0), vector(RK, 0), vector(RK, 1)
+    if l2norm:
+        # the L2 factors, applied to the products as the given row factors are, and to the
+        # scan's row factors
+        nq, nk = lax.rsqrt(sq + L2NORM_EPS), lax.rsqrt(sk + L2NORM_EPS)
+        col_layout = None if interpret else plgpu.Layout.WGMMA.reduce(0)
+        nk_cols = lax.rsqrt(_load(nrm_s.at[1], col_layout, interpret) + L2NORM_EPS)
+        rq_rows = rq_rows * _rows(nq, (C, C), interpret)
+        rk_rows = rk_rows * _rows(nk, (C, C), interpret)
+        rk_cols = rk_cols * _columns(nk_cols, (C, C), interpret)
+        for f, n in zip((FQ, FK, FW), (nq, nk, nk)):
+            fac_o[f] = _load(fac_s.at[f], row_layout, interpret) * n
     # e^{G_i - G_j} on and below the diagonal, from the cumulative gates' (hi, lo) parts
-    seg = (on_rows(G_HI) - on_cols(G_HI)) + (on_rows(G_LO) - on_cols(G_LO))
+    seg = (vector(G_HI, 0) - vector(G_HI, 1)) + (vector(G_LO, 0) - vector(G_LO, 1))
     decay = jnp.exp(jnp.where(i >= j, seg, -jnp.inf))
-    aqk_o[...] = (qk * (on_rows(RQ) * on_cols(RK)) * decay).astype(aqk_o.dtype)
-    kk = kk * (on_rows(RK) * on_cols(RK))
-    A = jnp.where(i > j, on_rows(BETA) * kk * decay, 0.0)
+    aqk_o[...] = (qk * (rq_rows * rk_cols) * decay).astype(aqk_o.dtype)
+    kk = kk * (rk_rows * rk_cols)
+    A = jnp.where(i > j, vector(BETA, 0) * kk * decay, 0.0)
 
     # (I + A)^-1 by recursive doubling with fp16 operands, as `gdn_prefill._invert_unit_lower`
     # (half=True): D the inverse on the diagonal blocks of size b, L A's entries below them
@@ -711,10 +783,13 @@ def _prep_item(s, h, q_s, k_s, vec_s, d_s, p_s, aqk_o, tb_o, flag_o, aqk_ref, tb
         _commit_smem(interpret)
         (D,), _ = _products([[((-D).astype(F16), p_s)]], (C, C), [D], interpret=interpret)
         b *= 2
-    # rows whose fp16 operands may not have held (`gdn_prefill._half_inverse_fits`; NaN fails)
+    # rows whose fp16 operands may not have held (`gdn_prefill._half_inverse_fits`; NaN fails),
+    # and the rows tamed here
     fits = (jnp.abs(A) <= max_a) & (jnp.abs(D) <= max_t)
-    flag_o[...] = jnp.max(jnp.where(fits, 0.0, 1.0), axis=1)
-    tb_hi, tb_lo = split_bf16(D * on_cols(BETA))
+    unfit = jnp.max(jnp.where(fits, 0.0, 1.0), axis=1)
+    flag_o[UNFIT] = unfit
+    flag_o[HUGE] = jnp.where(huge_rows, 1.0, 0.0) if l2norm else unfit * 0.0  # (zeros by rows)
+    tb_hi, tb_lo = split_bf16(D * vector(BETA, 1))
     tb_o[0] = tb_hi
     tb_o[1] = tb_lo
     _commit_smem(interpret)
@@ -722,40 +797,56 @@ def _prep_item(s, h, q_s, k_s, vec_s, d_s, p_s, aqk_o, tb_o, flag_o, aqk_ref, tb
     plgpu.copy_smem_to_gmem(aqk_o, aqk_ref.at[at, h, :])
     plgpu.copy_smem_to_gmem(tb_o, tb_ref.at[:, at, h, :])
     plgpu.copy_smem_to_gmem(flag_o, flag_ref.at[s, h])
+    if l2norm:
+        plgpu.copy_smem_to_gmem(fac_o, fac_out_ref.at[:, h, at])
 
 
-def prep(start, q, k, rows, *, num_v_heads: int, aqk_dtype, max_a: float, max_t: float,
-         tamed=None, num_programs: int | None = PREP_PROGRAMS, interpret: bool = False):
+def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a: float,
+         max_t: float, num_programs: int | None = PREP_PROGRAMS, interpret: bool = False):
     """What the scan reads of each chunk that does not depend on the state, per (chunk slot,
     value head): the intra-chunk matrix and T beta, by slot (row s * CHUNK + i of chunk slot
     s's row i, so that no two items store the same rows). num_programs programs (None: one an
     item) take the items in turn, heads fastest.
 
-    start [S] (each slot's first token, a multiple of ALIGN); q, k [T, HK, 128] bf16 (the rows
-    as the scan takes them); rows [S, HV, NUM_ROW_VECTORS, CHUNK] fp32, each chunk's per-row
-    values: G_HI, G_LO the cumulative log decays' parts, BETA, RQ (q's L2 factor times the
-    scale), RK (k's L2 factor), all 0 on the rows that are not the chunk's; tamed: as `scan`'s.
+    start [S] (each slot's first token, a multiple of ALIGN); q, k [T, HK, 128] bf16 as given;
+    rows [S, HV, NUM_ROW_VECTORS, CHUNK] fp32, each chunk's per-row values: G_HI, G_LO the
+    cumulative log decays' parts, BETA, RQ (the scale), RK (1), all 0 on the rows that are not
+    the chunk's. factors: None, or the scan's row factors [3, HV, S * CHUNK] fp32 without the
+    L2 norm, which the prep then applies: q's and k's L2 factors from the diagonals of q q^T
+    and k k^T, of the rows as `tame_rows` leaves them (an item whose tiles hold a huge row
+    tames them in shared memory before its products).
     Returns (aqk [S * CHUNK, HV, CHUNK] aqk_dtype, q k^T e^{G_i - G_j} scaled on and below the
-    diagonal; T beta's bf16 halves [2, S * CHUNK, HV, CHUNK]; flags [S, HV, CHUNK] fp32, 1 on
-    the rows where the fp16 inverse may not have held: |A| > max_a or |T| > max_t)."""
+    diagonal; T beta's bf16 halves [2, S * CHUNK, HV, CHUNK]; flags [S, HV, 2, CHUNK] fp32:
+    [UNFIT] 1 on the rows where the fp16 inverse may not have held (|A| > max_a or
+    |T| > max_t), [HUGE] 1 on the rows tamed (`scan` must then read tamed copies of q and k)),
+    and with factors, the factors with the L2 norm applied."""
     S, HV = start.shape[0], num_v_heads
     C, K = CHUNK, HEAD_K_DIM
+    l2norm = factors is not None
     num_items = S * HV
     num_programs = num_items if num_programs is None else min(num_programs, num_items)
-    scratch = (_swizzled((2, C, K)), _swizzled((2, C, K)),
+    # the inverse's two fp16 operand tiles take the memory of the item's q tile, whose reads
+    # are done by then (the next item's rows go to the other buffer): two programs an SM need
+    # at most about 113 KiB of shared memory each
+    scratch = (plgpu.RefUnion(_swizzled((2, C, K)), _swizzled((2, 2, C, C), F16)),
+               _swizzled((2, C, K)),
                plgpu.SMEM((2, 2, NUM_ROW_VECTORS, C), F32),
-               _swizzled((C, C), F16), _swizzled((C, C), F16),
-               plgpu.SMEM((C, C), aqk_dtype), plgpu.SMEM((2, C, C), BF16), plgpu.SMEM((C,), F32),
-               plgpu.Barrier(num_arrivals=4, num_barriers=2))
+               plgpu.SMEM((2, NUM_FACTORS, C), F32), plgpu.SMEM((2, C), F32),
+               plgpu.SMEM((C, C), aqk_dtype), plgpu.SMEM((2, C, C), BF16),
+               plgpu.SMEM((2, C), F32), plgpu.SMEM((NUM_FACTORS, C), F32),
+               plgpu.Barrier(num_arrivals=5 if l2norm else 4, num_barriers=2))
     kernel = functools.partial(_prep_kernel, num_v_heads=HV, num_k_heads=q.shape[1],
                                num_items=num_items, num_programs=num_programs, max_a=max_a,
-                               max_t=max_t, interpret=interpret)
+                               max_t=max_t, l2norm=l2norm, interpret=interpret)
+    out_type = (jax.ShapeDtypeStruct((S * C, HV, C), aqk_dtype),
+                jax.ShapeDtypeStruct((2, S * C, HV, C), BF16),
+                jax.ShapeDtypeStruct((S, HV, 2, C), F32))
+    if l2norm:
+        out_type += (jax.ShapeDtypeStruct(factors.shape, F32),)
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     return plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((S * C, HV, C), aqk_dtype),
-                  jax.ShapeDtypeStruct((2, S * C, HV, C), BF16),
-                  jax.ShapeDtypeStruct((S, HV, C), F32)),
+        out_type=out_type,
         scratch_types=scratch,
         grid=(num_programs,),
         grid_names=("p",),
@@ -764,4 +855,4 @@ def prep(start, q, k, rows, *, num_v_heads: int, aqk_dtype, max_a: float, max_t:
         kernel_name="gdn_prefill_mgpu_prep",
         compiler_params=plgpu.CompilerParams(approx_math=False),
         **extra,
-    )(start, q, k, *_tamed_or_given(q, k, tamed), rows)
+    )(start, q, k, rows, *(() if factors is None else (factors,)))

@@ -229,25 +229,13 @@ def test_tame_rows_kernel_is_tame_huge_rows_bit_for_bit(mode, dtype):
                                   np.asarray(want.view(jnp.uint16 if dtype != F32 else jnp.uint32)))
     if dtype != jnp.float16:  # fp16 cannot hold a row above the bound
         assert not np.array_equal(np.asarray(got, np.float32), np.asarray(x, np.float32))
-    # the Mosaic path's pair: the L2 factors from one read, and the copy only when needed
-    interpret = mode == "interpret"
-    norms, any_huge = kern.tamed_row_norms(x, interpret=interpret)
-    want_norms = jax.lax.rsqrt(jnp.sum(jnp.square(want.astype(F32)), -1) + kern.L2NORM_EPS)
-    finite = np.isfinite(np.asarray(want_norms))
-    assert norms.shape == x.shape[:-1] and np.array_equal(finite, np.isfinite(np.asarray(norms)))
-    np.testing.assert_allclose(np.asarray(norms)[finite], np.asarray(want_norms)[finite],
-                               rtol=1e-6)
-    assert int(any_huge[0]) == 1           # (in fp16 the row holding inf is the huge one)
+    # the Mosaic path's copy, written only when asked: three programs for the four blocks of
+    # rows (one takes two in turn)
     bits = lambda a: np.asarray(a.view(jnp.uint16 if dtype != F32 else jnp.uint32))
-    # three programs for the four blocks of rows: one takes two in turn
     tamed = kern.tame_rows_if((x, -x), jnp.ones((1,), jnp.int32), num_programs=3,
-                              interpret=interpret)
+                              interpret=mode == "interpret")
     np.testing.assert_array_equal(bits(tamed[0]), bits(want))
     np.testing.assert_array_equal(bits(tamed[1]), bits(tame_huge_rows(-x)))
-    ordinary = np.resize(sizes, R) <= 1.0
-    ordinary[7:10] = False
-    ordinary = x[ordinary]
-    assert int(kern.tamed_row_norms(ordinary, interpret=interpret)[1][0]) == 0
 
 @pytest.mark.parametrize("mode", MODES)
 def test_extreme_gates_no_nan(mode):
@@ -503,8 +491,8 @@ def test_mosaic_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
     assert kern.unsupported_reason(spec, block) is None
     start, length, _, lead = kern.chunk_table(cu, T_total, kern.mgpu_scan.ALIGN)
     tb = kern._mosaic_prep(q, k, jnp.asarray(g), jnp.asarray(beta), start, length, lead,
-                           jnp.zeros((HV,), F32), jnp.zeros((HV,), F32), None, None, spec=spec,
-                           block=block, interpret=mode == "interpret")[0]
+                           jnp.zeros((HV,), F32), jnp.zeros((HV,), F32), spec=spec,
+                           block=block, interpret=mode == "interpret")[0][0]
     tb = np.asarray(tb[0], np.float64) + np.asarray(tb[1], np.float64)   # [S * C, HV, C]
     C = kern.CHUNK
     for s, (t0, a, n) in enumerate(zip(np.asarray(start), np.asarray(lead), np.asarray(length))):
@@ -530,13 +518,58 @@ def test_mosaic_prep_programs_take_items_in_turn(mode):
     k = jax.random.normal(kk, (T, HK, 128), F32).astype(BF16)
     rows = 0.1 * jax.random.uniform(kr, (S, HV, mgpu.NUM_ROW_VECTORS, 64), F32)
     start = jnp.array([0, 64, 136, 200, 256], jnp.int32)
-    prep = functools.partial(mgpu.prep, start, q, k, rows, num_v_heads=HV, aqk_dtype=F32,
-                             max_a=kern.HALF_INVERSE_MAX_A, max_t=kern.HALF_INVERSE_MAX_T,
-                             interpret=mode == "interpret")
-    one_each, in_turn = prep(num_programs=None), prep(num_programs=3)
-    for a, b in zip(one_each, in_turn):
-        assert np.all(np.isfinite(np.asarray(a, F32)))
-        assert np.array_equal(np.asarray(a), np.asarray(b))
+    factors = jax.random.uniform(kr, (3, HV, S * 64), F32)   # with the L2 norm, and without
+    for fac in (factors, None):
+        prep = functools.partial(mgpu.prep, start, q, k, rows, fac, num_v_heads=HV,
+                                 aqk_dtype=F32, max_a=kern.HALF_INVERSE_MAX_A,
+                                 max_t=kern.HALF_INVERSE_MAX_T, interpret=mode == "interpret")
+        one_each, in_turn = prep(num_programs=None), prep(num_programs=3)
+        assert len(one_each) == (3 if fac is None else 4)
+        for a, b in zip(one_each, in_turn):
+            assert np.all(np.isfinite(np.asarray(a, F32)))
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mosaic_prep_applies_the_l2_norm_and_flags_huge_rows(mode):
+    """With the row factors given, the Mosaic GPU prep returns them times q's and k's L2 factors
+    (FQ by q's, FK and FW by k's), from the rows as `tame_rows` leaves them, and flags [HUGE]
+    exactly the rows above the tame bound of each item's window (one huge k row, one huge q row
+    and a row of squares above 2**100 whose entries are below the bound, which is not huge);
+    its q and k are left as they were."""
+    from pallas_kernels import gdn_prefill_mgpu as mgpu
+    from pallas_kernels.gdn_decode import tame_huge_rows
+    T, HK, HV, S = 256, 1, 2, 3
+    kq, kk, kr, kf = jax.random.split(jax.random.PRNGKey(11), 4)
+    q = np.array(jax.random.normal(kq, (T, HK, 128), F32))
+    k = np.array(jax.random.normal(kk, (T, HK, 128), F32))
+    k[70] *= 2.0 ** 60                      # huge: item slot 1 (rows 64..127)
+    q[150] *= 2.0 ** 58                     # huge: slot 2 (rows 136..199)
+    k[10] = 2.0 ** 48                       # squares sum to 2**103, max below 2**50
+    q, k = jnp.asarray(q, BF16), jnp.asarray(k, BF16)
+    q_before, k_before = np.asarray(q).copy(), np.asarray(k).copy()
+    start = jnp.array([0, 64, 136], jnp.int32)
+    rows = 0.1 * jax.random.uniform(kr, (S, HV, mgpu.NUM_ROW_VECTORS, 64), F32)
+    factors = jax.random.uniform(kf, (3, HV, S * 64), F32) + 0.5
+    aqk, tb, flags, got = mgpu.prep(start, q, k, rows, factors, num_v_heads=HV, aqk_dtype=F32,
+                                    max_a=kern.HALF_INVERSE_MAX_A, max_t=kern.HALF_INVERSE_MAX_T,
+                                    num_programs=2, interpret=mode == "interpret")
+    assert np.array_equal(np.asarray(q), q_before) and np.array_equal(np.asarray(k), k_before)
+    norm = lambda x: 1.0 / np.sqrt(np.sum(np.square(np.asarray(tame_huge_rows(x), np.float64)),
+                                          -1)[:, 0] + kern.L2NORM_EPS)
+    nq, nk = norm(q), norm(k)
+    for s, t0 in enumerate(np.asarray(start)):
+        window = slice(t0, t0 + 64)
+        for h in range(HV):
+            at = slice(s * 64, (s + 1) * 64)
+            for f, n in ((mgpu.FQ, nq), (mgpu.FK, nk), (mgpu.FW, nk)):
+                want = np.asarray(factors[f, h, at], np.float64) * n[window]
+                np.testing.assert_allclose(np.asarray(got[f, h, at]), want, rtol=2e-6)
+            huge = np.zeros(64)
+            huge[[r - t0 for r in (70, 150) if t0 <= r < t0 + 64]] = 1.0
+            np.testing.assert_array_equal(np.asarray(flags[s, h, mgpu.HUGE]), huge)
+    for x in (aqk, tb):
+        assert np.all(np.isfinite(np.asarray(x, F32)))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -774,12 +807,14 @@ def test_mosaic_scan_lowers_for_hopper():
             jnp.array([1, 0], jnp.int32), jnp.ones((S, HV)),
             x, x, y, halves, aqk, jnp.ones((3, HV, S * 64)), jnp.ones((2, HV, V, K)))
         assert "mosaic_gpu" in exported.mlir_module()
-    for aqk_dtype in (jnp.float16, F32):
+    # the prep with and without the L2 norm (the row factors it applies the norm to)
+    for aqk_dtype, factors in ((jnp.float16, jnp.ones((3, HV, S * 64))), (F32, None)):
         f = jax.jit(functools.partial(mgpu.prep, num_v_heads=HV, aqk_dtype=aqk_dtype,
                                       max_a=kern.HALF_INVERSE_MAX_A,
                                       max_t=kern.HALF_INVERSE_MAX_T))
         exported = jax.export.export(f, platforms=["cuda"])(
-            jnp.zeros((S,), jnp.int32), x, x, jnp.ones((S, HV, mgpu.NUM_ROW_VECTORS, 64)))
+            jnp.zeros((S,), jnp.int32), x, x, jnp.ones((S, HV, mgpu.NUM_ROW_VECTORS, 64)),
+            factors)
         assert "mosaic_gpu" in exported.mlir_module()
 
 
