@@ -77,7 +77,7 @@ __all__ = [
     "index_overflow_reason", "SERIAL_TUNING_TABLE", "default_serial_block_sizes",
     "token_update", "token_delta", "token_write", "l2_normalize", "softplus_value",
     "gdn_gate_value", "kda_gate_value",
-    "tame_huge_rows", "huge_row_factor", "counter_bits", "stochastic_round_value", "gdn_decode", "serial_prefill",
+    "tame_huge_rows", "huge_rows", "scale_huge_rows", "huge_row_factor", "counter_bits", "stochastic_round_value", "gdn_decode", "serial_prefill",
 ]
 
 
@@ -126,8 +126,21 @@ def tame_huge_rows(x: jax.Array) -> jax.Array:
     come back unchanged, bit for bit. For launchers whose kernels normalise q/k without a guard
     (`l2_normalize(guard=False)`) or form raw dot products of rows normalised afterwards; one
     elementwise XLA pass."""
-    huge, factor = huge_row_factor(jnp.max(jnp.abs(x.astype(F32)), axis=-1, keepdims=True))
-    return jnp.where(huge, x * factor.astype(x.dtype), x)
+    return scale_huge_rows(x, *huge_rows(x))
+
+
+def huge_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(huge, factor) [...] for the rows of x [..., K]: `huge_row_factor` of their max |x|."""
+    return huge_row_factor(jnp.max(jnp.abs(x.astype(F32)), axis=-1))
+
+
+def scale_huge_rows(x: jax.Array, huge: jax.Array, factor: jax.Array) -> jax.Array:
+    """x [..., K] with the rows that `huge_rows` marks multiplied by their factor, as
+    `tame_huge_rows` leaves them (plain jnp and broadcasts, so a Pallas kernel can call it). The
+    other rows are kept as they are, not multiplied by 1: a flush-to-zero multiply would lose
+    subnormals."""
+    on_rows = lambda v: lax.broadcast_in_dim(v, x.shape, tuple(range(v.ndim)))
+    return jnp.where(on_rows(huge), x * on_rows(factor).astype(x.dtype), x)
 
 
 def huge_row_factor(m: jax.Array) -> tuple[jax.Array, jax.Array]:

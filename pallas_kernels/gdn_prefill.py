@@ -112,7 +112,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gdn_prefill_mgpu as mgpu_scan
-from pallas_kernels.gdn_decode import huge_row_factor
+from pallas_kernels.gdn_decode import huge_row_factor, huge_rows, scale_huge_rows
 
 F32 = jnp.float32
 CHUNK = 64
@@ -1426,10 +1426,8 @@ TAME_BLOCK_ROWS = 64
 def _tamed(x):
     """(the rows x [R, K] as `gdn_decode.tame_huge_rows` leaves them, same bits; which of them
     are huge [R]), inside a kernel."""
-    huge, factor = huge_row_factor(jnp.max(jnp.abs(x.astype(F32)), axis=1))
-    # the other rows kept as they are, not multiplied by 1: a flush-to-zero multiply would lose
-    # subnormals
-    return jnp.where(huge[:, None], x * factor[:, None].astype(x.dtype), x), huge
+    huge, factor = huge_rows(x)
+    return scale_huge_rows(x, huge, factor), huge
 
 
 def _tamed_block(x_ref, b, num_rows: int):

@@ -73,7 +73,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gdn_decode import L2NORM_EPS, huge_row_factor
+from pallas_kernels.gdn_decode import L2NORM_EPS, huge_rows, scale_huge_rows
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -691,14 +691,6 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
         plgpu.wait_smem_to_gmem(0)
 
 
-def _huge_rows(x_s, interpret):
-    """(the tile x_s [C, K] in registers, which of its rows are huge [C], the exact powers of
-    two `tame_rows` scales them by [C])."""
-    x = _load(x_s, None if interpret else plgpu.Layout.WGMMA, interpret)
-    huge, factor = huge_row_factor(jnp.max(jnp.abs(x.astype(F32)), axis=1))
-    return x, huge, factor
-
-
 def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, aqk_o, tb_o, flag_o, fac_o,
                aqk_ref, tb_ref, flag_ref, fac_out_ref, *, max_a: float, max_t: float,
                l2norm: bool, interpret: bool):
@@ -710,9 +702,11 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, aqk_o, tb_o, flag_
     if l2norm:
         # rows too large to square in fp32 (max |x| > 2**50): tamed in place as `tame_rows`
         # does (same bits), only in a tile that holds one (no product waits on a branch)
-        tiles = [_huge_rows(x_s, interpret) for x_s in (q_s, k_s)]
-        huge_rows = tiles[0][1] | tiles[1][1]
-        nrm_s[0] = jnp.where(huge_rows, 1.0, 0.0)
+        tiles = [_load(x_s, None if interpret else plgpu.Layout.WGMMA, interpret)
+                 for x_s in (q_s, k_s)]
+        marks = [huge_rows(x) for x in tiles]     # (huge [C], factor [C]) a tile
+        huge_here = marks[0][0] | marks[1][0]
+        nrm_s[0] = jnp.where(huge_here, 1.0, 0.0)
         _commit_smem(interpret)
         any_huge = nrm_s[0, 0]
         for r in range(1, C):
@@ -720,12 +714,8 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, aqk_o, tb_o, flag_
 
         @pl.when(any_huge != 0)
         def _():
-            for x_s, (x, huge, factor) in zip((q_s, k_s), tiles):
-                # the other rows kept as they are, not multiplied by 1 (a flush-to-zero
-                # multiply would lose subnormals)
-                x_s[...] = jnp.where(lax.broadcast_in_dim(huge, x.shape, (0,)),
-                                     x * lax.broadcast_in_dim(factor, x.shape,
-                                                              (0,)).astype(x.dtype), x)
+            for x_s, x, mark in zip((q_s, k_s), tiles, marks):
+                x_s[...] = scale_huge_rows(x, *mark)
 
         _commit_smem(interpret)   # the tamed tiles for the products, and nrm_s read
 
@@ -788,7 +778,7 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, aqk_o, tb_o, flag_
     fits = (jnp.abs(A) <= max_a) & (jnp.abs(D) <= max_t)
     unfit = jnp.max(jnp.where(fits, 0.0, 1.0), axis=1)
     flag_o[UNFIT] = unfit
-    flag_o[HUGE] = jnp.where(huge_rows, 1.0, 0.0) if l2norm else unfit * 0.0  # (zeros by rows)
+    flag_o[HUGE] = jnp.where(huge_here, 1.0, 0.0) if l2norm else unfit * 0.0  # (zeros by rows)
     tb_hi, tb_lo = split_bf16(D * vector(BETA, 1))
     tb_o[0] = tb_hi
     tb_o[1] = tb_lo
