@@ -182,6 +182,30 @@ def test_fla_decode_peer_passes_g_and_beta_by_keyword():
     assert seen == fla_funcs
 
 
+def test_jla_kda_peer_call(monkeypatch):
+    """bench kda calls jla's Mosaic GPU KDA with the same raw rows as ours, the in-kernel q/k norm
+    as asked, and the final state (stand-in module: jla is a GPU-only peer)."""
+    import sys
+    import types
+    from gdn_jax.bench import kda
+    calls = []
+
+    def fake_kda(q, k, v, g, beta, **kw):
+        calls.append(kw)
+        return q, g
+    mod = types.ModuleType("jla.ops.mosaic_gpu.kda")
+    mod.kda = fake_kda
+    for name in ("jla", "jla.ops", "jla.ops.mosaic_gpu"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "jla.ops.mosaic_gpu.kda", mod)
+    out = kda._jla_call("q", "k", "v", "g", "beta", use_qk_l2norm=True)
+    assert out == ("q", "g")
+    kda._jla_call("q", "k", "v", "g", "beta", use_qk_l2norm=False)
+    assert calls == [dict(output_final_state=True, use_qk_l2norm=True),
+                     dict(output_final_state=True, use_qk_l2norm=False)]
+    assert kda.build_parser().parse_args([]).peers == "fla,jla"
+
+
 def test_chunk_flops_counts_the_chunk_form():
     # per token and head: 4CK + 3CV + 6KV
     assert common.chunk_flops(1, 1, 1, 128, 128) == 4 * 64 * 128 + 3 * 64 * 128 + 6 * 128 * 128

@@ -1,11 +1,14 @@
-"""`gdn-jax bench kda`: Kimi Delta Attention prefill and decode against flash-linear-attention.
+"""`gdn-jax bench kda`: Kimi Delta Attention prefill and decode against flash-linear-attention
+and jax-linear-attention.
 
 Prefill: B=1, T=8192 (--seq-lens), H = HK = HV = 32, K = V = 128, bf16 q/k/v, fp32 per-channel
 gate g [B, T, HV, K] and beta, q/k L2-normed in the call, no initial state:
 `gdn_jax.kda(..., impl=...)` for each impl in --impls that can take the call, timed as 20
 back-to-back calls and one block_until_ready, against FLA `chunk_kda(q, k, v, g=g, beta=beta,
-output_final_state=True, use_qk_l2norm_in_kernel=True)`; TFLOP/s from the chunk form's FLOPs
-against a 790 TFLOP/s bf16 roofline.
+output_final_state=True, use_qk_l2norm_in_kernel=True)` and jla's Mosaic GPU KDA
+(`jla.ops.mosaic_gpu.kda.kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True)`, in
+this process, timed as ours); TFLOP/s from the chunk form's FLOPs against a 790 TFLOP/s bf16
+roofline.
 
 Decode: B=128 (--batches), one token, fp32 state [B, HV, K, V]: `gdn_jax.decode.gdn_decode` with
 the per-channel gate (the Pallas decode kernel), `--unroll` chained steps per jitted call (state
@@ -17,7 +20,8 @@ written against the device copy bandwidth measured in the same run.
 `bench prefill --short` does for GDN (no peers), beside KDA_SERIAL_PREFILL_TABLE's limits.
 
 Every peer's outputs are checked against ours in the run (relative L2 error; MISMATCH above
-2e-2). Peers run in a subprocess (torch and JAX would compete for GPU memory).
+2e-2). FLA runs in a subprocess (torch and JAX would compete for GPU memory); jla, a JAX
+library, in this one. jla has no KDA decode: the decode rows compare FLA only.
 """
 
 from __future__ import annotations
@@ -67,8 +71,15 @@ def _fla_peer(cases: list[dict], out_dir: str) -> None:
     common.peer_cases(cases, out_dir, run_case, tag="fla")
 
 
+def _jla_call(q, k, v, g, beta, *, use_qk_l2norm: bool):
+    """jax-linear-attention's Mosaic GPU KDA (its q/k L2 norm is in its kernels, like ours)."""
+    from jla.ops.mosaic_gpu.kda import kda as jla_kda
+    return jla_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=use_qk_l2norm)
+
+
 def _accuracy(args) -> int:
-    """--accuracy: ours and FLA's chunk_kda against the float64 oracle (common.run_accuracy)."""
+    """--accuracy: ours, FLA's chunk_kda and jla's KDA against the float64 oracle
+    (common.run_accuracy)."""
     import jax
     import gdn_jax
 
@@ -76,10 +87,9 @@ def _accuracy(args) -> int:
     h, kd = (SMOKE["h"], SMOKE["k"]) if args.smoke else (H, K)
     cases = common.accuracy_cases(args, dict(hk=h, hv=h, k=kd), per_channel=True)
     rep.meta.update(heads=dict(H=h, K=kd, V=kd), T=cases[0]["T"], mode="accuracy")
-    peers = common.usable_peers(args, rep, supported=("fla",),
-                                why_not="this bench compares FLA only (jla has no KDA call here)")
+    peers = common.usable_peers(args, rep)
     fla = {}
-    if peers:
+    if "fla" in peers:
         rep.progress("running FLA in a subprocess ...")
         fla = common.run_peer("gdn_jax.bench.common:fla_accuracy_peer", cases, progress=rep.progress)
     interpret = jax.default_backend() != "gpu"
@@ -88,19 +98,21 @@ def _accuracy(args) -> int:
         with gdn_jax.interpret(interpret):
             return gdn_jax.kda(q, k, v, g, beta, output_final_state=True, impl=impl)
 
+    jla = (jax.jit(functools.partial(_jla_call, use_qk_l2norm=False)) if "jla" in peers
+           else None)
     md = common.run_accuracy(rep, cases, ours=ours, impls=common.impl_list(args), fla=fla,
-                             fla_name="chunk_kda")
-    return rep.finish("KDA prefill accuracy against float64: ours and FLA", md)
+                             fla_name="chunk_kda", jla=jla)
+    return rep.finish("KDA prefill accuracy against float64: ours, FLA and jla", md)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = common.make_parser("kda", __doc__ + "\n" + common.ACCURACY_DESCRIPTION, batches="128",
-                           seq_lens="8192", dtype="bfloat16", peers="fla")
+                           seq_lens="8192", dtype="bfloat16", peers="fla,jla")
     p.add_argument("--impls", default="chunked,pallas",
                    help="our prefill impls, comma-separated (default %(default)s)")
     p.add_argument("--unroll", type=int, default=20, help="decode steps chained per jitted call")
     p.add_argument("--accuracy", action="store_true",
-                   help="no timing: ours and FLA against a float64 token loop on a random and an "
+                   help="no timing: ours and the peers against a float64 token loop on a random and an "
                         "ill-conditioned case (see the description)")
     p.add_argument("--short", action="store_true",
                    help="short prompts: KDA's token-serial vs chunked kernel and their crossover "
@@ -133,8 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         h, kd, vd = SMOKE["h"], SMOKE["k"], SMOKE["v"]
         seq_lens, batches, args.unroll = [SMOKE["T"]], [SMOKE["B"]], 2
     interp = jax.default_backend() != "gpu"
-    peers = common.usable_peers(args, rep, supported=("fla",),
-                                why_not="this bench times FLA only (jla has no KDA call here)")
+    peers = common.usable_peers(args, rep)
     copy = common.measure_copy_gbps(1 << 22 if args.smoke else 1 << 30)
     rep.meta.update(copy_GBps=copy, heads=dict(H=h, K=kd, V=vd), dtype=args.dtype)
     rep.progress(f"device copy bandwidth measured now: {copy:.0f} GB/s (read + write)")
@@ -144,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for c in cases:
         c.update(h=h, k=kd, v=vd, dtype=args.dtype)
     fla = {}
-    if peers:
+    if "fla" in peers:
         rep.progress("running FLA in a subprocess ...")
         fla = common.run_peer("gdn_jax.bench.kda:_fla_peer", cases, progress=rep.progress)
 
@@ -160,6 +171,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 error=r.get("error"), chained=False)
         rep.progress(f"{label}: FLA {us if us is not None else float('nan'):.1f} us, output vs ours "
                      f"{common.peer_verdict(err)}" + (f" ({r['error']})" if "error" in r else ""))
+
+    def jla_row(c, label, q, k, v, g, beta, want, flops):
+        fn = jax.jit(functools.partial(_jla_call, use_qk_l2norm=True))
+        try:
+            jo, js = jax.block_until_ready(fn(q, k, v, g, beta))
+            sec = common.time_jax(fn, q, k, v, g, beta, calls=prefill_calls,
+                                  repeats=1 if args.smoke else args.repeats)
+        except Exception as e:  # noqa: BLE001 - a peer's failure is one line, not a traceback
+            rep.note(f"jla failed on {label}: {type(e).__name__}: {str(e)[:200]}")
+            return
+        err = max(common.rel_err(np.asarray(jo, np.float32), want[0]),
+                  common.rel_err(np.asarray(js, np.float32), want[1]))
+        rep.add(case=label, mode="prefill", B=1, T=c["T"], who="jla mosaic_gpu kda",
+                us=sec * 1e6, TFLOPs=flops / sec / 1e12, rel_err_vs_ours=err, chained=False)
+        rep.progress(f"{label}: jla {sec * 1e6:.0f} us, output vs ours {common.peer_verdict(err)}")
 
     impls = common.impl_list(args)
     for c in cases:
@@ -187,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if ours is not None:
                 o, st = (np.asarray(a, np.float32) for a in ours)
                 peer_row(c, label, {"head": o[:, :SAMPLE], "tail": o[:, -SAMPLE:], "state": st}, flops=flops)
+                if "jla" in peers:
+                    jla_row(c, label, q, k, v, g, beta, (o, st), flops)
             continue
         # decode: one token, chained steps in one jitted program, state donated
         b = c["B"]
@@ -219,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"{args.dtype} q/k/v, fp32 per-channel gate and beta, in-call q/k L2 norm. Prefill: "
              f"{prefill_calls} back-to-back calls per sync; decode: {args.unroll} chained "
              f"steps per jitted call (state donated), fp32 state, bytes = state read + written. "
-             f"FLA by triton do_bench. "
+             f"FLA by triton do_bench; jla as ours, back-to-back calls. "
              f"Copy bandwidth measured in this run: {copy:.0f} GB/s."
              + (" SMOKE RUN: times mean nothing." if args.smoke else ""), "",
              "| case | who | us | TFLOP/s | GB/s | chained | output vs ours |",
@@ -241,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          title=f"KDA decode, H={h} K=V={kd} ({rep.meta['device']})",
                          hline=(copy, "copy bandwidth (measured)"))
 
-    return rep.finish("KDA prefill and decode vs FLA", "\n".join(lines), plot)
+    return rep.finish("KDA prefill and decode vs FLA and jla", "\n".join(lines), plot)
 
 
 if __name__ == "__main__":
