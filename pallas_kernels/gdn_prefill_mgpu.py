@@ -641,7 +641,7 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
     fac_ref, *refs = refs if l2norm else (None, *refs)
     aqk_ref, tb_ref, flag_ref, *refs = refs
     fac_out_ref, *refs = refs if l2norm else (None, *refs)
-    (q_s, inverse_s), k_s, vec_s, fac_s, nrm_s, aqk_o, tb_o, flag_o, fac_o, bar = refs
+    (q_s, inverse_s, tb_s), k_s, vec_s, fac_s, nrm_s, aqk_o, flag_o, fac_o, bar = refs
     # work items (chunk slot, value head), heads fastest, taken by the programs in turn; the
     # next item's rows are fetched into the other buffer while this one is formed
     p = lax.axis_index("p")
@@ -668,22 +668,27 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
         fetch(0)
 
     def step(it, carry):
+        if not interpret:
+            # the item before this one stored T beta from its q tile's memory, which the fetch
+            # below overwrites: its stores' reads first
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
         @pl.when(it + 1 < mine)
         def _():
-            fetch(it + 1)   # into the buffer the item before this one used (its reads done)
+            fetch(it + 1)   # into the buffer the item before this one used
 
         buf = it % 2
         plgpu.barrier_wait(bar.at[buf])
-        if not interpret:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's stores' reads
-        # the inverse's operand tiles in the memory of this item's q tile; their index a
-        # traced value (a constant index of a ref that a `run_state` update reads becomes an
-        # operand of it, which its lowering cannot return)
+        # the inverse's operand tiles, and then T beta's halves, in the memory of this item's q
+        # tile, whose reads are done by then; their index a traced value (a constant index of
+        # a ref that a `run_state` update reads becomes an operand of it, which its lowering
+        # cannot return)
         zero = buf - buf
         d_s, p_s = inverse_s.at[buf, zero], inverse_s.at[buf, zero + 1]
         _prep_item(*slot_and_head(it), q_s.at[buf], k_s.at[buf], vec_s.at[buf], fac_s.at[buf],
-                   nrm_s, d_s, p_s, aqk_o, tb_o, flag_o, fac_o, aqk_ref, tb_ref, flag_ref,
-                   fac_out_ref, max_a=max_a, max_t=max_t, l2norm=l2norm, interpret=interpret)
+                   nrm_s, d_s, p_s, tb_s.at[buf], aqk_o, flag_o, fac_o, aqk_ref, tb_ref,
+                   flag_ref, fac_out_ref, max_a=max_a, max_t=max_t, l2norm=l2norm,
+                   interpret=interpret)
         return carry
 
     lax.fori_loop(0, mine, step, 0)
@@ -691,11 +696,12 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
         plgpu.wait_smem_to_gmem(0)
 
 
-def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, aqk_o, tb_o, flag_o, fac_o,
+def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, tb_s, aqk_o, flag_o, fac_o,
                aqk_ref, tb_ref, flag_ref, fac_out_ref, *, max_a: float, max_t: float,
                l2norm: bool, interpret: bool):
     """One chunk slot and value head of `prep`, from its rows in q_s, k_s, vec_s (and with the
-    L2 norm the scan's row factors without it in fac_s)."""
+    L2 norm the scan's row factors without it in fac_s); the inverse's operand tiles d_s, p_s
+    and T beta's halves tb_s in the memory of q_s."""
     C = CHUNK
     i, j = _iota((C, C), 0, interpret), _iota((C, C), 1, interpret)
     row_layout = None if interpret else plgpu.Layout.WGMMA.reduce(1)
@@ -779,13 +785,14 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, aqk_o, tb_o, flag_
     unfit = jnp.max(jnp.where(fits, 0.0, 1.0), axis=1)
     flag_o[UNFIT] = unfit
     flag_o[HUGE] = jnp.where(huge_here, 1.0, 0.0) if l2norm else unfit * 0.0  # (zeros by rows)
+    # T beta's halves over the inverse's operand tiles (its last product's wait is done)
     tb_hi, tb_lo = split_bf16(D * vector(BETA, 1))
-    tb_o[0] = tb_hi
-    tb_o[1] = tb_lo
+    tb_s[0] = tb_hi
+    tb_s[1] = tb_lo
     _commit_smem(interpret)
     at = pl.ds(pl.multiple_of(s * C, C), C)
     plgpu.copy_smem_to_gmem(aqk_o, aqk_ref.at[at, h, :])
-    plgpu.copy_smem_to_gmem(tb_o, tb_ref.at[:, at, h, :])
+    plgpu.copy_smem_to_gmem(tb_s, tb_ref.at[:, at, h, :])
     plgpu.copy_smem_to_gmem(flag_o, flag_ref.at[s, h])
     if l2norm:
         plgpu.copy_smem_to_gmem(fac_o, fac_out_ref.at[:, h, at])
@@ -815,14 +822,17 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
     l2norm = factors is not None
     num_items = S * HV
     num_programs = num_items if num_programs is None else min(num_programs, num_items)
-    # the inverse's two fp16 operand tiles take the memory of the item's q tile, whose reads
-    # are done by then (the next item's rows go to the other buffer): two programs an SM need
-    # at most about 113 KiB of shared memory each
-    scratch = (plgpu.RefUnion(_swizzled((2, C, K)), _swizzled((2, 2, C, C), F16)),
+    # the inverse's two fp16 operand tiles, and then T beta's bf16 halves, take the memory of
+    # the item's q tile, whose reads are done by then (the next item's rows go to the other
+    # buffer). Two programs an SM need at most about 113 KiB of shared memory each (the
+    # lowering aligns every buffer to 1 KiB and adds 2 KiB for reductions): 84 KiB with a
+    # 16-bit intra-chunk matrix, 92 KiB with an fp32 one
+    scratch = (plgpu.RefUnion(_swizzled((2, C, K)), _swizzled((2, 2, C, C), F16),
+                              _swizzled((2, 2, C, C))),
                _swizzled((2, C, K)),
                plgpu.SMEM((2, 2, NUM_ROW_VECTORS, C), F32),
                plgpu.SMEM((2, NUM_FACTORS, C), F32), plgpu.SMEM((2, C), F32),
-               plgpu.SMEM((C, C), aqk_dtype), plgpu.SMEM((2, C, C), BF16),
+               plgpu.SMEM((C, C), aqk_dtype),
                plgpu.SMEM((2, C), F32), plgpu.SMEM((NUM_FACTORS, C), F32),
                plgpu.Barrier(num_arrivals=5 if l2norm else 4, num_barriers=2))
     kernel = functools.partial(_prep_kernel, num_v_heads=HV, num_k_heads=q.shape[1],
