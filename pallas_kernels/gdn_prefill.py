@@ -112,7 +112,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gdn_prefill_mgpu as mgpu_scan
-from pallas_kernels.gdn_decode import huge_row_factor, huge_rows, scale_huge_rows
+from pallas_kernels.gdn_decode import huge_row_factor, tame_huge_rows
 
 F32 = jnp.float32
 CHUNK = 64
@@ -716,7 +716,7 @@ def _gdn_chunk(k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, lead, n, h, hk,
     beta = _chunk_beta(beta_ref, tok, h, rows, spec)
     k_in = plgpu.load(k_ref.at[tok, hk, :], mask=rows[:, None], other=0)
     if tame:
-        k_in, _ = _tamed(k_in)
+        k_in = tame_huge_rows(k_in)
     rk = _l2_factor(k_in, spec.use_qk_l2norm)
     G = _split_cumsum(_chunk_log_decay(g_ref, A_log_ref, dt_ref, tok, h, rows, spec))
     i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
@@ -1423,28 +1423,20 @@ def _longest_first(cu):
 TAME_BLOCK_ROWS = 64
 
 
-def _tamed(x):
-    """(the rows x [R, K] as `gdn_decode.tame_huge_rows` leaves them, same bits; which of them
-    are huge [R]), inside a kernel."""
-    huge, factor = huge_rows(x)
-    return scale_huge_rows(x, huge, factor), huge
-
-
-def _tamed_block(x_ref, b, num_rows: int):
-    """Rows block b of x [R, K] (TAME_BLOCK_ROWS of them) tamed (`_tamed`; XLA makes it two
-    reads of x: a reduction, then a select), with which of them are huge and which lie inside
-    x, and the block's slice."""
+def _tame_block(x_ref, o_ref, b, num_rows: int):
+    """Rows block b of x [R, K] (TAME_BLOCK_ROWS of them) into o as `gdn_decode.tame_huge_rows`
+    leaves them (same bits), in one read and one write (XLA makes it two reads of x: a
+    reduction, then a select)."""
     r0 = b * TAME_BLOCK_ROWS
-    here = r0 + lax.broadcasted_iota(jnp.int32, (TAME_BLOCK_ROWS,), 0) < num_rows
+    here = (r0 + lax.broadcasted_iota(jnp.int32, (TAME_BLOCK_ROWS,), 0) < num_rows)[:, None]
     block = pl.ds(r0, TAME_BLOCK_ROWS)
-    x, huge = _tamed(plgpu.load(x_ref.at[block, :], mask=here[:, None], other=0))
-    return x, huge, here, block
+    x = plgpu.load(x_ref.at[block, :], mask=here, other=0)
+    plgpu.store(o_ref.at[block, :], tame_huge_rows(x), mask=here)
 
 
 def _tame_rows_kernel(x_ref, o_ref, *, num_rows: int):
-    """One TAME_BLOCK_ROWS block of x [R, K] a program: the tamed rows written."""
-    x, _, here, block = _tamed_block(x_ref, pl.program_id(0), num_rows)
-    plgpu.store(o_ref.at[block, :], x, mask=here[:, None])
+    """One TAME_BLOCK_ROWS block of x [R, K] a program."""
+    _tame_block(x_ref, o_ref, pl.program_id(0), num_rows)
 
 
 TAME_IF_PROGRAMS = 264   # `tame_rows_if`'s programs: in the usual case each reads one flag
@@ -1462,8 +1454,7 @@ def _tame_rows_if_kernel(flag_ref, *refs, num_rows: int):
         def step(i, carry):
             b = p + i * num_programs
             for x_ref, o_ref in zip(xs, outs):
-                x, _, here, block = _tamed_block(x_ref, b, num_rows)
-                plgpu.store(o_ref.at[block, :], x, mask=here[:, None])
+                _tame_block(x_ref, o_ref, b, num_rows)
             return carry
 
         lax.fori_loop(0, (num_blocks - p + num_programs - 1) // num_programs, step, 0)
