@@ -366,10 +366,10 @@ def reference_states_after(q, k, v, g, beta, states_after, *, scale=None, initia
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",
                                              "output_final_state", "chunk_states", "kernel",
-                                             "even_starts", "interpret"))
+                                             "even_starts", "aligned_chunks", "interpret"))
 def _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, positions, *, scale, use_qk_l2norm,
          raw_gates, lower_bound, output_final_state, chunk_states, kernel, even_starts,
-         interpret):
+         aligned_chunks, interpret):
     B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
     N = cu.shape[0] - 1
@@ -384,7 +384,7 @@ def _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, positions, *, scal
         spec = _spec(q, v, g, **static, has_initial_state=initial_state is not None,
                      output_final_state=output_final_state,
                      boundary_states=chunk_states or positions is not None,
-                     even_starts=even_starts)
+                     even_starts=even_starts, aligned_chunks=aligned_chunks)
         o, final, bounds, (_, _, first) = kern.chunk_prefill(
             _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
             block=kern.PrefillBlockSizes.get_default(spec, N, v.dtype), A_log=A_log,
@@ -458,28 +458,40 @@ def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
     o, final, chunks, at = _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, positions,
                                 **static, output_final_state=bool(output_final_state),
                                 chunk_states=bool(chunk_states), kernel=which,
-                                even_starts=_even_starts(T, cu_seqlens),
+                                **_start_facts(B, T, cu_seqlens),
                                 interpret=dispatch.interpret_enabled(interpret))
     final = final if output_final_state else None
     return (o, final, chunks) if positions is None else (o, final, chunks, at)
 
 
-def _even_starts(T: int, cu_seqlens) -> bool:
-    """Whether every sequence is known, at trace time, to start at an even token (what the
-    Mosaic GPU scan's narrow form needs): a dense batch with T even, or concrete cu_seqlens
-    whose starts are all even."""
+def _start_align(B: int, T: int, cu_seqlens) -> int:
+    """The largest of CHUNK, 2 and 1 that every sequence's first token is known, at trace time,
+    to be a multiple of: from B and T for a dense batch (one sequence starts at 0), from
+    concrete cu_seqlens, else 1."""
     if cu_seqlens is None:
-        return T % 2 == 0
-    if not chk.is_concrete(cu_seqlens):
-        return False
-    return bool(np.all(np.asarray(cu_seqlens)[:-1] % 2 == 0))
+        starts = np.arange(B) * T
+    elif chk.is_concrete(cu_seqlens):
+        starts = np.asarray(cu_seqlens)[:-1]
+    else:
+        return 1
+    return next(a for a in (CHUNK, 2, 1) if np.all(starts % a == 0))
+
+
+def _start_facts(B: int, T: int, cu_seqlens) -> dict:
+    """The kernels' static facts about where sequences start: even_starts (what the Mosaic GPU
+    scan's narrow form needs) and aligned_chunks (every start a multiple of CHUNK: what the
+    Mosaic GPU KDA prep needs)."""
+    align = _start_align(B, T, cu_seqlens)
+    return dict(even_starts=align % 2 == 0, aligned_chunks=align == CHUNK)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",
-                                             "kernel", "even_starts", "interpret"),
+                                             "kernel", "even_starts", "aligned_chunks",
+                                             "interpret"),
                    donate_argnames=("pool",))
 def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, positions, *, scale,
-              use_qk_l2norm, raw_gates, lower_bound, kernel, even_starts, interpret):
+              use_qk_l2norm, raw_gates, lower_bound, kernel, even_starts, aligned_chunks,
+              interpret):
     B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
     static = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
@@ -497,7 +509,7 @@ def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, positions, *, s
                           state_dtype=pool.dtype, interpret=interpret, slots=slots)
     else:
         spec = _spec(q, v, g, **static, pooled=True, boundary_states=positions is not None,
-                     even_starts=even_starts)
+                     even_starts=even_starts, aligned_chunks=aligned_chunks)
         o, pool, bounds, (_, _, first) = kern.chunk_prefill(
             _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
             block=kern.PrefillBlockSizes.get_default(spec, cu.shape[0] - 1, v.dtype), A_log=A_log,
@@ -571,7 +583,7 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
                          "states_after must lie in [0, len] of its sequence")
     o, pool, at = _run_pool(q, k, v, g, beta, cu, pool, slots.astype(jnp.int32), A_log, dt_bias,
                             positions, **static, kernel=which,
-                            even_starts=_even_starts(T, cu_seqlens),
+                            **_start_facts(B, T, cu_seqlens),
                             interpret=dispatch.interpret_enabled(interpret))
     return (o, pool) if positions is None else (o, pool, at)
 

@@ -57,7 +57,10 @@ factors), e^G k (for W), the masked k k^T and q k^T (k k^T without beta) and the
 decay per channel. The prep then loads k k^T, forms A and T beta and stores W = (T beta) (e^G k)
 and U = (T beta) v, and the scan takes the deltas as U - W S: with T beta in the scan instead,
 KDA's scan would load the e^G k rows besides its decayed q and k rows, and lost more time than
-its prep saved (BENCHMARKS.md).
+its prep saved (BENCHMARKS.md). With bf16 inputs at K = V = 128 and every sequence starting at a
+multiple of CHUNK (`PrefillSpec.aligned_chunks`), W and U come from the Mosaic GPU prep
+(`gdn_prefill_mgpu.kda_prep`, `_mosaic_kda_prep`) instead, and the Triton prep, in its
+`redo_only` form, forms again only the chunks whose fp16 inverse it flagged.
 
 The inverse T = (I + A)^-1 takes one of two forms, neither forming powers of A (a truncated
 series I - A + A^2 - ... loses about three digits for repeated keys with beta near 1):
@@ -152,6 +155,10 @@ class PrefillSpec:
     # every sequence starts at an even token (a dense batch with T even): what the Mosaic GPU
     # scan's narrow form needs
     even_starts: bool = False
+    # every sequence starts at a multiple of CHUNK (a dense batch with T a multiple of 64, or
+    # one sequence): chunk slot s then holds tokens 64 s .. 64 s + 63, what the Mosaic GPU KDA
+    # prep's bulk copies need (`PrefillBlockSizes.mosaic_kda_prep`)
+    aligned_chunks: bool = False
 
 
 PAIR_GROUP = 8  # the paired products' column group with many pairs; see `_dot_bf16x2`
@@ -191,6 +198,10 @@ class PrefillBlockSizes:
     # GDN, bf16: the state scan in Mosaic GPU (`gdn_prefill_mgpu`; its module docstring) rather
     # than `_scan_kernel`, and the prep in Mosaic GPU too (`_mosaic_prep`)
     mosaic_scan: bool = False
+    # KDA, bf16, K = V = 128, spec.aligned_chunks: W and U in Mosaic GPU
+    # (`gdn_prefill_mgpu.kda_prep`: the fp16 doubling inverse and the products on the tensor
+    # cores), the chunks whose fp16 inverse may not have held formed again by the Triton prep
+    mosaic_kda_prep: bool = False
 
     def blocked_inverse_for(self, spec: PrefillSpec) -> bool:
         # Measured on the H200: the blocked inverse makes KDA's prep 7-8% faster and GDN's
@@ -214,6 +225,7 @@ class PrefillBlockSizes:
         # KDA's intra kernel: 32 key channels per step (BENCHMARKS.md, KDA launch sweep).
         block_k = min(32, spec.head_k_dim)
         mosaic = mosaic_scan_default(spec, dtype)
+        kda_prep = mosaic_kda_prep_default(spec, dtype)
         few = num_sequences * spec.num_v_heads < 128
         block_v = min(32 if few else 64, spec.head_v_dim)
         if mosaic:
@@ -232,10 +244,11 @@ class PrefillBlockSizes:
             return PrefillBlockSizes(block_v=block_v,
                                      num_stages_scan=1 if one_stage else 3, block_k=block_k,
                                      paired_halves=not spec.per_channel_gate, pair_group=1,
-                                     heads_fastest=spec.per_channel_gate, mosaic_scan=mosaic)
+                                     heads_fastest=spec.per_channel_gate, mosaic_scan=mosaic,
+                                     mosaic_kda_prep=kda_prep)
         return PrefillBlockSizes(block_v=block_v, num_stages_scan=1,
                                  block_k=block_k, paired_halves=not spec.per_channel_gate,
-                                 mosaic_scan=mosaic)
+                                 mosaic_scan=mosaic, mosaic_kda_prep=kda_prep)
 
 
 # the Mosaic scan's wide form from this many of its programs (an H200 has 132 SMs; measured:
@@ -249,6 +262,29 @@ def mosaic_scan_default(spec: PrefillSpec, dtype) -> bool:
     (faster than the Triton scan at every batch measured; BENCHMARKS.md, GDN prefill)."""
     return (dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
             and _mosaic_scan_reason(spec) is None)
+
+
+def mosaic_kda_prep_default(spec: PrefillSpec, dtype) -> bool:
+    """Whether the default blocks take KDA's prep in Mosaic GPU: bf16 inputs and
+    `_mosaic_kda_prep_reason` (faster than the Triton prep where measured; BENCHMARKS.md, KDA
+    prefill)."""
+    return (dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+            and _mosaic_kda_prep_reason(spec) is None)
+
+
+def _mosaic_kda_prep_reason(spec: PrefillSpec) -> str | None:
+    if not spec.per_channel_gate:
+        return "the Mosaic GPU KDA prep is KDA's (GDN's Mosaic prep comes with mosaic_scan)"
+    why = mgpu_scan.unsupported_reason(head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim,
+                                       dtype=jnp.bfloat16)
+    if why:
+        return why
+    if spec.precise:
+        return "the Mosaic GPU KDA prep takes bf16 inputs (spec.precise is for fp32 ones)"
+    if not spec.aligned_chunks:
+        return ("the Mosaic GPU KDA prep needs every sequence to start at a multiple of 64 "
+                "(spec.aligned_chunks): it reads and writes whole chunks by bulk copy")
+    return None
 
 
 def _narrow_reason(spec: PrefillSpec) -> str | None:
@@ -302,6 +338,10 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
                     f"back, within each channel step, reference rows it stored in that step "
                     f"(a store, a barrier, loads); pipelined loads could run before the store, "
                     f"so only 1 stage is supported")
+        if block.mosaic_kda_prep:
+            why = _mosaic_kda_prep_reason(spec)
+            if why:
+                return f"mosaic_kda_prep: {why}"
         if block.pair_group not in (1, PAIR_GROUP):
             return f"pair_group={block.pair_group} must be 1 or {PAIR_GROUP}"
         if spec.per_channel_gate and block.paired_halves:
@@ -746,94 +786,122 @@ def _half_inverse(spec: PrefillSpec, blocked_inverse: bool) -> bool:
 
 
 def _prep_kernel(start_ref, len_ref, lead_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, A_log_ref,
-                 dt_ref, kk_ref, ek_ref, tb_ref, w_ref, u_ref, aqk_ref, fq_ref, fk_ref, fw_ref,
-                 decay_ref, kk_out_ref, a_ref, *, spec: PrefillSpec, blocked_inverse: bool,
-                 prep_cols: int, heads_fastest: bool, interpret: bool):
-    s, h = _slot_and_head(heads_fastest)
-    hk = h // (spec.num_v_heads // spec.num_k_heads)
-    t0, n, lead = start_ref[s], len_ref[s], lead_ref[s]
+                 dt_ref, kk_ref, ek_ref, redo_ref, w_in_ref, u_in_ref, tb_ref, w_ref, u_ref,
+                 aqk_ref, fq_ref, fk_ref, fw_ref, decay_ref, kk_out_ref, a_ref, *,
+                 spec: PrefillSpec, blocked_inverse: bool, prep_cols: int, heads_fastest: bool,
+                 redo_only: bool, interpret: bool):
+    del w_in_ref, u_in_ref   # redo_only: W and U as given (aliased by w_ref, u_ref)
     C = CHUNK
 
-    @pl.when(n > 0)
+    def chunk(s, h):
+        hk = h // (spec.num_v_heads // spec.num_k_heads)
+        t0, n, lead = start_ref[s], len_ref[s], lead_ref[s]
+
+        @pl.when(n > 0)
+        def _():
+            rows = _chunk_rows(lead, n)
+            rows2 = rows[:, None]
+            tok = pl.ds(t0, C)
+            load = lambda ref, mask: plgpu.load(ref, mask=mask, other=0).astype(F32)
+            store = lambda ref, x, mask: plgpu.store(ref, x.astype(ref.dtype), mask=mask)
+            dot = functools.partial(_dot, precise=spec.precise, interpret=interpret)
+            i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
+            j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+
+            def invert(A, scratch):
+                """T = (I + A)^-1; the blocked form passes its blocks through scratch's rows."""
+                if blocked_inverse:
+                    return _invert_unit_lower_blocked(A, scratch, t0, h, n, precise=spec.precise,
+                                                      interpret=interpret)
+                return _invert_unit_lower(A, spec.precise, interpret)
+
+            if spec.per_channel_gate:
+                # `_kda_intra_kernel` formed k k^T with the per-channel decays (masked to j < i)
+                # and the rows e^G k; what is left is the solve, W = (T beta) (e^G k) and
+                # U = (T beta) v.
+                beta = _chunk_beta(beta_ref, tok, h, rows, spec)
+                if blocked_inverse:
+                    # k k^T's buffer is the blocked inverse's scratch (kk_out_ref aliases kk_ref):
+                    # read through the ref that is written, below the diagonal only, where the
+                    # inverse writes nothing before its first barrier
+                    kk = load(kk_out_ref.at[tok, h, :], rows2 & (j < i))
+                else:
+                    kk = load(kk_ref.at[tok, h, :], rows2)
+                Tb = invert(beta[:, None] * kk, kk_out_ref) * beta[None, :]
+                bf16 = _bf16_rows(ek_ref, v_ref)  # bf16 rows enter the products as they are
+                Tb_parts = _split_bf16(Tb) if bf16 else None
+
+                # W and U prep_cols columns at a time: a loop body's registers are reused, so the
+                # kernel holds [C, prep_cols] products rather than [C, K] and [C, V] ones
+                def w_columns(c, carry):
+                    cols = pl.ds(c * prep_cols, prep_cols)
+                    ek = _load_parts(lambda ref, mask: plgpu.load(ref, mask=mask, other=0), ek_ref,
+                                     (tok, h, cols), rows2)
+                    w = _dot_parts(Tb_parts, ek) if bf16 else dot(Tb, ek[0].astype(F32))
+                    _store_parts(w_ref, (tok, h, cols), w, rows2)
+                    return carry
+
+                def u_columns(c, carry):
+                    cols = pl.ds(c * prep_cols, prep_cols)
+                    v = plgpu.load(v_ref.at[tok, h, cols], mask=rows2, other=0)
+                    store(u_ref.at[tok, h, cols],
+                          _dot_bf16x2(Tb, v) if bf16 else dot(Tb, v.astype(F32)), rows2)
+                    return carry
+
+                lax.fori_loop(0, ek_ref.shape[-1] // prep_cols, w_columns, 0)
+                lax.fori_loop(0, v_ref.shape[-1] // prep_cols, u_columns, 0)
+            else:
+                # GDN: q and k stay raw; their L2 norms and the decays are per-row factors applied
+                # to the products (for 16-bit inputs the raw rows are exact tensor-core operands).
+                k_in, rk, (G_hi, G_lo), decay, beta = _gdn_chunk(
+                    k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, lead, n, h, hk, spec)
+                q_in = plgpu.load(q_ref.at[tok, hk, :], mask=rows2, other=0)
+                rq = _l2_factor(q_in, spec.use_qk_l2norm) * jnp.float32(spec.scale)
+                last_hi = jnp.sum(jnp.where(j == C - 1, G_hi[None, :], 0.0), axis=1)  # [C], all G_C
+                last_lo = jnp.sum(jnp.where(j == C - 1, G_lo[None, :], 0.0), axis=1)
+                eG = jnp.exp(G_hi + G_lo)
+                decay_ref[s, h] = jnp.exp(jnp.max(last_hi + last_lo))
+                factors = (fq_ref, fk_ref, fw_ref)
+                _store_factor(factors, 0, tok, h, rq * eG, rows)
+                _store_factor(factors, 1, tok, h, rk * jnp.exp((last_hi - G_hi) + (last_lo - G_lo)),
+                              rows)
+                _store_factor(factors, 2, tok, h, rk * eG, rows)
+                qk = dot(q_in, k_in, trans_b=True) * (rq[:, None] * rk[None, :])
+                _store_split(aqk_ref, (tok, h, slice(None)), qk * decay, rows2)
+                A = _gdn_system(k_in, rk, decay, beta, precise=spec.precise, interpret=interpret)
+                if _half_inverse(spec, blocked_inverse):
+                    store(a_ref.at[tok, h, :], A, rows2)  # fp16, for `_prep_inverse_kernel`
+                else:
+                    # T beta's own rows are the blocked inverse's scratch until T is in registers
+                    T = invert(A, tb_ref)
+                    if blocked_inverse:  # after every thread's last read of the inverse's blocks
+                        _barrier(interpret)
+                    store(tb_ref.at[tok, h, :], T * beta[None, :], rows2)
+
+    if not redo_only:
+        chunk(*_slot_and_head(heads_fastest))
+        return
+    # redo_only (KDA): the chunks the Mosaic GPU prep flagged, REDO_SLOTS chunk slots of one
+    # value head a program, their flags read in one load (as `_prep_redo_kernel`: a program a
+    # chunk spent its time on the flag's dependent loads); the other chunks' W and U are left
+    # as they are
+    blk, h = pl.program_id(0), pl.program_id(1)
+    num_slots = redo_ref.shape[0]
+    s0 = blk * REDO_SLOTS
+    here = s0 + lax.broadcasted_iota(jnp.int32, (REDO_SLOTS,), 0) < num_slots
+    flags = plgpu.load(redo_ref.at[pl.ds(s0, REDO_SLOTS), h], mask=here, other=0)
+
+    @pl.when(jnp.max(flags) != 0)
     def _():
-        rows = _chunk_rows(lead, n)
-        rows2 = rows[:, None]
-        tok = pl.ds(t0, C)
-        load = lambda ref, mask: plgpu.load(ref, mask=mask, other=0).astype(F32)
-        store = lambda ref, x, mask: plgpu.store(ref, x.astype(ref.dtype), mask=mask)
-        dot = functools.partial(_dot, precise=spec.precise, interpret=interpret)
-        i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
-        j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+        def slot(i, carry):
+            s = jnp.minimum(s0 + i, num_slots - 1)
 
-        def invert(A, scratch):
-            """T = (I + A)^-1; the blocked form passes its blocks through scratch's rows."""
-            if blocked_inverse:
-                return _invert_unit_lower_blocked(A, scratch, t0, h, n, precise=spec.precise,
-                                                  interpret=interpret)
-            return _invert_unit_lower(A, spec.precise, interpret)
+            @pl.when((s0 + i < num_slots) & (redo_ref[s, h] != 0))
+            def _():
+                chunk(s, h)
+            return carry
 
-        if spec.per_channel_gate:
-            # `_kda_intra_kernel` formed k k^T with the per-channel decays (masked to j < i)
-            # and the rows e^G k; what is left is the solve, W = (T beta) (e^G k) and
-            # U = (T beta) v.
-            beta = _chunk_beta(beta_ref, tok, h, rows, spec)
-            if blocked_inverse:
-                # k k^T's buffer is the blocked inverse's scratch (kk_out_ref aliases kk_ref):
-                # read through the ref that is written, below the diagonal only, where the
-                # inverse writes nothing before its first barrier
-                kk = load(kk_out_ref.at[tok, h, :], rows2 & (j < i))
-            else:
-                kk = load(kk_ref.at[tok, h, :], rows2)
-            Tb = invert(beta[:, None] * kk, kk_out_ref) * beta[None, :]
-            bf16 = _bf16_rows(ek_ref, v_ref)  # bf16 rows enter the products as they are
-            Tb_parts = _split_bf16(Tb) if bf16 else None
-
-            # W and U prep_cols columns at a time: a loop body's registers are reused, so the
-            # kernel holds [C, prep_cols] products rather than [C, K] and [C, V] ones
-            def w_columns(c, carry):
-                cols = pl.ds(c * prep_cols, prep_cols)
-                ek = _load_parts(lambda ref, mask: plgpu.load(ref, mask=mask, other=0), ek_ref,
-                                 (tok, h, cols), rows2)
-                w = _dot_parts(Tb_parts, ek) if bf16 else dot(Tb, ek[0].astype(F32))
-                _store_parts(w_ref, (tok, h, cols), w, rows2)
-                return carry
-
-            def u_columns(c, carry):
-                cols = pl.ds(c * prep_cols, prep_cols)
-                v = plgpu.load(v_ref.at[tok, h, cols], mask=rows2, other=0)
-                store(u_ref.at[tok, h, cols],
-                      _dot_bf16x2(Tb, v) if bf16 else dot(Tb, v.astype(F32)), rows2)
-                return carry
-
-            lax.fori_loop(0, ek_ref.shape[-1] // prep_cols, w_columns, 0)
-            lax.fori_loop(0, v_ref.shape[-1] // prep_cols, u_columns, 0)
-        else:
-            # GDN: q and k stay raw; their L2 norms and the decays are per-row factors applied
-            # to the products (for 16-bit inputs the raw rows are exact tensor-core operands).
-            k_in, rk, (G_hi, G_lo), decay, beta = _gdn_chunk(
-                k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, lead, n, h, hk, spec)
-            q_in = plgpu.load(q_ref.at[tok, hk, :], mask=rows2, other=0)
-            rq = _l2_factor(q_in, spec.use_qk_l2norm) * jnp.float32(spec.scale)
-            last_hi = jnp.sum(jnp.where(j == C - 1, G_hi[None, :], 0.0), axis=1)  # [C], all G_C
-            last_lo = jnp.sum(jnp.where(j == C - 1, G_lo[None, :], 0.0), axis=1)
-            eG = jnp.exp(G_hi + G_lo)
-            decay_ref[s, h] = jnp.exp(jnp.max(last_hi + last_lo))
-            factors = (fq_ref, fk_ref, fw_ref)
-            _store_factor(factors, 0, tok, h, rq * eG, rows)
-            _store_factor(factors, 1, tok, h, rk * jnp.exp((last_hi - G_hi) + (last_lo - G_lo)),
-                          rows)
-            _store_factor(factors, 2, tok, h, rk * eG, rows)
-            qk = dot(q_in, k_in, trans_b=True) * (rq[:, None] * rk[None, :])
-            _store_split(aqk_ref, (tok, h, slice(None)), qk * decay, rows2)
-            A = _gdn_system(k_in, rk, decay, beta, precise=spec.precise, interpret=interpret)
-            if _half_inverse(spec, blocked_inverse):
-                store(a_ref.at[tok, h, :], A, rows2)  # fp16, for `_prep_inverse_kernel`
-            else:
-                # T beta's own rows are the blocked inverse's scratch until T is in registers
-                T = invert(A, tb_ref)
-                if blocked_inverse:  # after every thread's last read of the inverse's blocks
-                    _barrier(interpret)
-                store(tb_ref.at[tok, h, :], T * beta[None, :], rows2)
+        lax.fori_loop(0, REDO_SLOTS, slot, 0)
 
 
 def _prep_inverse_kernel(start_ref, len_ref, lead_ref, beta_ref, a_ref, tb_ref, redo_ref, *,
@@ -1197,9 +1265,13 @@ def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, v_ref, t
 # --------------------------------------------------------------------------- launchers
 
 
-def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, block, interpret):
-    """KDA's intra-chunk products and decayed rows: (kk, aqk, fq, fk, ek, decay)."""
+def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, block, interpret,
+               prep_rows=None):
+    """KDA's intra-chunk products and decayed rows: (kk, aqk, fq, fk, ek, decay). kk and ek,
+    which only the prep reads, have prep_rows rows (default: one a token; the rows past the
+    tokens are left unwritten)."""
     T_total, HV, K = g.shape
+    prep_rows = T_total if prep_rows is None else prep_rows
     # KDA's decayed q rows only feed the output, so for bf16 inputs they are stored in bf16
     # (exact tensor-core operands, half the scan's reads of them; the output is rounded to bf16
     # anyway). The decayed k rows build the state: in bf16 they cost the final state ~5x its
@@ -1217,13 +1289,13 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
         functools.partial(_kda_intra_kernel, spec=spec, block_k=block.block_k,
                           heads_fastest=block.heads_fastest,
                           interpret=interpret),
-        out_shape=(jax.ShapeDtypeStruct((T_total, HV, CHUNK), F32),  # k k^T e^{G_i - G_j}, j < i
+        out_shape=(jax.ShapeDtypeStruct((prep_rows, HV, CHUNK), F32),  # k k^T e^{G_i - G_j}, j < i
                    # q k^T e^{G_i - G_j}, j <= i
                    jax.ShapeDtypeStruct((T_total, HV, CHUNK), bounded_dtype),
                    jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
                    jax.ShapeDtypeStruct(rows, bounded_dtype),        # k: norm * e^{G_C - G}
                    # e^G k: norm * e^G, in parts (`_kda_parts`)
-                   jax.ShapeDtypeStruct((parts,) + rows, rows_dtype),
+                   jax.ShapeDtypeStruct((parts, prep_rows, HV, K), rows_dtype),
                    jax.ShapeDtypeStruct((num_slots, HV, K), F32),    # e^{G_C}
                    # each program's scratch for its reference rows (_BlockRowExchange; a
                    # quarter of k k^T's size at block_k 32), not returned
@@ -1244,10 +1316,18 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
     the gate form does not use (GDN: W, U; KDA: T beta, fw)."""
     T_total, HV, V, K = q.shape[0], v.shape[1], v.shape[2], q.shape[2]
     kda = spec.per_channel_gate
+    redo = None
     if kda:
+        # the Mosaic prep's bulk copies take kk's and e^G k's rows in whole 8-row tiles
+        prep_rows = _aligned_rows(v).shape[0] if block.mosaic_kda_prep else None
         kk, aqk, fq, fk, ek, decay = _kda_intra(q, k, g, start, length, A_log, dt_bias,
                                                 rows_dtype=v.dtype, spec=spec, block=block,
-                                                interpret=interpret)
+                                                interpret=interpret, prep_rows=prep_rows)
+        if block.mosaic_kda_prep:
+            if v.dtype != jnp.bfloat16:
+                raise ValueError(f"mosaic_kda_prep takes bf16 inputs, got v of {v.dtype}")
+            redo = _mosaic_kda_prep(v, beta, start, length, kk, ek, spec=spec,
+                                    interpret=interpret)
     else:
         kk = ek = jnp.zeros((1, 1, 1), F32)  # unused placeholders
     # GDN stores T beta and the scan forms the deltas (T beta)(v - (e^G k) S): a [C, C] matrix
@@ -1263,15 +1343,26 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
     blocked = block.blocked_inverse_for(spec)
     kda_scratch = kda and blocked
     half_inverse = _half_inverse(spec, blocked)
+    placeholder = jnp.zeros((1, 1, 1), F32)
+    # redo_only: W and U from the Mosaic prep, the Triton prep writing the flagged chunks' in
+    # place (slot rows are token rows for aligned chunks)
+    flags, w_in, u_in = (jnp.zeros((1, 1), jnp.int32), placeholder, placeholder) if redo is None \
+        else redo
+    aliases = {10: 8} if kda_scratch else {}
+    if redo is not None:
+        aliases.update({13: 1, 14: 2})
     *outs, _, A = pl.pallas_call(
         functools.partial(_prep_kernel, spec=spec, blocked_inverse=blocked,
                           heads_fastest=block.heads_fastest,
-                          prep_cols=min(block.prep_cols, K, V), interpret=interpret),
+                          prep_cols=min(block.prep_cols, K, V), redo_only=redo is not None,
+                          interpret=interpret),
         # T beta = (I + A)^-1 beta (with the fp16 inverse, `_prep_inverse_kernel` forms it)
         out_shape=(only(not kda and not half_inverse, (T_total, HV, CHUNK)),
                    # W, in parts like e^G k
-                   only(kda, (_kda_parts(v.dtype), T_total, HV, K), v.dtype),
-                   only(kda, (T_total, HV, V)),                  # U
+                   only(kda, (_kda_parts(v.dtype), T_total, HV, K), v.dtype)
+                   if redo is None else jax.ShapeDtypeStruct(w_in.shape, w_in.dtype),
+                   only(kda, (T_total, HV, V))                   # U
+                   if redo is None else jax.ShapeDtypeStruct(u_in.shape, u_in.dtype),
                    # q k^T e^{G_i - G_j}
                    only(not kda, (T_total, HV, CHUNK), _bounded_dtype(spec)),
                    only(not kda, (T_total, HV)),                 # q: norm * scale * e^G
@@ -1280,12 +1371,13 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
                    only(not kda, (start.shape[0], HV)),          # e^{G_C}
                    only(kda_scratch, kk.shape),                  # k k^T (the inverse's scratch)
                    only(half_inverse, (T_total, HV, CHUNK), jnp.float16)),  # A, for the inverse
-        grid=_chunk_grid(start.shape[0], HV, block.heads_fastest),
-        input_output_aliases={10: 8} if kda_scratch else {},
+        grid=(_chunk_grid(start.shape[0], HV, block.heads_fastest) if redo is None
+              else (pl.cdiv(start.shape[0], REDO_SLOTS), HV)),
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
         interpret=interpret,
-        name="gdn_prefill_prep",
-    )(start, length, lead, q, k, v, g, beta, A_log, dt_bias, kk, ek)
+        name="gdn_prefill_prep" if redo is None else "kda_prefill_prep_redo",
+    )(start, length, lead, q, k, v, g, beta, A_log, dt_bias, kk, ek, flags, w_in, u_in)
     tb, w, u, *gdn_outputs = outs
     if half_inverse:
         tb, redo = pl.pallas_call(
@@ -1305,6 +1397,25 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
     else:
         fw = gdn_outputs[3]
     return tb, w, u, aqk, fq, fk, fw, decay
+
+
+def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, interpret):
+    """KDA's W and U from `gdn_prefill_mgpu.kda_prep` (spec.aligned_chunks: slot s holds tokens
+    64 s .., so its rows by slot are its rows by token), and the chunks to form again:
+    (redo flags [S, HV] int32, W [2, S * C, HV, K] bf16, U [S * C, HV, V] fp32) for `_prep`'s
+    redo_only pass. kk, ek: the intra kernel's, with v's rows aligned."""
+    C = CHUNK
+    i = jnp.arange(C, dtype=jnp.int32)
+    at = jnp.clip(start[:, None] + i, 0, beta.shape[0] - 1)                   # [S, C]
+    b = beta[at].astype(F32)                                                 # [S, C, HV]
+    if spec.raw_gates:
+        b = jax.nn.sigmoid(b)
+    beta_rows = jnp.where((i < length[:, None])[..., None], b, 0.0).transpose(0, 2, 1)
+    w, u, flags = mgpu_scan.kda_prep(jnp.where(length > 0, start, 0), length, kk, ek,
+                                     _aligned_rows(v), beta_rows, max_a=HALF_INVERSE_MAX_A,
+                                     max_t=HALF_INVERSE_MAX_T, interpret=interpret)
+    redo = ((jnp.max(flags, axis=2) > 0) & (length[:, None] > 0)).astype(jnp.int32)
+    return redo, w, u
 
 
 def _redo(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb, *, spec, block, slot_rows,

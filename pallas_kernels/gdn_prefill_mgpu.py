@@ -1,5 +1,5 @@
 """GDN prefill in Pallas Mosaic GPU: the chunk prep, and the state scan with the state as the
-tensor cores' accumulator.
+tensor cores' accumulator; and KDA's chunk prep.
 
 The same chunked form as `gdn_prefill` (see that module for the math and the Triton kernels),
 for Gated DeltaNet with bf16 inputs and K = 128, written for Hopper's asynchronous tensor-core
@@ -20,6 +20,11 @@ a row too large to square in fp32 is tamed in shared memory before the products 
 q and k. Its outputs are laid by chunk slot (row
 s * CHUNK + i for row i of slot s), so that no two items write the same rows (the chunks of
 packed sequences may share token rows), and each is one bulk copy.
+
+`kda_prep`: KDA's W = (T beta)(e^G k) and U = (T beta) v, one warpgroup per (chunk slot, value
+head), from the Triton intra-chunk kernel's k k^T and e^G k: the same fp16 inverse as `prep`,
+then the two products on the tensor cores; for calls whose sequences all start at multiples of
+CHUNK, so that every chunk is one bulk copy of 64 token rows in and out.
 
 `scan`: each program owns one (sequence, value head, block of BV = 64 value columns) and keeps
 the transposed state slab S^T [BV, K] in fp32 registers laid out as a wgmma accumulator, so the
@@ -88,7 +93,7 @@ FQ, FK, FW = range(NUM_FACTORS)
 _COPIES = 6              # bulk copies a chunk: q, k, v, T beta, aqk, factors
 
 __all__ = ["CHUNK", "HEAD_K_DIM", "BLOCK_V", "ALIGN", "NUM_ROW_VECTORS", "unsupported_reason",
-           "scan", "prep"]
+           "scan", "prep", "kda_prep"]
 
 
 def unsupported_reason(*, head_k_dim: int, head_v_dim: int, dtype) -> str | None:
@@ -696,6 +701,34 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
         plgpu.wait_smem_to_gmem(0)
 
 
+def _inverse_fp16(A, i, j, d_s, p_s, interpret):
+    """(I + A)^-1 for a strictly lower-triangular [C, C] A in registers, by recursive doubling
+    with fp16 operands, as `gdn_prefill._invert_unit_lower` (half=True): D the inverse on the
+    diagonal blocks of size b, L A's entries below them inside the blocks of size 2b;
+    D <- D - D (L D), each product a wgmma from shared memory (the fp16 tiles d_s and p_s).
+    i, j: the tile's row and column indices."""
+    C = A.shape[0]
+    D = jnp.where(i == j, 1.0, 0.0) - jnp.where((i // 2 == j // 2) & (i != j), A, 0.0)
+    b = 2
+    while b < C:
+        L = jnp.where((i // (2 * b) == j // (2 * b)) & (i // b != j // b), A, 0.0)
+        d_s[...] = D.astype(F16)
+        _commit_smem(interpret)
+        (LD,), _ = _products([[(L.astype(F16), d_s)]], (C, C), interpret=interpret)
+        p_s[...] = LD.astype(F16)
+        _commit_smem(interpret)
+        (D,), _ = _products([[((-D).astype(F16), p_s)]], (C, C), [D], interpret=interpret)
+        b *= 2
+    return D
+
+
+def _unfit_rows(A, D, max_a, max_t):
+    """[C]: 1 on the rows whose fp16 operands may not have held (`gdn_prefill._half_inverse_fits`:
+    |A| > max_a or |D| > max_t; NaN fails), 0 elsewhere."""
+    fits = (jnp.abs(A) <= max_a) & (jnp.abs(D) <= max_t)
+    return jnp.max(jnp.where(fits, 0.0, 1.0), axis=1)
+
+
 def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, tb_s, aqk_o, flag_o, fac_o,
                aqk_ref, tb_ref, flag_ref, fac_out_ref, *, max_a: float, max_t: float,
                l2norm: bool, interpret: bool):
@@ -765,24 +798,8 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, tb_s, aqk_o, flag_
     kk = kk * (rk_rows * rk_cols)
     A = jnp.where(i > j, vector(BETA, 0) * kk * decay, 0.0)
 
-    # (I + A)^-1 by recursive doubling with fp16 operands, as `gdn_prefill._invert_unit_lower`
-    # (half=True): D the inverse on the diagonal blocks of size b, L A's entries below them
-    # inside the blocks of size 2b; D <- D - D (L D), each product a wgmma from shared memory
-    D = jnp.where(i == j, 1.0, 0.0) - jnp.where((i // 2 == j // 2) & (i != j), A, 0.0)
-    b = 2
-    while b < C:
-        L = jnp.where((i // (2 * b) == j // (2 * b)) & (i // b != j // b), A, 0.0)
-        d_s[...] = D.astype(F16)
-        _commit_smem(interpret)
-        (LD,), _ = _products([[(L.astype(F16), d_s)]], (C, C), interpret=interpret)
-        p_s[...] = LD.astype(F16)
-        _commit_smem(interpret)
-        (D,), _ = _products([[((-D).astype(F16), p_s)]], (C, C), [D], interpret=interpret)
-        b *= 2
-    # rows whose fp16 operands may not have held (`gdn_prefill._half_inverse_fits`; NaN fails),
-    # and the rows tamed here
-    fits = (jnp.abs(A) <= max_a) & (jnp.abs(D) <= max_t)
-    unfit = jnp.max(jnp.where(fits, 0.0, 1.0), axis=1)
+    D = _inverse_fp16(A, i, j, d_s, p_s, interpret)
+    unfit = _unfit_rows(A, D, max_a, max_t)
     flag_o[UNFIT] = unfit
     flag_o[HUGE] = jnp.where(huge_here, 1.0, 0.0) if l2norm else unfit * 0.0  # (zeros by rows)
     # T beta's halves over the inverse's operand tiles (its last product's wait is done)
@@ -856,3 +873,110 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
         compiler_params=plgpu.CompilerParams(approx_math=False),
         **extra,
     )(start, q, k, rows, *(() if factors is None else (factors,)))
+
+
+# --------------------------------------------------------------------------- KDA's chunk prep
+
+def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref, u_ref, flag_ref,
+                     kk_s, union_s, ek_s, v_s, beta_s, flag_o, bar, *, num_v_heads: int,
+                     max_a: float, max_t: float, interpret: bool):
+    C = CHUNK
+    p = lax.axis_index("p")
+    s, h = p // num_v_heads, p % num_v_heads
+    rows_in = pl.ds(pl.multiple_of(start_ref[s], C), C)
+    rows_out = pl.ds(pl.multiple_of(s * C, C), C)
+    plgpu.copy_gmem_to_smem(kk_ref.at[rows_in, h], kk_s, bar)
+    for part in range(2):   # (one copy a part: a bulk copy takes at most 5 strided dims)
+        plgpu.copy_gmem_to_smem(ek_ref.at[part, rows_in, h], ek_s.at[part], bar)
+    plgpu.copy_gmem_to_smem(v_ref.at[rows_in, h], v_s, bar)
+    for axis in range(2):
+        plgpu.copy_gmem_to_smem(beta_ref.at[s, h], beta_s.at[axis], bar)
+    plgpu.barrier_wait(bar)
+    wgmma_layout = None if interpret else plgpu.Layout.WGMMA
+    i, j = _iota((C, C), 0, interpret), _iota((C, C), 1, interpret)
+    n = len_ref[s]
+
+    @pl.when(n < C)
+    def _():
+        # the rows past the chunk's end (rows past the arrays, which the copies fill with
+        # zeros, or rows the kernels before left unwritten) as zeros: the products below take
+        # them times zeros of T beta, and a NaN there would spread
+        for x_s in (ek_s.at[0], ek_s.at[1], v_s):
+            x = _load(x_s, wgmma_layout, interpret)
+            x_s[...] = jnp.where(_iota(x.shape, 0, interpret) < n, x, jnp.zeros_like(x))
+
+    def vector(axis):
+        """beta, broadcast along axis of a [C, C] tile (each layout from its own copy, as in
+        `_prep_item`)."""
+        layout = None if interpret else plgpu.Layout.WGMMA.reduce(1 - axis)
+        x = lax.broadcast_in_dim(_load(beta_s.at[axis], layout, interpret), (C, C), (axis,))
+        return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+    kk = _load(kk_s, wgmma_layout, interpret)
+    A = jnp.where((i > j) & (i < n), vector(0) * kk, 0.0)
+    inverse_s, tb_s, u_s = union_s
+    zero = p - p   # a traced index: see `_prep_kernel`
+    D = _inverse_fp16(A, i, j, inverse_s.at[zero], inverse_s.at[zero + 1], interpret)
+    flag_o[...] = _unfit_rows(A, D, max_a, max_t)
+    # T beta's halves over the inverse's operand tiles (its last product's wait is done)
+    _store_halves(tb_s, split_bf16(D * vector(1)), interpret=interpret)
+    # W = (T beta)(e^G k) from both sides' halves (all pairs but lo x lo, as
+    # `gdn_prefill._dot_parts`), U = (T beta) v
+    (w, u), _ = _products([[(tb_s.at[0], ek_s.at[0]), (tb_s.at[0], ek_s.at[1]),
+                            (tb_s.at[1], ek_s.at[0])],
+                           [(tb_s.at[0], v_s), (tb_s.at[1], v_s)]],
+                          (C, HEAD_K_DIM), interpret=interpret)
+    # W's halves over e^G k's tiles and U over T beta's: the products' reads are done
+    _store_halves(ek_s, split_bf16(w), interpret=interpret, commit=False)
+    u_s[...] = u
+    _commit_smem(interpret)
+    for part in range(2):
+        plgpu.copy_smem_to_gmem(ek_s.at[part], w_ref.at[part, rows_out, h])
+    plgpu.copy_smem_to_gmem(u_s, u_ref.at[rows_out, h])
+    plgpu.copy_smem_to_gmem(flag_o, flag_ref.at[s, h])
+    if not interpret:
+        plgpu.wait_smem_to_gmem(0)
+
+
+def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
+             interpret: bool = False):
+    """KDA's W and U, per (chunk slot, value head) item, one warpgroup an item: A = beta k k^T
+    from the intra-chunk kernel's k k^T, T = (I + A)^-1 by the fp16 doubling of `prep`, then
+    W = (T beta)(e^G k) and U = (T beta) v on the tensor cores, each taking T beta as its bf16
+    halves against e^G k's hi and lo parts and v's exact rows.
+
+    start [S] (each slot's first token, a multiple of CHUNK: the call's sequences all start at
+    multiples of CHUNK, and an unused slot gives any such row), length [S] (its rows: rows past
+    it are taken as zeros); kk [T, HV, CHUNK] fp32 (k k^T with the per-channel decays, zero
+    on and above the diagonal); ek [2, T, HV, 128] bf16 (e^G k's hi and lo parts);
+    v [T, HV, 128] bf16; beta [S, HV, CHUNK] fp32 (zero on the rows that are not the chunk's).
+    Returns (W's halves [2, S * CHUNK, HV, 128] bf16, U [S * CHUNK, HV, 128] fp32, both by
+    chunk slot (row s * CHUNK + i of slot s's row i), and flags [S, HV, CHUNK] fp32: 1 on the
+    rows where the fp16 inverse may not have held (|A| > max_a or |T| > max_t), whose W and U
+    the caller must form again)."""
+    S, HV = beta.shape[:2]
+    C, K = CHUNK, HEAD_K_DIM
+    # one item a program, two programs an SM: k k^T, e^G k's parts and v in, and in one union
+    # the inverse's fp16 operand tiles, then T beta's halves, then U; W goes out through e^G
+    # k's tiles (about 100 KiB)
+    union = plgpu.RefUnion(_swizzled((2, C, C), F16), _swizzled((2, C, C)),
+                           plgpu.SMEM((C, K), F32))
+    scratch = (plgpu.SMEM((C, C), F32), union, _swizzled((2, C, K)), _swizzled((C, K)),
+               plgpu.SMEM((2, C), F32), plgpu.SMEM((C,), F32),
+               plgpu.Barrier(num_arrivals=6, num_barriers=1))
+    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    return plgpu.kernel(
+        functools.partial(_kda_prep_kernel, num_v_heads=HV, max_a=max_a, max_t=max_t,
+                          interpret=interpret),
+        out_type=(jax.ShapeDtypeStruct((2, S * C, HV, K), BF16),
+                  jax.ShapeDtypeStruct((S * C, HV, K), F32),
+                  jax.ShapeDtypeStruct((S, HV, C), F32)),
+        scratch_types=scratch,
+        grid=(S * HV,),
+        grid_names=("p",),
+        num_threads=1,
+        thread_name="wg",
+        kernel_name="kda_prefill_mgpu_prep",
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        **extra,
+    )(start, length, kk, ek, v, beta)

@@ -816,6 +816,13 @@ def test_mosaic_scan_lowers_for_hopper():
             jnp.zeros((S,), jnp.int32), x, x, jnp.ones((S, HV, mgpu.NUM_ROW_VECTORS, 64)),
             factors)
         assert "mosaic_gpu" in exported.mlir_module()
+    # KDA's prep (token rows a multiple of 8, as its launcher gives them)
+    f = jax.jit(functools.partial(mgpu.kda_prep, max_a=kern.HALF_INVERSE_MAX_A,
+                                  max_t=kern.HALF_INVERSE_MAX_T))
+    exported = jax.export.export(f, platforms=["cuda"])(
+        jnp.zeros((S,), jnp.int32), jnp.full((S,), 64, jnp.int32), jnp.ones((T, HV, 64)),
+        jnp.ones((2, T, HV, K), BF16), y, jnp.ones((S, HV, 64)))
+    assert "mosaic_gpu" in exported.mlir_module()
 
 
 def test_mosaic_scan_dispatch_rule():
@@ -848,6 +855,159 @@ def test_mosaic_scan_dispatch_rule():
     # the Mosaic GPU prep has one inverse: the Triton prep's choice of form does not apply
     assert kern.unsupported_reason(
         gdn, kern.PrefillBlockSizes(mosaic_scan=True, blocked_inverse=True)) is None
+
+
+def _aligned(lens) -> bool:
+    """Whether every sequence of a packed call starts at a multiple of the chunk."""
+    return all(int(x) % kern.CHUNK == 0 for x in np.cumsum([0] + list(lens))[:-1])
+
+
+# KDA's prep in Mosaic GPU: lens (every start a multiple of 64: a last chunk short of the
+# arrays' rows, an empty sequence), HK, HV, gate form (None: g given; "softplus" or a lower
+# bound: raw projections)
+MOSAIC_KDA_PREP_CASES = [
+    ([300], 1, 2, None),
+    ([64, 0, 64, 100], 2, 4, "softplus"),
+    pytest.param([128, 70], 1, 2, -5.0, marks=FULL),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lens,HK,HV,gate", MOSAIC_KDA_PREP_CASES)
+def test_mosaic_kda_prep_against_float64(mode, lens, HK, HV, gate):
+    """KDA with W and U from the Mosaic GPU prep (`PrefillBlockSizes.mosaic_kda_prep`): bf16
+    inputs against float64 within 5e-3, and within 1e-3 (output) of the Triton prep's call,
+    for g given and for both raw gate forms, GVA, an initial state."""
+    K = 128
+    q, k, v, g, b, h0, cu = _kda_inputs(51, lens, HK=HK, HV=HV, K=K, dtype=BF16)
+    kw, beta = {}, b
+    if gate is not None:
+        rng = np.random.default_rng(52)
+        g = jnp.asarray(2 * rng.standard_normal((sum(lens), HV, K)), F32)
+        kw = dict(A_log=jnp.asarray(rng.standard_normal(HV), F32),
+                  dt_bias=jnp.asarray(rng.standard_normal(HV * K), F32))
+        lb = None if gate == "softplus" else gate
+        gates = ref.kda_gate(g, kw["A_log"], kw["dt_bias"].reshape(HV, K), lower_bound=lb)
+        beta = ref.gdn_beta(b)
+    else:
+        lb, gates = None, g
+    assert _aligned(lens)
+    spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True, precise=False,
+                 raw_gates=gate is not None, gate_lower_bound=lb, aligned_chunks=True)
+    outs = {}
+    for mosaic in (True, False):
+        block = kern.PrefillBlockSizes(block_v=32, block_k=32, mosaic_kda_prep=mosaic)
+        assert kern.unsupported_reason(spec, block) is None
+        outs[mosaic] = kern.chunk_prefill(q, k, v, g, b, cu, spec=spec, block=block,
+                                          initial_state=h0, interpret=mode == "interpret",
+                                          **kw)[:2]
+    o, hT = outs[True]
+    assert np.all(np.isfinite(np.asarray(o, F32))) and np.all(np.isfinite(np.asarray(hT)))
+    ro, rs = _oracle(q, k, v, gates, beta, h0, cu)
+    assert rel_err(o, ro) <= 5e-3
+    assert rel_err(hT, rs) <= 5e-4
+    assert rel_err(o, outs[False][0]) <= 1e-3
+    assert rel_err(hT, outs[False][1]) <= 1e-4
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mosaic_kda_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
+    """The Mosaic GPU KDA prep flags the chunks where its fp16 inverse may not have held and
+    the Triton prep forms their W and U again, in place: value head 0 sees one key repeated
+    with beta |k|^2 = 3 and no decay ((I + A)^-1 holds (-2)^(i - j), beyond fp16), value head 1
+    the same key with typical gates and beta below 1/4. Head 0's W and U are the Triton prep's
+    bit for bit, head 1's (the fp16 inverse's) close to them."""
+    lens, HK, HV, K = [64, 100], 1, 2, 128
+    T_total = sum(lens)
+    q, k, v, g1, beta, cu = _repeated_key_inputs(lens, K)
+    g = np.repeat(np.asarray(g1)[:, :, None], K, axis=2) / K    # per channel; head 0: no decay
+    g, beta = jnp.asarray(g, F32), jnp.asarray(beta, F32)
+    spec = _spec(HK, HV, K, K, use_qk_l2norm=False, precise=False, per_channel_gate=True,
+                 aligned_chunks=True)
+    start, length, _, lead = kern.chunk_table(cu, T_total)
+    zeros = jnp.zeros((HV * K,), F32)
+    got = {}
+    for mosaic in (True, False):
+        block = kern.PrefillBlockSizes(block_v=32, block_k=32, mosaic_kda_prep=mosaic)
+        got[mosaic] = kern._prep(q, k, v, g, beta, start, length, lead, jnp.zeros((HV,), F32),
+                                 zeros, spec=spec, block=block,
+                                 interpret=mode == "interpret")[1:3]
+    rows = np.arange(T_total)
+    for a, b in zip(got[True], got[False]):
+        a, b = np.asarray(a, F32)[..., rows, :, :], np.asarray(b, F32)
+        assert np.all(np.isfinite(a))
+        assert np.array_equal(a[..., 0, :], b[..., 0, :])
+        assert 0 < rel_err(a[..., 1, :], b[..., 1, :]) <= 2e-3
+    assert np.abs(np.asarray(got[False][1][:64, 0], F32)).max() > 2.0 ** 40
+    # the flags themselves: head 0's chunks, not head 1's
+    kk, _, _, _, ek, _ = kern._kda_intra(q, k, g, start, length, jnp.zeros((HV,), F32), zeros,
+                                         rows_dtype=BF16, spec=spec,
+                                         block=kern.PrefillBlockSizes(block_k=32),
+                                         interpret=mode == "interpret",
+                                         prep_rows=kern._aligned_rows(v).shape[0])
+    redo = np.asarray(kern._mosaic_kda_prep(v, beta, start, length, kk, ek, spec=spec,
+                                            interpret=mode == "interpret")[0])
+    used = np.asarray(length) > 0
+    assert np.all(redo[used, 0] == 1) and np.all(redo[:, 1] == 0) and np.all(redo[~used] == 0)
+
+
+def test_mosaic_kda_prep_dispatch_rule():
+    """Where the default blocks take KDA's prep in Mosaic GPU, and why not elsewhere."""
+    kda = lambda **kw: _spec(16, 32, 128, 128, per_channel_gate=True,
+                             **{"precise": False, **kw})
+    pick = lambda spec, dtype=BF16: kern.PrefillBlockSizes.get_default(
+        spec, 8, dtype).mosaic_kda_prep
+    aligned = kda(aligned_chunks=True)
+    assert pick(aligned) and pick(kda(aligned_chunks=True, pooled=True))
+    assert not pick(aligned, jnp.float16) and not pick(aligned, None)
+    block = kern.PrefillBlockSizes(mosaic_kda_prep=True)
+    for spec, word in ((kda(), "aligned_chunks"),
+                       (_spec(16, 32, 64, 64, precise=False, per_channel_gate=True,
+                              aligned_chunks=True), "head_k_dim"),
+                       (kda(aligned_chunks=True, precise=True), "bf16"),
+                       (_spec(16, 32, 128, 128, precise=False, aligned_chunks=True), "KDA")):
+        assert not pick(spec)
+        assert word in kern.unsupported_reason(spec, block)
+    assert kern.unsupported_reason(aligned, block) is None
+
+
+def test_front_door_start_facts():
+    """What the front door tells the kernels about where sequences start: the largest of 64, 2
+    and 1 dividing every start, from B and T for a dense batch, from concrete cu_seqlens, and 1
+    for traced ones."""
+    from gdn_jax.prefill import _start_align, _start_facts
+    assert _start_align(1, 300, None) == 64            # one sequence starts at 0
+    assert _start_align(4, 128, None) == 64
+    assert _start_align(2, 300, None) == 2
+    assert _start_align(3, 65, None) == 1
+    assert _start_align(1, 0, np.array([0, 64, 64, 192, 200])) == 64
+    assert _start_align(1, 0, np.array([0, 64, 70, 200])) == 2
+    assert _start_align(1, 0, np.array([0, 3, 200])) == 1
+    assert jax.jit(lambda cu: jnp.int32(_start_align(1, 0, cu)))(jnp.array([0, 64])) == 1
+    assert _start_facts(8, 4096, None) == dict(even_starts=True, aligned_chunks=True)
+    assert _start_facts(2, 300, None) == dict(even_starts=True, aligned_chunks=False)
+
+
+def test_front_door_takes_the_mosaic_kda_prep_for_aligned_calls(monkeypatch):
+    """`gdn_prefill` with KDA bf16 inputs at K = V = 128 runs W and U through the Mosaic GPU
+    prep when every sequence starts at a multiple of 64, and through the Triton prep when not
+    (interpret mode, kernel="chunked")."""
+    import gdn_jax
+    from gdn_jax.prefill import gdn_prefill
+    from pallas_kernels import gdn_prefill_mgpu as mgpu
+    calls = []
+    real = mgpu.kda_prep
+    monkeypatch.setattr(mgpu, "kda_prep", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    jax.clear_caches()   # a call traced before the spy would not reach it
+    for lens, want in (([64, 36], 1), ([36, 64], 0)):
+        q, k, v, g, beta, _, cu = _kda_inputs(61, lens, HK=1, HV=1, K=128, dtype=BF16)
+        with gdn_jax.interpret():
+            o, _, _ = gdn_prefill(q[None], k[None], v[None], g[None], beta[None],
+                                  cu_seqlens=cu, use_qk_l2norm=True, kernel="chunked")
+        assert np.all(np.isfinite(np.asarray(o, F32)))
+        assert len(calls) == want, (lens, calls)
+        calls.clear()
+    jax.clear_caches()
 
 
 def test_unsupported_shapes_say_why():
@@ -1331,8 +1491,8 @@ def test_default_blocks_fit_the_gpu(kda, dtype, l2, K, lens):
     if not l2:  # unit rows given, as a caller that normalises q and k itself passes them
         q, k = (ref.l2norm(x).astype(x.dtype) for x in (q, k))
     spec = _spec(HK, HV, K, K, has_initial_state=True, precise=dtype == F32,
-                 per_channel_gate=kda, use_qk_l2norm=l2)
-    block = kern.PrefillBlockSizes.get_default(spec, len(lens))
+                 per_channel_gate=kda, use_qk_l2norm=l2, aligned_chunks=_aligned(lens))
+    block = kern.PrefillBlockSizes.get_default(spec, len(lens), dtype)
     assert kern.unsupported_reason(spec, block) is None
     o, hT, _, _ = kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
                                      initial_state=h0)
