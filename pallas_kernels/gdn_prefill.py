@@ -820,10 +820,11 @@ def _prep_kernel(start_ref, len_ref, lead_ref, q_ref, k_ref, v_ref, g_ref, beta_
                 # and the rows e^G k; what is left is the solve, W = (T beta) (e^G k) and
                 # U = (T beta) v.
                 beta = _chunk_beta(beta_ref, tok, h, rows, spec)
-                if blocked_inverse:
+                if blocked_inverse and not redo_only:
                     # k k^T's buffer is the blocked inverse's scratch (kk_out_ref aliases kk_ref):
                     # read through the ref that is written, below the diagonal only, where the
-                    # inverse writes nothing before its first barrier
+                    # inverse writes nothing before its first barrier. (redo_only: k k^T may be
+                    # fp16, and the scratch is an fp32 buffer of its own)
                     kk = load(kk_out_ref.at[tok, h, :], rows2 & (j < i))
                 else:
                     kk = load(kk_ref.at[tok, h, :], rows2)
@@ -1105,7 +1106,8 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
 
         zero = jnp.zeros((C, C), F32)
         kk, qk = lax.fori_loop(0, K // block_k, channels, (zero, zero))
-        plgpu.store(kk_ref.at[tok, h, :], jnp.where(j < i, kk, 0.0), mask=live)
+        plgpu.store(kk_ref.at[tok, h, :], jnp.where(j < i, kk, 0.0).astype(kk_ref.dtype),
+                    mask=live)
         plgpu.store(aqk_ref.at[tok, h, :], jnp.where(j <= i, qk, 0.0).astype(aqk_ref.dtype),
                     mask=live)
 
@@ -1267,10 +1269,12 @@ def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, v_ref, t
 
 def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, block, interpret,
                prep_rows=None):
-    """KDA's intra-chunk products and decayed rows: (kk, aqk, fq, fk, ek, decay). kk and ek,
-    which only the prep reads, have prep_rows rows (default: one a token; the rows past the
-    tokens are left unwritten)."""
+    """KDA's intra-chunk products and decayed rows: (kk, aqk, fq, fk, ek, decay). With
+    prep_rows (for the Mosaic GPU prep), kk and ek, which only the prep reads, have that many
+    rows (the rows past the tokens are left unwritten), and kk is stored in fp16 where bounded
+    by one (the prep's fp16 inverse rounds A to fp16 anyway); else one row a token, kk fp32."""
     T_total, HV, K = g.shape
+    kk_dtype = F32 if prep_rows is None else _bounded_dtype(spec)
     prep_rows = T_total if prep_rows is None else prep_rows
     # KDA's decayed q rows only feed the output, so for bf16 inputs they are stored in bf16
     # (exact tensor-core operands, half the scan's reads of them; the output is rounded to bf16
@@ -1289,7 +1293,8 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
         functools.partial(_kda_intra_kernel, spec=spec, block_k=block.block_k,
                           heads_fastest=block.heads_fastest,
                           interpret=interpret),
-        out_shape=(jax.ShapeDtypeStruct((prep_rows, HV, CHUNK), F32),  # k k^T e^{G_i - G_j}, j < i
+        # k k^T e^{G_i - G_j}, j < i
+        out_shape=(jax.ShapeDtypeStruct((prep_rows, HV, CHUNK), kk_dtype),
                    # q k^T e^{G_i - G_j}, j <= i
                    jax.ShapeDtypeStruct((T_total, HV, CHUNK), bounded_dtype),
                    jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
@@ -1348,7 +1353,7 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
     # place (slot rows are token rows for aligned chunks)
     flags, w_in, u_in = (jnp.zeros((1, 1), jnp.int32), placeholder, placeholder) if redo is None \
         else redo
-    aliases = {10: 8} if kda_scratch else {}
+    aliases = {10: 8} if kda_scratch and redo is None else {}
     if redo is not None:
         aliases.update({13: 1, 14: 2})
     *outs, _, A = pl.pallas_call(

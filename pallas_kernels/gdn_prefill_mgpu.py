@@ -912,7 +912,7 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref,
         x = lax.broadcast_in_dim(_load(beta_s.at[axis], layout, interpret), (C, C), (axis,))
         return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
-    kk = _load(kk_s, wgmma_layout, interpret)
+    kk = _load(kk_s, wgmma_layout, interpret).astype(F32)
     A = jnp.where((i > j) & (i < n), vector(0) * kk, 0.0)
     inverse_s, tb_s, u_s = union_s
     zero = p - p   # a traced index: see `_prep_kernel`
@@ -947,8 +947,8 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
 
     start [S] (each slot's first token, a multiple of CHUNK: the call's sequences all start at
     multiples of CHUNK, and an unused slot gives any such row), length [S] (its rows: rows past
-    it are taken as zeros); kk [T, HV, CHUNK] fp32 (k k^T with the per-channel decays, zero
-    on and above the diagonal); ek [2, T, HV, 128] bf16 (e^G k's hi and lo parts);
+    it are taken as zeros); kk [T, HV, CHUNK] fp32, or fp16 where bounded (k k^T with the
+    per-channel decays, zero on and above the diagonal); ek [2, T, HV, 128] bf16 (e^G k's hi and lo parts);
     v [T, HV, 128] bf16; beta [S, HV, CHUNK] fp32 (zero on the rows that are not the chunk's).
     Returns (W's halves [2, S * CHUNK, HV, 128] bf16, U [S * CHUNK, HV, 128] fp32, both by
     chunk slot (row s * CHUNK + i of slot s's row i), and flags [S, HV, CHUNK] fp32: 1 on the
@@ -961,7 +961,7 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
     # k's tiles (about 100 KiB)
     union = plgpu.RefUnion(_swizzled((2, C, C), F16), _swizzled((2, C, C)),
                            plgpu.SMEM((C, K), F32))
-    scratch = (plgpu.SMEM((C, C), F32), union, _swizzled((2, C, K)), _swizzled((C, K)),
+    scratch = (plgpu.SMEM((C, C), kk.dtype), union, _swizzled((2, C, K)), _swizzled((C, K)),
                plgpu.SMEM((2, C), F32), plgpu.SMEM((C,), F32),
                plgpu.Barrier(num_arrivals=6, num_barriers=1))
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}

@@ -816,13 +816,15 @@ def test_mosaic_scan_lowers_for_hopper():
             jnp.zeros((S,), jnp.int32), x, x, jnp.ones((S, HV, mgpu.NUM_ROW_VECTORS, 64)),
             factors)
         assert "mosaic_gpu" in exported.mlir_module()
-    # KDA's prep (token rows a multiple of 8, as its launcher gives them)
+    # KDA's prep (token rows a multiple of 8, as its launcher gives them), k k^T fp32 or fp16
     f = jax.jit(functools.partial(mgpu.kda_prep, max_a=kern.HALF_INVERSE_MAX_A,
                                   max_t=kern.HALF_INVERSE_MAX_T))
-    exported = jax.export.export(f, platforms=["cuda"])(
-        jnp.zeros((S,), jnp.int32), jnp.full((S,), 64, jnp.int32), jnp.ones((T, HV, 64)),
-        jnp.ones((2, T, HV, K), BF16), y, jnp.ones((S, HV, 64)))
-    assert "mosaic_gpu" in exported.mlir_module()
+    for kk_dtype in (F32, F16):
+        exported = jax.export.export(f, platforms=["cuda"])(
+            jnp.zeros((S,), jnp.int32), jnp.full((S,), 64, jnp.int32),
+            jnp.ones((T, HV, 64), kk_dtype), jnp.ones((2, T, HV, K), BF16), y,
+            jnp.ones((S, HV, 64)))
+        assert "mosaic_gpu" in exported.mlir_module()
 
 
 def test_mosaic_scan_dispatch_rule():
@@ -866,7 +868,7 @@ def _aligned(lens) -> bool:
 # arrays' rows, an empty sequence), HK, HV, gate form (None: g given; "softplus" or a lower
 # bound: raw projections)
 MOSAIC_KDA_PREP_CASES = [
-    ([300], 1, 2, None),
+    pytest.param([300], 1, 2, None, marks=FULL),
     ([64, 0, 64, 100], 2, 4, "softplus"),
     pytest.param([128, 70], 1, 2, -5.0, marks=FULL),
 ]
