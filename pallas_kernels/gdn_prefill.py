@@ -260,27 +260,37 @@ def mosaic_scan_default(spec: PrefillSpec, dtype) -> bool:
     """Whether the Mosaic GPU scan takes the call (bf16 inputs and `_mosaic_scan_reason`); the
     default blocks take it then, in the form `get_default` picks, where one of its forms fits
     (faster than the Triton scan at every batch measured; BENCHMARKS.md, GDN prefill)."""
-    return (dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
-            and _mosaic_scan_reason(spec) is None)
+    return _is_bf16(dtype) and _mosaic_scan_reason(spec) is None
 
 
 def mosaic_kda_prep_default(spec: PrefillSpec, dtype) -> bool:
     """Whether the default blocks take KDA's prep in Mosaic GPU: bf16 inputs and
     `_mosaic_kda_prep_reason` (faster than the Triton prep where measured; BENCHMARKS.md, KDA
     prefill)."""
-    return (dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
-            and _mosaic_kda_prep_reason(spec) is None)
+    return _is_bf16(dtype) and _mosaic_kda_prep_reason(spec) is None
 
 
-def _mosaic_kda_prep_reason(spec: PrefillSpec) -> str | None:
-    if not spec.per_channel_gate:
-        return "the Mosaic GPU KDA prep is KDA's (GDN's Mosaic prep comes with mosaic_scan)"
+def _is_bf16(dtype) -> bool:
+    return dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+
+
+def _mosaic_inputs_reason(spec: PrefillSpec, kernel: str) -> str | None:
+    """Why the call's head dims or inputs do not suit the Mosaic GPU kernels (None: they do)."""
     why = mgpu_scan.unsupported_reason(head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim,
                                        dtype=jnp.bfloat16)
     if why:
         return why
     if spec.precise:
-        return "the Mosaic GPU KDA prep takes bf16 inputs (spec.precise is for fp32 ones)"
+        return f"the Mosaic GPU {kernel} takes bf16 inputs (spec.precise is for fp32 ones)"
+    return None
+
+
+def _mosaic_kda_prep_reason(spec: PrefillSpec) -> str | None:
+    if not spec.per_channel_gate:
+        return "the Mosaic GPU KDA prep is KDA's (GDN's Mosaic prep comes with mosaic_scan)"
+    why = _mosaic_inputs_reason(spec, "KDA prep")
+    if why:
+        return why
     if not spec.aligned_chunks:
         return ("the Mosaic GPU KDA prep needs every sequence to start at a multiple of 64 "
                 "(spec.aligned_chunks): it reads and writes whole chunks by bulk copy")
@@ -297,14 +307,11 @@ def _narrow_reason(spec: PrefillSpec) -> str | None:
 
 
 def _mosaic_scan_reason(spec: PrefillSpec) -> str | None:
-    why = mgpu_scan.unsupported_reason(head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim,
-                                       dtype=jnp.bfloat16)
+    why = _mosaic_inputs_reason(spec, "scan")
     if why:
         return why
     if spec.per_channel_gate:
         return "the Mosaic GPU scan is GDN's (KDA's per-channel decays are not in it)"
-    if spec.precise:
-        return "the Mosaic GPU scan takes bf16 inputs (spec.precise is for fp32 ones)"
     if spec.boundary_states:
         return "the Mosaic GPU scan writes no chunk-boundary states"
     return None
