@@ -115,7 +115,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gdn_prefill_mgpu as mgpu_scan
-from pallas_kernels.gdn_decode import huge_row_factor, tame_huge_rows
+from pallas_kernels.gdn_decode import TAME_PROBE, tame_huge_rows
+from pallas_kernels.gdn_decode import row_square_sums as _row_square_sums
+from pallas_kernels.gdn_decode import tamed_l2_factor as _tamed_l2_factor
 
 F32 = jnp.float32
 CHUNK = 64
@@ -202,6 +204,10 @@ class PrefillBlockSizes:
     # (`gdn_prefill_mgpu.kda_prep`: the fp16 doubling inverse and the products on the tensor
     # cores), the chunks whose fp16 inverse may not have held formed again by the Triton prep
     mosaic_kda_prep: bool = False
+    # with mosaic_kda_prep, for GLM-5.3-Flash's raw lower-bound gate (lb >= -5) with the L2
+    # norm: KDA's intra-chunk kernel in Mosaic GPU too (`gdn_prefill_mgpu.kda_intra`). Opt-in:
+    # not yet timed against the Triton intra kernel on a GPU
+    mosaic_kda_intra: bool = False
 
     def blocked_inverse_for(self, spec: PrefillSpec) -> bool:
         # Measured on the H200: the blocked inverse makes KDA's prep 7-8% faster and GDN's
@@ -297,6 +303,20 @@ def _mosaic_kda_prep_reason(spec: PrefillSpec) -> str | None:
     return None
 
 
+def _mosaic_kda_intra_reason(spec: PrefillSpec) -> str | None:
+    why = _mosaic_kda_prep_reason(spec)
+    if why:
+        return why
+    if not spec.use_qk_l2norm:
+        return ("the Mosaic GPU KDA intra kernel takes the L2 norm in the kernel (its products "
+                "take fp16 operands, bounded by one only for unit rows)")
+    if not _factored_diagonal_always_safe(spec):
+        return ("the Mosaic GPU KDA intra kernel takes the raw lower-bound gate with "
+                f"lb >= {-DIAG_EXP_LIMIT / (SUB // 2)} (its diagonal blocks always factor "
+                "through their middle rows)")
+    return None
+
+
 def _narrow_reason(spec: PrefillSpec) -> str | None:
     """Why the Mosaic scan's narrow form cannot take the call (None: it can)."""
     if not spec.even_starts:
@@ -349,6 +369,12 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
             why = _mosaic_kda_prep_reason(spec)
             if why:
                 return f"mosaic_kda_prep: {why}"
+        if block.mosaic_kda_intra:
+            why = (_mosaic_kda_intra_reason(spec) if block.mosaic_kda_prep else
+                   "it writes the layouts of the Mosaic GPU KDA prep, which mosaic_kda_prep "
+                   "selects")
+            if why:
+                return f"mosaic_kda_intra: {why}"
         if block.pair_group not in (1, PAIR_GROUP):
             return f"pair_group={block.pair_group} must be 1 or {PAIR_GROUP}"
         if spec.per_channel_gate and block.paired_halves:
@@ -521,30 +547,6 @@ def _l2_factor(x, use_qk_l2norm: bool):
         return jnp.ones((x.shape[0],), F32)
     x = x.astype(F32)
     return lax.rsqrt(jnp.sum(x * x, axis=1) + L2NORM_EPS)
-
-
-TAME_PROBE = 2.0 ** -72  # `_row_square_sums`: any finite fp32 row's squares times this**2
-                        # stay below overflow, a huge row's above fp32's normal range
-
-
-def _row_square_sums(x, sums):
-    """`sums` (sum x^2, sum (x * TAME_PROBE)^2, max |x|) per row, each [C], updated with the rows
-    x [C, n] (fp32): partial sums over a row's columns for `_tamed_l2_factor`."""
-    s, s_probe, m = sums
-    xp = x * TAME_PROBE
-    return (s + jnp.sum(x * x, axis=1), s_probe + jnp.sum(xp * xp, axis=1),
-            jnp.maximum(m, jnp.max(jnp.abs(x), axis=1)))
-
-
-def _tamed_l2_factor(s, s_probe, m):
-    """(t, r) per row from `_row_square_sums`: x * t * r is the row as `tame_rows` then the L2
-    norm give it, bit for bit. t is the exact power of two `tame_rows` scales a huge row by (1
-    elsewhere); its sum of squares is s_probe scaled by an exact power of two (the terms that
-    power would scale are the same ones, rounded the same way), so no second pass over the row
-    is needed. Ordinary rows: t = 1, r = rsqrt(s + eps) as without the tame."""
-    huge, t = huge_row_factor(m)
-    up = jnp.where(huge, t * (1.0 / TAME_PROBE), 0.0)   # in [2^-32, 2^46] for a huge row
-    return t, lax.rsqrt(jnp.where(huge, s_probe * (up * up), s) + L2NORM_EPS)
 
 
 def _softplus(x):
@@ -1332,9 +1334,18 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
     if kda:
         # the Mosaic prep's bulk copies take kk's and e^G k's rows in whole 8-row tiles
         prep_rows = _aligned_rows(v).shape[0] if block.mosaic_kda_prep else None
-        kk, aqk, fq, fk, ek, decay = _kda_intra(q, k, g, start, length, A_log, dt_bias,
-                                                rows_dtype=v.dtype, spec=spec, block=block,
-                                                interpret=interpret, prep_rows=prep_rows)
+        if block.mosaic_kda_intra:
+            # by chunk slot (slot rows are token rows for aligned chunks; the arrays hold
+            # every slot's 64 rows)
+            kk, aqk, fq, fk, ek, decay = mgpu_scan.kda_intra(
+                jnp.where(length > 0, start, 0), length, _aligned_rows(q), _aligned_rows(k),
+                _aligned_rows(g), A_log, dt_bias, num_v_heads=HV, scale=spec.scale,
+                lower_bound=spec.gate_lower_bound, gate_floor=GATE_FLOOR,
+                gate_quantum=GATE_QUANTUM, interpret=interpret)
+        else:
+            kk, aqk, fq, fk, ek, decay = _kda_intra(q, k, g, start, length, A_log, dt_bias,
+                                                    rows_dtype=v.dtype, spec=spec, block=block,
+                                                    interpret=interpret, prep_rows=prep_rows)
         if block.mosaic_kda_prep:
             if v.dtype != jnp.bfloat16:
                 raise ValueError(f"mosaic_kda_prep takes bf16 inputs, got v of {v.dtype}")

@@ -1,5 +1,5 @@
 """GDN prefill in Pallas Mosaic GPU: the chunk prep, and the state scan with the state as the
-tensor cores' accumulator; and KDA's chunk prep.
+tensor cores' accumulator; and KDA's chunk prep and intra-chunk products.
 
 The same chunked form as `gdn_prefill` (see that module for the math and the Triton kernels),
 for Gated DeltaNet with bf16 inputs and K = 128, written for Hopper's asynchronous tensor-core
@@ -25,6 +25,11 @@ packed sequences may share token rows), and each is one bulk copy.
 head), from the Triton intra-chunk kernel's k k^T and e^G k: the same fp16 inverse as `prep`,
 then the two products on the tensor cores; for calls whose sequences all start at multiples of
 CHUNK, so that every chunk is one bulk copy of 64 token rows in and out.
+
+`kda_intra` (opt-in: `gdn_prefill.PrefillBlockSizes.mosaic_kda_intra`): KDA's intra-chunk
+kernel for GLM-5.3-Flash's raw lower-bound gate, the same math as `gdn_prefill._kda_intra_kernel`
+with the gates' running sums formed on the tensor cores (a triangle of ones against the gates'
+fp16 parts) and every block's reference rows read back from shared memory.
 
 `scan`: each program owns one (sequence, value head, block of BV = 64 value columns) and keeps
 the transposed state slab S^T [BV, K] in fp32 registers laid out as a wgmma accumulator, so the
@@ -78,7 +83,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gdn_decode import L2NORM_EPS, huge_rows, scale_huge_rows
+from pallas_kernels.gdn_decode import (L2NORM_EPS, TAME_PROBE, huge_rows, scale_huge_rows,
+                                       tamed_l2_factor)
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -93,7 +99,7 @@ FQ, FK, FW = range(NUM_FACTORS)
 _COPIES = 6              # bulk copies a chunk: q, k, v, T beta, aqk, factors
 
 __all__ = ["CHUNK", "HEAD_K_DIM", "BLOCK_V", "ALIGN", "NUM_ROW_VECTORS", "unsupported_reason",
-           "scan", "prep", "kda_prep"]
+           "scan", "prep", "kda_prep", "kda_intra"]
 
 
 def unsupported_reason(*, head_k_dim: int, head_v_dim: int, dtype) -> str | None:
@@ -980,3 +986,191 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
         compiler_params=plgpu.CompilerParams(approx_math=False),
         **extra,
     )(start, length, kk, ek, v, beta)
+
+
+# ------------------------------------------------------------ KDA's intra-chunk products
+
+SUB = 16         # KDA's sub-chunk (`gdn_prefill.SUB`): the blocks the decays factor through
+HALF = 64        # key channels a step: q, k and the gates in [CHUNK, HALF] tiles
+
+
+def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref, kk_ref,
+                      aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, q_s, k_s, a_s, dt_s, union_s,
+                      gh_s, gl_s, fq_o, fk_o, ek_o, kk_o, aqk_o, dec_o, bar, *,
+                      num_v_heads: int, num_k_heads: int, scale: float, lower_bound: float,
+                      gate_floor: float, gate_quantum: float, interpret: bool):
+    C, H, K = CHUNK, HALF, HEAD_K_DIM
+    # the running sums' operand tiles, then (dead by then) the products' operand tiles
+    parts_s, (op_s, dn_s) = union_s
+    p = lax.axis_index("p")
+    s, h = p // num_v_heads, p % num_v_heads
+    hk = h // (num_v_heads // num_k_heads)
+    rows_in = pl.ds(pl.multiple_of(start_ref[s], C), C)
+    rows_out = pl.ds(pl.multiple_of(s * C, C), C)
+    for c in range(K // H):
+        cols = pl.ds(c * H, H)
+        plgpu.copy_gmem_to_smem(q_ref.at[rows_in, hk, cols], q_s.at[c], bar)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows_in, hk, cols], k_s.at[c], bar)
+        plgpu.copy_gmem_to_smem(a_ref.at[rows_in, h, cols], a_s.at[c], bar)
+        plgpu.copy_gmem_to_smem(dt_ref.at[pl.ds(h * K + c * H, H)], dt_s.at[c], bar)
+    plgpu.barrier_wait(bar)
+    tile = None if interpret else plgpu.Layout.WGMMA
+    col_layout = None if interpret else plgpu.Layout.WGMMA.reduce(0)
+    i, j = _iota((C, H), 0, interpret), _iota((C, H), 1, interpret)
+    block = i // SUB
+    n = len_ref[s]
+
+    def row_factors(x_s):
+        """The rows' L2 factors (t, r) with the tame of huge rows (`gdn_decode.tamed_l2_factor`)."""
+        sums = None
+        for c in range(K // H):
+            x = _load(x_s.at[c], tile, interpret).astype(F32)
+            xp = x * TAME_PROBE
+            part = (jnp.sum(x * x, axis=1), jnp.sum(xp * xp, axis=1),
+                    jnp.max(jnp.abs(x), axis=1))
+            sums = part if sums is None else (sums[0] + part[0], sums[1] + part[1],
+                                              jnp.maximum(sums[2], part[2]))
+        t, r = tamed_l2_factor(*sums)
+        return t * r
+
+    fk_rows = _rows(row_factors(k_s), (C, H), interpret)
+    fq_rows = _rows(row_factors(q_s) * scale, (C, H), interpret)
+    ltri = jnp.where(j <= i, 1.0, 0.0).astype(F16)      # [C, C]: the in-chunk running sums
+    rel = lambda x, y: (x[0] - y[0]) + (x[1] - y[1])    # G_x - G_y from (hi, lo) pairs
+    zero = jnp.zeros((C, C), F32)
+    kk, qk = zero, zero
+    A_log = A_log_ref[h]
+    for c in range(K // H):
+        # the gates: GLM-5.3-Flash's lb * sigmoid(e^A_log (a + dt)), 0 past the chunk's rows,
+        # as (hi, lo) parts (`gdn_prefill.split_gate`: hi a multiple of 1 / gate_quantum, exact
+        # in fp16, and lo in two fp16 parts), summed along the rows on the tensor cores
+        dt = _columns(_load(dt_s.at[c], col_layout, interpret), (C, H), interpret)
+        x = jnp.exp(A_log) * (_load(a_s.at[c], tile, interpret) + dt)
+        g = lower_bound / (1.0 + jnp.exp(-x))
+        g = jnp.where(i < n, jnp.maximum(g, gate_floor), 0.0)
+        hi = lax.round(g * gate_quantum) * (1.0 / gate_quantum)
+        lo = g - hi
+        lo1 = lo.astype(F16)
+        parts_s[0] = hi.astype(F16)
+        parts_s[1] = lo1
+        parts_s[2] = (lo - lo1.astype(F32)).astype(F16)
+        _commit_smem(interpret)
+        (G_hi, G_lo), _ = _products([[(ltri, parts_s.at[0])],
+                                     [(ltri, parts_s.at[1]), (ltri, parts_s.at[2])]],
+                                    (C, H), interpret=interpret)
+        G = (G_hi, G_lo)
+        # the blocks' reference rows (last and middle), each spread over the tile's rows
+        gh_s[...] = G_hi
+        gl_s[...] = G_lo
+        _commit_smem(interpret)
+
+        def ref_row(r):
+            return tuple(_columns(_load(x_s.at[r], col_layout, interpret), (C, H), interpret)
+                         for x_s in (gh_s, gl_s))
+
+        lasts = [ref_row(SUB * b + SUB - 1) for b in range(C // SUB)]
+        mids = [ref_row(SUB * b + SUB // 2) for b in range(C // SUB)]
+
+        def spread(refs):
+            """Each row's own block's reference row."""
+            out = refs[-1]
+            for b in range(C // SUB - 2, -1, -1):
+                out = tuple(jnp.where(block == b, x, y) for x, y in zip(refs[b], out))
+            return out
+
+        kn = _load(k_s.at[c], tile, interpret).astype(F32) * fk_rows
+        qn = _load(q_s.at[c], tile, interpret).astype(F32) * fq_rows
+        # below the diagonal blocks: through block b's last row, both exponents <= 0
+        kt = kn * jnp.exp(rel(spread(lasts), G))
+        for b in range(C // SUB - 1):
+            after = jnp.where(block > b, jnp.exp(rel(G, lasts[b])), 0.0)
+            op_s[...] = jnp.where(block == b, kt, 0.0).astype(F16)
+            _commit_smem(interpret)
+            (kk, qk), _ = _products([[((kn * after).astype(F16), ("T", op_s))],
+                                     [((qn * after).astype(F16), ("T", op_s))]], (C, C),
+                                    [kk, qk], interpret=interpret)
+        # the diagonal blocks: through their middle rows (|G - G_mid| <= 40 for the lower-bound
+        # gate), as bf16 halves on both sides (e^40 is beyond fp16)
+        mid = rel(G, spread(mids))
+        up, down = jnp.exp(mid), kn * jnp.exp(-mid)
+        _store_halves(dn_s, split_bf16(down), interpret=interpret)
+        ku, qu = split_bf16(kn * up), split_bf16(qn * up)
+        (kd, qd), _ = _products(
+            [[(x[a], ("T", dn_s.at[b])) for a, b in ((0, 0), (0, 1), (1, 0))] for x in (ku, qu)],
+            (C, C), interpret=interpret)
+        same_block = block == j // SUB
+        kk = kk + jnp.where(same_block, kd, 0.0)
+        qk = qk + jnp.where(same_block, qd, 0.0)
+        # the decayed rows the prep and the scan take, and the chunk's total decay
+        eG = jnp.exp(G_hi + G_lo)
+        fq_o[c] = (qn * eG).astype(fq_o.dtype)
+        _store_halves((ek_o.at[0, c], ek_o.at[1, c]), split_bf16(kn * eG), interpret=interpret,
+                      commit=False)
+        fk_o[c] = (kn * jnp.exp(rel(lasts[-1], G))).astype(fk_o.dtype)
+        last = [_load(x_s.at[C - 1], col_layout, interpret) for x_s in (gh_s, gl_s)]
+        dec_o[c] = jnp.exp(last[0] + last[1])
+        _commit_smem(interpret)
+        cols = pl.ds(c * H, H)
+        plgpu.copy_smem_to_gmem(fq_o.at[c], fq_ref.at[rows_out, h, cols])
+        plgpu.copy_smem_to_gmem(fk_o.at[c], fk_ref.at[rows_out, h, cols])
+        for part in range(2):
+            plgpu.copy_smem_to_gmem(ek_o.at[part, c], ek_ref.at[part, rows_out, h, cols])
+        plgpu.copy_smem_to_gmem(dec_o.at[c], decay_ref.at[s, h, cols])
+    kk_o[...] = jnp.where(j < i, kk, 0.0).astype(kk_o.dtype)
+    aqk_o[...] = jnp.where(j <= i, qk, 0.0).astype(aqk_o.dtype)
+    _commit_smem(interpret)
+    plgpu.copy_smem_to_gmem(kk_o, kk_ref.at[rows_out, h])
+    plgpu.copy_smem_to_gmem(aqk_o, aqk_ref.at[rows_out, h])
+    if not interpret:
+        plgpu.wait_smem_to_gmem(0)
+
+
+def kda_intra(start, length, q, k, a, A_log, dt_bias, *, num_v_heads: int, scale: float,
+              lower_bound: float, gate_floor: float, gate_quantum: float,
+              interpret: bool = False):
+    """KDA's intra-chunk kernel (as `gdn_prefill._kda_intra_kernel`) for GLM-5.3-Flash's raw
+    lower-bound gate with -8 lower_bound <= 40 (every diagonal block factors through its middle
+    row), q/k L2 norm, bf16 q and k: per (chunk slot, value head), the gates from the raw
+    projections a, their running sums (on the tensor cores, against a triangle of ones), k k^T
+    and q k^T with every per-channel decay (below the diagonal blocks through each block's last
+    row, fp16 operands; the diagonal blocks through their middle rows, bf16 halves), and the
+    decayed rows.
+
+    start [S] (multiples of CHUNK: slot s's rows are tokens start[s] ..; an unused slot any such
+    row), length [S]; q, k [T, HK, 128] bf16 (T a multiple of 8); a [T, HV, 128] fp32; A_log
+    [HV], dt_bias [HV * 128] fp32. Returns, by chunk slot (row s * CHUNK + i): kk, aqk
+    [S * CHUNK, HV, CHUNK] fp16 (j < i and j <= i), q e^G [S * CHUNK, HV, 128] bf16,
+    k e^{G_C - G} fp16, e^G k's bf16 hi and lo parts [2, S * CHUNK, HV, 128], e^{G_C}
+    [S, HV, 128] fp32."""
+    S, HV = start.shape[0], num_v_heads
+    C, H, K = CHUNK, HALF, HEAD_K_DIM
+    halves = K // H
+    scratch = (_swizzled((halves, C, H)), _swizzled((halves, C, H)),
+               plgpu.SMEM((halves, C, H), F32), plgpu.SMEM((halves, H), F32),
+               plgpu.RefUnion(_swizzled((3, C, C), F16),
+                              (_swizzled((C, H), F16), _swizzled((2, C, H)))),
+               plgpu.SMEM((C, H), F32), plgpu.SMEM((C, H), F32),
+               plgpu.SMEM((halves, C, H), BF16), plgpu.SMEM((halves, C, H), F16),
+               plgpu.SMEM((2, halves, C, H), BF16), plgpu.SMEM((C, C), F16),
+               plgpu.SMEM((C, C), F16), plgpu.SMEM((halves, H), F32),
+               plgpu.Barrier(num_arrivals=4 * halves, num_barriers=1))
+    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    return plgpu.kernel(
+        functools.partial(_kda_intra_kernel, num_v_heads=HV, num_k_heads=q.shape[1],
+                          scale=scale, lower_bound=lower_bound, gate_floor=gate_floor,
+                          gate_quantum=gate_quantum, interpret=interpret),
+        out_type=(jax.ShapeDtypeStruct((S * C, HV, C), F16),
+                  jax.ShapeDtypeStruct((S * C, HV, C), F16),
+                  jax.ShapeDtypeStruct((S * C, HV, K), BF16),
+                  jax.ShapeDtypeStruct((S * C, HV, K), F16),
+                  jax.ShapeDtypeStruct((2, S * C, HV, K), BF16),
+                  jax.ShapeDtypeStruct((S, HV, K), F32)),
+        scratch_types=scratch,
+        grid=(S * HV,),
+        grid_names=("p",),
+        num_threads=1,
+        thread_name="wg",
+        kernel_name="kda_prefill_mgpu_intra",
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        **extra,
+    )(start, length, q, k, a, A_log, dt_bias)

@@ -825,6 +825,14 @@ def test_mosaic_scan_lowers_for_hopper():
             jnp.ones((T, HV, 64), kk_dtype), jnp.ones((2, T, HV, K), BF16), y,
             jnp.ones((S, HV, 64)))
         assert "mosaic_gpu" in exported.mlir_module()
+    # KDA's intra-chunk kernel
+    f = jax.jit(functools.partial(mgpu.kda_intra, num_v_heads=HV, scale=K ** -0.5,
+                                  lower_bound=-5.0, gate_floor=kern.GATE_FLOOR,
+                                  gate_quantum=kern.GATE_QUANTUM))
+    exported = jax.export.export(f, platforms=["cuda"])(
+        jnp.zeros((S,), jnp.int32), jnp.full((S,), 64, jnp.int32), x, x,
+        jnp.ones((T, HV, K)), jnp.ones((HV,)), jnp.ones((HV * K,)))
+    assert "mosaic_gpu" in exported.mlir_module()
 
 
 def test_mosaic_scan_dispatch_rule():
@@ -953,6 +961,71 @@ def test_mosaic_kda_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
     assert np.all(redo[used, 0] == 1) and np.all(redo[:, 1] == 0) and np.all(redo[~used] == 0)
 
 
+def _lower_bound_gate_inputs(lens, HK, HV, K, seed=51):
+    """bf16 KDA inputs with GLM-5.3-Flash's raw gate: (q, k, v, a, b, h0, cu, A_log, dt_bias)."""
+    q, k, v, _, b, h0, cu = _kda_inputs(seed, lens, HK=HK, HV=HV, K=K, dtype=BF16)
+    rng = np.random.default_rng(seed + 1)
+    a = jnp.asarray(2 * rng.standard_normal((sum(lens), HV, K)), F32)
+    A_log = jnp.asarray(rng.standard_normal(HV), F32)
+    dt_bias = jnp.asarray(rng.standard_normal(HV * K), F32)
+    return q, k, v, a, b, h0, cu, A_log, dt_bias
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mosaic_kda_intra_matches_the_triton_intra(mode):
+    """The Mosaic GPU KDA intra-chunk kernel (`gdn_prefill_mgpu.kda_intra`: GLM-5.3-Flash's
+    raw lower-bound gate, L2 norm) writes what the Triton one does, by chunk slot: k k^T and
+    q k^T with every per-channel decay within 2e-4 (fp16 operands and outputs), the decayed
+    rows and the chunks' total decays within 1e-5; an empty sequence, a last chunk short of the
+    rows (not a multiple of 8), GVA 2x."""
+    from pallas_kernels import gdn_prefill_mgpu as mgpu
+    lens, HK, HV, K = [64, 0, 100], 1, 2, 128
+    T = sum(lens)
+    q, k, v, a, _, _, cu, A_log, dt_bias = _lower_bound_gate_inputs(lens, HK, HV, K)
+    spec = _spec(HK, HV, K, K, per_channel_gate=True, precise=False, raw_gates=True,
+                 gate_lower_bound=-5.0, aligned_chunks=True)
+    start, length, _, _ = kern.chunk_table(cu, T)
+    interpret = mode == "interpret"
+    want = kern._kda_intra(q, k, a, start, length, A_log, dt_bias, rows_dtype=BF16, spec=spec,
+                           block=kern.PrefillBlockSizes(block_k=32), interpret=interpret,
+                           prep_rows=kern._aligned_rows(v).shape[0])
+    got = mgpu.kda_intra(jnp.where(length > 0, start, 0), length, kern._aligned_rows(q),
+                         kern._aligned_rows(k), kern._aligned_rows(a), A_log, dt_bias,
+                         num_v_heads=HV, scale=spec.scale, lower_bound=-5.0,
+                         gate_floor=kern.GATE_FLOOR, gate_quantum=kern.GATE_QUANTUM,
+                         interpret=interpret)
+    used = np.asarray(length) > 0
+    for name, w, g, tol in zip(("kk", "aqk", "fq", "fk", "ek", "decay"), want, got,
+                               (2e-4, 2e-4, 1e-5, 1e-5, 1e-5, 1e-5)):
+        w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
+        if name == "ek":          # e^G k's hi and lo parts
+            w, g = w[0] + w[1], g[0] + g[1]
+        w, g = (w[used], g[used]) if name == "decay" else (w[:T], g[:T])
+        assert np.all(np.isfinite(g)), name
+        assert rel_err(g, w) <= tol, (name, rel_err(g, w))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mosaic_kda_intra_against_float64(mode):
+    """KDA with both Mosaic GPU kernels (`mosaic_kda_intra` with `mosaic_kda_prep`), GLM-5.3-
+    Flash's raw lower-bound gate, bf16 inputs: output and final state against float64 (packed
+    sequences starting at multiples of 64, an empty one, GVA 2x, an initial state)."""
+    lens, HK, HV, K = [64, 0, 64, 100], 2, 4, 128
+    q, k, v, a, b, h0, cu, A_log, dt_bias = _lower_bound_gate_inputs(lens, HK, HV, K)
+    spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True, precise=False,
+                 raw_gates=True, gate_lower_bound=-5.0, aligned_chunks=True)
+    block = kern.PrefillBlockSizes(block_v=32, block_k=32, mosaic_kda_prep=True,
+                                   mosaic_kda_intra=True)
+    assert kern.unsupported_reason(spec, block) is None
+    o, hT = kern.chunk_prefill(q, k, v, a, b, cu, spec=spec, block=block, initial_state=h0,
+                               A_log=A_log, dt_bias=dt_bias, interpret=mode == "interpret")[:2]
+    assert np.all(np.isfinite(np.asarray(o, F32))) and np.all(np.isfinite(np.asarray(hT)))
+    gates = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=-5.0)
+    ro, rs = _oracle(q, k, v, gates, ref.gdn_beta(b), h0, cu)
+    assert rel_err(o, ro) <= 5e-3
+    assert rel_err(hT, rs) <= 5e-4
+
+
 def test_mosaic_kda_prep_dispatch_rule():
     """Where the default blocks take KDA's prep in Mosaic GPU, and why not elsewhere."""
     kda = lambda **kw: _spec(16, 32, 128, 128, per_channel_gate=True,
@@ -971,6 +1044,21 @@ def test_mosaic_kda_prep_dispatch_rule():
         assert not pick(spec)
         assert word in kern.unsupported_reason(spec, block)
     assert kern.unsupported_reason(aligned, block) is None
+    # the intra kernel in Mosaic GPU: opt-in, with the Mosaic prep, for the raw lower-bound
+    # gate with the L2 norm
+    glm = kda(aligned_chunks=True, raw_gates=True, gate_lower_bound=-5.0)
+    intra = kern.PrefillBlockSizes(mosaic_kda_prep=True, mosaic_kda_intra=True)
+    assert not kern.PrefillBlockSizes.get_default(glm, 8, BF16).mosaic_kda_intra
+    assert kern.unsupported_reason(glm, intra) is None
+    assert "mosaic_kda_prep" in kern.unsupported_reason(
+        glm, kern.PrefillBlockSizes(mosaic_kda_intra=True))
+    for spec, word in ((aligned, "lower-bound"),
+                       (kda(aligned_chunks=True, raw_gates=True, gate_lower_bound=-6.0),
+                        "lower-bound"),
+                       (kda(aligned_chunks=True, raw_gates=True, gate_lower_bound=-5.0,
+                            use_qk_l2norm=False), "L2 norm"),
+                       (kda(raw_gates=True, gate_lower_bound=-5.0), "aligned_chunks")):
+        assert word in kern.unsupported_reason(spec, intra)
 
 
 def test_front_door_start_facts():
