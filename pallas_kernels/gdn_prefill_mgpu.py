@@ -954,8 +954,9 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
     start [S] (each slot's first token, a multiple of CHUNK: the call's sequences all start at
     multiples of CHUNK, and an unused slot gives any such row), length [S] (its rows: rows past
     it are taken as zeros); kk [T, HV, CHUNK] fp32, or fp16 where bounded (k k^T with the
-    per-channel decays, zero on and above the diagonal); ek [2, T, HV, 128] bf16 (e^G k's hi and lo parts);
-    v [T, HV, 128] bf16; beta [S, HV, CHUNK] fp32 (zero on the rows that are not the chunk's).
+    per-channel decays, zero on and above the diagonal); ek [2, T, HV, 128] bf16 (e^G k's hi
+    and lo parts); v [T, HV, 128] bf16; beta [S, HV, CHUNK] fp32 (zero on the rows that are
+    not the chunk's).
     Returns (W's halves [2, S * CHUNK, HV, 128] bf16, U [S * CHUNK, HV, 128] fp32, both by
     chunk slot (row s * CHUNK + i of slot s's row i), and flags [S, HV, CHUNK] fp32: 1 on the
     rows where the fp16 inverse may not have held (|A| > max_a or |T| > max_t), whose W and U
@@ -964,7 +965,7 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
     C, K = CHUNK, HEAD_K_DIM
     # one item a program, two programs an SM: k k^T, e^G k's parts and v in, and in one union
     # the inverse's fp16 operand tiles, then T beta's halves, then U; W goes out through e^G
-    # k's tiles (about 100 KiB)
+    # k's tiles (about 100 KiB with k k^T in fp16)
     union = plgpu.RefUnion(_swizzled((2, C, C), F16), _swizzled((2, C, C)),
                            plgpu.SMEM((C, K), F32))
     scratch = (plgpu.SMEM((C, C), kk.dtype), union, _swizzled((2, C, K)), _swizzled((C, K)),
@@ -996,23 +997,28 @@ HALF = 64        # key channels a step: q, k and the gates in [CHUNK, HALF] tile
 
 def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref, kk_ref,
                       aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, q_s, k_s, a_s, dt_s, union_s,
-                      gh_s, gl_s, fq_o, fk_o, ek_o, kk_o, aqk_o, dec_o, bar, *,
-                      num_v_heads: int, num_k_heads: int, scale: float, lower_bound: float,
-                      gate_floor: float, gate_quantum: float, interpret: bool):
+                      g_union, dec_o, bar, bar_a, *, num_v_heads: int, num_k_heads: int,
+                      scale: float, lower_bound: float, gate_floor: float, gate_quantum: float,
+                      interpret: bool):
     C, H, K = CHUNK, HALF, HEAD_K_DIM
-    # the running sums' operand tiles, then (dead by then) the products' operand tiles
-    parts_s, (op_s, dn_s) = union_s
+    halves = K // H
+    # one buffer in turn for: the running sums' operand tiles; the products' operand tiles; the
+    # half's outputs on their way out. And the running sums' hi and lo parts in turn (for their
+    # reference rows), then k k^T and q k^T on their way out
+    parts_s, (op_s, dn_s), (fq_o, fk_o, ek_o) = union_s
+    g_s, (kk_o, aqk_o) = g_union
     p = lax.axis_index("p")
     s, h = p // num_v_heads, p % num_v_heads
     hk = h // (num_v_heads // num_k_heads)
     rows_in = pl.ds(pl.multiple_of(start_ref[s], C), C)
     rows_out = pl.ds(pl.multiple_of(s * C, C), C)
-    for c in range(K // H):
-        cols = pl.ds(c * H, H)
-        plgpu.copy_gmem_to_smem(q_ref.at[rows_in, hk, cols], q_s.at[c], bar)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows_in, hk, cols], k_s.at[c], bar)
-        plgpu.copy_gmem_to_smem(a_ref.at[rows_in, h, cols], a_s.at[c], bar)
+    at_cols = lambda c: pl.ds(c * H, H)
+    for c in range(halves):
+        plgpu.copy_gmem_to_smem(q_ref.at[rows_in, hk, at_cols(c)], q_s.at[c], bar)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows_in, hk, at_cols(c)], k_s.at[c], bar)
         plgpu.copy_gmem_to_smem(dt_ref.at[pl.ds(h * K + c * H, H)], dt_s.at[c], bar)
+    # the gates' raw projections a half at a time: the next half's fetched while one is formed
+    plgpu.copy_gmem_to_smem(a_ref.at[rows_in, h, at_cols(0)], a_s, bar_a)
     plgpu.barrier_wait(bar)
     tile = None if interpret else plgpu.Layout.WGMMA
     col_layout = None if interpret else plgpu.Layout.WGMMA.reduce(0)
@@ -1021,9 +1027,9 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref
     n = len_ref[s]
 
     def row_factors(x_s):
-        """The rows' L2 factors (t, r) with the tame of huge rows (`gdn_decode.tamed_l2_factor`)."""
+        """The rows' L2 factors with the tame of huge rows (`gdn_decode.tamed_l2_factor`)."""
         sums = None
-        for c in range(K // H):
+        for c in range(halves):
             x = _load(x_s.at[c], tile, interpret).astype(F32)
             xp = x * TAME_PROBE
             part = (jnp.sum(x * x, axis=1), jnp.sum(xp * xp, axis=1),
@@ -1040,36 +1046,43 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref
     zero = jnp.zeros((C, C), F32)
     kk, qk = zero, zero
     A_log = A_log_ref[h]
-    for c in range(K // H):
+    for c in range(halves):
         # the gates: GLM-5.3-Flash's lb * sigmoid(e^A_log (a + dt)), 0 past the chunk's rows,
         # as (hi, lo) parts (`gdn_prefill.split_gate`: hi a multiple of 1 / gate_quantum, exact
         # in fp16, and lo in two fp16 parts), summed along the rows on the tensor cores
+        plgpu.barrier_wait(bar_a)
         dt = _columns(_load(dt_s.at[c], col_layout, interpret), (C, H), interpret)
-        x = jnp.exp(A_log) * (_load(a_s.at[c], tile, interpret) + dt)
+        x = jnp.exp(A_log) * (_load(a_s, tile, interpret) + dt)
         g = lower_bound / (1.0 + jnp.exp(-x))
         g = jnp.where(i < n, jnp.maximum(g, gate_floor), 0.0)
         hi = lax.round(g * gate_quantum) * (1.0 / gate_quantum)
         lo = g - hi
         lo1 = lo.astype(F16)
+        if c and not interpret:
+            # the operand tiles take the memory the half before sent its outputs from
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         parts_s[0] = hi.astype(F16)
         parts_s[1] = lo1
         parts_s[2] = (lo - lo1.astype(F32)).astype(F16)
-        _commit_smem(interpret)
+        _commit_smem(interpret)   # (and every thread's read of a_s done)
+        if c + 1 < halves:
+            plgpu.copy_gmem_to_smem(a_ref.at[rows_in, h, at_cols(c + 1)], a_s, bar_a)
         (G_hi, G_lo), _ = _products([[(ltri, parts_s.at[0])],
                                      [(ltri, parts_s.at[1]), (ltri, parts_s.at[2])]],
                                     (C, H), interpret=interpret)
         G = (G_hi, G_lo)
-        # the blocks' reference rows (last and middle), each spread over the tile's rows
-        gh_s[...] = G_hi
-        gl_s[...] = G_lo
-        _commit_smem(interpret)
-
-        def ref_row(r):
-            return tuple(_columns(_load(x_s.at[r], col_layout, interpret), (C, H), interpret)
-                         for x_s in (gh_s, gl_s))
-
-        lasts = [ref_row(SUB * b + SUB - 1) for b in range(C // SUB)]
-        mids = [ref_row(SUB * b + SUB // 2) for b in range(C // SUB)]
+        # the blocks' reference rows (last and middle) through shared memory, hi then lo
+        ref_rows = []
+        for part in G:
+            g_s[...] = part
+            _commit_smem(interpret)
+            ref_rows.append([_load(g_s.at[r], col_layout, interpret) for b in range(C // SUB)
+                             for r in (SUB * b + SUB - 1, SUB * b + SUB // 2)])
+            _commit_smem(interpret)   # every thread's reads done before the next store
+        spread_row = lambda x: _columns(x, (C, H), interpret)
+        lasts = [tuple(spread_row(rows[2 * b]) for rows in ref_rows) for b in range(C // SUB)]
+        mids = [tuple(spread_row(rows[2 * b + 1]) for rows in ref_rows)
+                for b in range(C // SUB)]
 
         def spread(refs):
             """Each row's own block's reference row."""
@@ -1101,21 +1114,19 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref
         same_block = block == j // SUB
         kk = kk + jnp.where(same_block, kd, 0.0)
         qk = qk + jnp.where(same_block, qd, 0.0)
-        # the decayed rows the prep and the scan take, and the chunk's total decay
+        # the decayed rows the prep and the scan take, and the chunk's total decay (the
+        # operand tiles' memory is free: the products are done)
         eG = jnp.exp(G_hi + G_lo)
-        fq_o[c] = (qn * eG).astype(fq_o.dtype)
-        _store_halves((ek_o.at[0, c], ek_o.at[1, c]), split_bf16(kn * eG), interpret=interpret,
-                      commit=False)
-        fk_o[c] = (kn * jnp.exp(rel(lasts[-1], G))).astype(fk_o.dtype)
-        last = [_load(x_s.at[C - 1], col_layout, interpret) for x_s in (gh_s, gl_s)]
-        dec_o[c] = jnp.exp(last[0] + last[1])
+        fq_o[...] = (qn * eG).astype(fq_o.dtype)
+        _store_halves(ek_o, split_bf16(kn * eG), interpret=interpret, commit=False)
+        fk_o[...] = (kn * jnp.exp(rel(lasts[-1], G))).astype(fk_o.dtype)
+        dec_o[c] = jnp.exp(ref_rows[0][-2] + ref_rows[1][-2])   # the last row: G_C
         _commit_smem(interpret)
-        cols = pl.ds(c * H, H)
-        plgpu.copy_smem_to_gmem(fq_o.at[c], fq_ref.at[rows_out, h, cols])
-        plgpu.copy_smem_to_gmem(fk_o.at[c], fk_ref.at[rows_out, h, cols])
+        plgpu.copy_smem_to_gmem(fq_o, fq_ref.at[rows_out, h, at_cols(c)])
+        plgpu.copy_smem_to_gmem(fk_o, fk_ref.at[rows_out, h, at_cols(c)])
         for part in range(2):
-            plgpu.copy_smem_to_gmem(ek_o.at[part, c], ek_ref.at[part, rows_out, h, cols])
-        plgpu.copy_smem_to_gmem(dec_o.at[c], decay_ref.at[s, h, cols])
+            plgpu.copy_smem_to_gmem(ek_o.at[part], ek_ref.at[part, rows_out, h, at_cols(c)])
+        plgpu.copy_smem_to_gmem(dec_o.at[c], decay_ref.at[s, h, at_cols(c)])
     kk_o[...] = jnp.where(j < i, kk, 0.0).astype(kk_o.dtype)
     aqk_o[...] = jnp.where(j <= i, qk, 0.0).astype(aqk_o.dtype)
     _commit_smem(interpret)
@@ -1145,15 +1156,18 @@ def kda_intra(start, length, q, k, a, A_log, dt_bias, *, num_v_heads: int, scale
     S, HV = start.shape[0], num_v_heads
     C, H, K = CHUNK, HALF, HEAD_K_DIM
     halves = K // H
+    # about 100 KiB of shared memory: two programs an SM
     scratch = (_swizzled((halves, C, H)), _swizzled((halves, C, H)),
-               plgpu.SMEM((halves, C, H), F32), plgpu.SMEM((halves, H), F32),
+               plgpu.SMEM((C, H), F32), plgpu.SMEM((halves, H), F32),
                plgpu.RefUnion(_swizzled((3, C, C), F16),
-                              (_swizzled((C, H), F16), _swizzled((2, C, H)))),
-               plgpu.SMEM((C, H), F32), plgpu.SMEM((C, H), F32),
-               plgpu.SMEM((halves, C, H), BF16), plgpu.SMEM((halves, C, H), F16),
-               plgpu.SMEM((2, halves, C, H), BF16), plgpu.SMEM((C, C), F16),
-               plgpu.SMEM((C, C), F16), plgpu.SMEM((halves, H), F32),
-               plgpu.Barrier(num_arrivals=4 * halves, num_barriers=1))
+                              (_swizzled((C, H), F16), _swizzled((2, C, H))),
+                              (plgpu.SMEM((C, H), BF16), plgpu.SMEM((C, H), F16),
+                               plgpu.SMEM((2, C, H), BF16))),
+               plgpu.RefUnion(plgpu.SMEM((C, H), F32),
+                              (plgpu.SMEM((C, C), F16), plgpu.SMEM((C, C), F16))),
+               plgpu.SMEM((halves, H), F32),
+               plgpu.Barrier(num_arrivals=3 * halves, num_barriers=1),
+               plgpu.Barrier(num_arrivals=1, num_barriers=1))
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     return plgpu.kernel(
         functools.partial(_kda_intra_kernel, num_v_heads=HV, num_k_heads=q.shape[1],
