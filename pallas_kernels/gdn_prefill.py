@@ -204,9 +204,9 @@ class PrefillBlockSizes:
     # (`gdn_prefill_mgpu.kda_prep`: the fp16 doubling inverse and the products on the tensor
     # cores), the chunks whose fp16 inverse may not have held formed again by the Triton prep
     mosaic_kda_prep: bool = False
-    # with mosaic_kda_prep, for GLM-5.3-Flash's raw lower-bound gate (lb >= -5) with the L2
-    # norm: KDA's intra-chunk kernel in Mosaic GPU too (`gdn_prefill_mgpu.kda_intra`). Opt-in:
-    # not yet timed against the Triton intra kernel on a GPU
+    # with mosaic_kda_prep and the L2 norm: KDA's intra-chunk kernel in Mosaic GPU too
+    # (`gdn_prefill_mgpu.kda_intra`; chunks whose gates span too much for its diagonal blocks
+    # formed again by the Triton one). Opt-in: not yet timed against the Triton kernel on a GPU
     mosaic_kda_intra: bool = False
 
     def blocked_inverse_for(self, spec: PrefillSpec) -> bool:
@@ -307,13 +307,9 @@ def _mosaic_kda_intra_reason(spec: PrefillSpec) -> str | None:
     why = _mosaic_kda_prep_reason(spec)
     if why:
         return why
-    if not spec.use_qk_l2norm:
-        return ("the Mosaic GPU KDA intra kernel takes the L2 norm in the kernel (its products "
-                "take fp16 operands, bounded by one only for unit rows)")
-    if not _factored_diagonal_always_safe(spec):
-        return ("the Mosaic GPU KDA intra kernel takes the raw lower-bound gate with "
-                f"lb >= {-DIAG_EXP_LIMIT / (SUB // 2)} (its diagonal blocks always factor "
-                "through their middle rows)")
+    if not spec.use_qk_l2norm or spec.scale > 1.0:
+        return ("the Mosaic GPU KDA intra kernel takes the L2 norm in the kernel and a scale "
+                "<= 1 (its products take fp16 operands, bounded by one only for unit rows)")
     return None
 
 
@@ -888,13 +884,18 @@ def _prep_kernel(start_ref, len_ref, lead_ref, q_ref, k_ref, v_ref, g_ref, beta_
                         _barrier(interpret)
                     store(tb_ref.at[tok, h, :], T * beta[None, :], rows2)
 
-    if not redo_only:
+    if redo_only:
+        # KDA: the chunks the Mosaic GPU prep flagged; the others' W and U are left as they are
+        _each_flagged_chunk(redo_ref, chunk)
+    else:
         chunk(*_slot_and_head(heads_fastest))
-        return
-    # redo_only (KDA): the chunks the Mosaic GPU prep flagged, REDO_SLOTS chunk slots of one
-    # value head a program, their flags read in one load (as `_prep_redo_kernel`: a program a
-    # chunk spent its time on the flag's dependent loads); the other chunks' W and U are left
-    # as they are
+
+
+def _each_flagged_chunk(redo_ref, chunk):
+    """chunk(s, h) for each chunk slot s of value head h that redo_ref [S, HV] flags, for the
+    REDO_SLOTS slots of this program (grid (cdiv(S, REDO_SLOTS), HV), `_redo_grid`), their
+    flags read in one load: with a program a chunk, a pass that usually does nothing spent its
+    time on each program's dependent loads of its flag (as `_prep_redo_kernel`)."""
     blk, h = pl.program_id(0), pl.program_id(1)
     num_slots = redo_ref.shape[0]
     s0 = blk * REDO_SLOTS
@@ -912,6 +913,11 @@ def _prep_kernel(start_ref, len_ref, lead_ref, q_ref, k_ref, v_ref, g_ref, beta_
             return carry
 
         lax.fori_loop(0, REDO_SLOTS, slot, 0)
+
+
+def _redo_grid(num_slots: int, num_heads: int):
+    """The grid of a pass over flagged chunks (`_each_flagged_chunk`)."""
+    return (pl.cdiv(num_slots, REDO_SLOTS), num_heads)
 
 
 def _prep_inverse_kernel(start_ref, len_ref, lead_ref, beta_ref, a_ref, tb_ref, redo_ref, *,
@@ -981,9 +987,9 @@ def _prep_redo_kernel(start_ref, len_ref, lead_ref, k_ref, g_ref, beta_ref, A_lo
 
 # ---------------------------------------------------------------- KDA: intra-chunk products
 
-def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, kk_ref,
-                      aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, rows_ref, *, spec: PrefillSpec,
-                      block_k: int, heads_fastest: bool, interpret: bool):
+def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, redo_ref,
+                      *refs, spec: PrefillSpec, block_k: int, heads_fastest: bool,
+                      redo_only: bool, interpret: bool):
     """KDA's per-channel work for chunk slot s, value head h, on whole-chunk [C, block_k] tiles.
 
     Writes kk_ij = sum_c kn_ic kn_jc e^{G_ic - G_jc} (j < i, zero elsewhere, without beta) and
@@ -1014,111 +1020,121 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
     per tile row) that give every row of a tile its own block's row. Picking a row out of a
     register tile instead takes a reduction across the tile's rows, which crosses warps (shared
     memory and a barrier each); a gather replaces the select chain that spread the rows back."""
-    s, h = _slot_and_head(heads_fastest)
-    hk = h // (spec.num_v_heads // spec.num_k_heads)
-    t0, n = start_ref[s], len_ref[s]
+    # redo_only: the outputs as given (aliased), formed again for the flagged chunks only
+    kk_ref, aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, rows_ref = refs[-7:]
     C, K = CHUNK, spec.head_k_dim
     nb = C // SUB
 
-    @pl.when(n > 0)
-    def _():
-        live = (lax.broadcasted_iota(jnp.int32, (C,), 0) < n)[:, None]
-        tok = pl.ds(t0, C)
-        block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) // SUB      # each row's block
-        load = lambda ref: plgpu.load(ref, mask=live, other=0).astype(F32)
-        dot = functools.partial(_dot, precise=spec.precise, interpret=interpret, trans_b=True)
-        # The products below the diagonal blocks take operands bounded by the rows' norms (the
-        # decays there are <= 1): L2-normalised, fp16 holds them with one-pass TF32's
-        # significand at twice its tensor-core rate. The diagonal blocks' factors e^{+-(G - G_m)}
-        # reach e^40, beyond fp16: those stay TF32.
-        bounded = lambda x: x.astype(_bounded_dtype(spec))
-        factored_always = _factored_diagonal_always_safe(spec)
-        rel = lambda x, y: (x[0] - y[0]) + (x[1] - y[1])  # G_x - G_y from (hi, lo) pairs
-        exchange = _BlockRowExchange(rows_ref, (s, h), block_k, interpret)
+    def chunk(s, h):
+        hk = h // (spec.num_v_heads // spec.num_k_heads)
+        t0, n = start_ref[s], len_ref[s]
 
-        def gate(cols):
-            """The chunk's log decays in the channels cols, [C, block_k] (0 past the chunk)."""
-            g = load(g_ref.at[tok, h, cols])
-            if not spec.raw_gates:
-                return g
-            dt = dt_ref[pl.ds(h * K + cols.start, cols.size)][None, :].astype(F32)
-            return jnp.where(live, _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec), 0.0)
+        @pl.when(n > 0)
+        def _():
+            live = (lax.broadcasted_iota(jnp.int32, (C,), 0) < n)[:, None]
+            tok = pl.ds(t0, C)
+            block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) // SUB      # each row's block
+            load = lambda ref: plgpu.load(ref, mask=live, other=0).astype(F32)
+            dot = functools.partial(_dot, precise=spec.precise, interpret=interpret, trans_b=True)
+            # The products below the diagonal blocks take operands bounded by the rows' norms
+            # (the decays there are <= 1): L2-normalised, fp16 holds them with one-pass TF32's
+            # significand at twice its tensor-core rate. The diagonal blocks' factors
+            # e^{+-(G - G_m)} reach e^40, beyond fp16: those stay TF32.
+            bounded = lambda x: x.astype(_bounded_dtype(spec))
+            factored_always = _factored_diagonal_always_safe(spec)
+            rel = lambda x, y: (x[0] - y[0]) + (x[1] - y[1])  # G_x - G_y from (hi, lo) pairs
+            exchange = _BlockRowExchange(rows_ref, (s, h), block_k, interpret)
 
-        if spec.use_qk_l2norm:
-            # The only kernel that reads KDA's raw q and k rows (the launcher tames no rows for
-            # KDA), and it only scales them: huge rows are tamed here (`_tamed_l2_factor`).
-            def squares(c, sums):
-                cols = pl.ds(c * block_k, block_k)
-                k, q = load(k_ref.at[tok, hk, cols]), load(q_ref.at[tok, hk, cols])
-                return (*_row_square_sums(k, sums[:3]), *_row_square_sums(q, sums[3:]))
+            def gate(cols):
+                """The chunk's log decays in the channels cols, [C, block_k] (0 past the chunk)."""
+                g = load(g_ref.at[tok, h, cols])
+                if not spec.raw_gates:
+                    return g
+                dt = dt_ref[pl.ds(h * K + cols.start, cols.size)][None, :].astype(F32)
+                return jnp.where(live, _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec), 0.0)
 
-            zero = jnp.zeros((C,), F32)
-            sums = lax.fori_loop(0, K // block_k, squares, (zero,) * 6)
-            tk, rk = _tamed_l2_factor(*sums[:3])
-            tq, rq = _tamed_l2_factor(*sums[3:])
-            rq = rq * jnp.float32(spec.scale)
-        else:
-            tk = tq = jnp.ones((C,), F32)
-            rk, rq = jnp.ones((C,), F32), jnp.full((C,), spec.scale, F32)
+            if spec.use_qk_l2norm:
+                # The only kernel that reads KDA's raw q and k rows (the launcher tames no rows for
+                # KDA), and it only scales them: huge rows are tamed here (`_tamed_l2_factor`).
+                def squares(c, sums):
+                    cols = pl.ds(c * block_k, block_k)
+                    k, q = load(k_ref.at[tok, hk, cols]), load(q_ref.at[tok, hk, cols])
+                    return (*_row_square_sums(k, sums[:3]), *_row_square_sums(q, sums[3:]))
 
-        i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
-        j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
-        same_block = (i // SUB) == (j // SUB)
-        # scratch slots of the reference rows: last rows (hi, lo), middle rows (hi, lo)
-        LAST, MID = (0, 1), (2, 3)
-
-        def channels(c, acc):
-            kk, qk = acc
-            cols = pl.ds(c * block_k, block_k)
-            put = lambda ref, x: plgpu.store(ref.at[tok, h, cols], x.astype(ref.dtype), mask=live)
-            G = _split_cumsum(gate(cols))                                  # rows past n add 0
-            kn = load(k_ref.at[tok, hk, cols]) * tk[:, None] * rk[:, None]
-            qn = load(q_ref.at[tok, hk, cols]) * tq[:, None] * rq[:, None]
-            # Step c shares its reference rows through buffer c % 2. Step c + 1 stores into the
-            # other buffer, so its stores cannot race this step's loads; the next store into
-            # this buffer (step c + 2, or the exact fallback's second column, which alternates
-            # buffers too, SUB times: an even count) comes after a barrier of a use in between,
-            # which every thread reaches only after issuing this step's loads. So one barrier
-            # per use orders both the stores before the loads and the loads before the stores
-            # that overwrite them.
-            buf = lax.rem(c, 2)
-            exchange.share(buf, [(G[0], ((SUB - 1, LAST[0]), (SUB // 2, MID[0]))),
-                                 (G[1], ((SUB - 1, LAST[1]), (SUB // 2, MID[1])))])
-            lasts = [tuple(exchange.row(buf, slot, a) for slot in LAST) for a in range(nb)]
-            kt = kn * jnp.exp(rel(tuple(exchange.spread(buf, slot) for slot in LAST), G))  # <= 1
-            for b in range(nb - 1):
-                # exp of a positive exponent above block b's end may be inf: selected away
-                after = jnp.where(block > b, jnp.exp(rel(G, lasts[b])), 0.0)  # <= 1
-                kb = jnp.where(block == b, kt, 0.0)
-                kk = kk + dot(bounded(kn * after), bounded(kb))
-                qk = qk + dot(bounded(qn * after), bounded(kb))
-            mid = rel(G, tuple(exchange.spread(buf, slot) for slot in MID))
-
-            def factored():
-                up, down = jnp.exp(mid), kn * jnp.exp(-mid)
-                return dot(kn * up, down), dot(qn * up, down)
-
-            if factored_always:
-                kk_d, qk_d = factored()
+                zero = jnp.zeros((C,), F32)
+                sums = lax.fori_loop(0, K // block_k, squares, (zero,) * 6)
+                tk, rk = _tamed_l2_factor(*sums[:3])
+                tq, rq = _tamed_l2_factor(*sums[3:])
+                rq = rq * jnp.float32(spec.scale)
             else:
-                exact = functools.partial(_exact_diagonal_blocks, kn, qn, G, exchange, 1 - buf)
-                kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT, factored, exact)
-            kk = jnp.where(same_block, kk + kk_d, kk)
-            qk = jnp.where(same_block, qk + qk_d, qk)
-            eG = jnp.exp(G[0] + G[1])
-            put(fq_ref, qn * eG)
-            _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
-            put(fk_ref, kn * jnp.exp(rel(lasts[-1], G)))
-            # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
-            decay_ref[s, h, cols] = jnp.exp(lasts[-1][0] + lasts[-1][1])[0]
-            return kk, qk
+                tk = tq = jnp.ones((C,), F32)
+                rk, rq = jnp.ones((C,), F32), jnp.full((C,), spec.scale, F32)
 
-        zero = jnp.zeros((C, C), F32)
-        kk, qk = lax.fori_loop(0, K // block_k, channels, (zero, zero))
-        plgpu.store(kk_ref.at[tok, h, :], jnp.where(j < i, kk, 0.0).astype(kk_ref.dtype),
-                    mask=live)
-        plgpu.store(aqk_ref.at[tok, h, :], jnp.where(j <= i, qk, 0.0).astype(aqk_ref.dtype),
-                    mask=live)
+            i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
+            j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+            same_block = (i // SUB) == (j // SUB)
+            # scratch slots of the reference rows: last rows (hi, lo), middle rows (hi, lo)
+            LAST, MID = (0, 1), (2, 3)
+
+            def channels(c, acc):
+                kk, qk = acc
+                cols = pl.ds(c * block_k, block_k)
+                put = lambda ref, x: plgpu.store(ref.at[tok, h, cols], x.astype(ref.dtype),
+                                                 mask=live)
+                G = _split_cumsum(gate(cols))                                  # rows past n add 0
+                kn = load(k_ref.at[tok, hk, cols]) * tk[:, None] * rk[:, None]
+                qn = load(q_ref.at[tok, hk, cols]) * tq[:, None] * rq[:, None]
+                # Step c shares its reference rows through buffer c % 2. Step c + 1 stores into the
+                # other buffer, so its stores cannot race this step's loads; the next store into
+                # this buffer (step c + 2, or the exact fallback's second column, which alternates
+                # buffers too, SUB times: an even count) comes after a barrier of a use in between,
+                # which every thread reaches only after issuing this step's loads. So one barrier
+                # per use orders both the stores before the loads and the loads before the stores
+                # that overwrite them.
+                buf = lax.rem(c, 2)
+                exchange.share(buf, [(G[0], ((SUB - 1, LAST[0]), (SUB // 2, MID[0]))),
+                                     (G[1], ((SUB - 1, LAST[1]), (SUB // 2, MID[1])))])
+                lasts = [tuple(exchange.row(buf, slot, a) for slot in LAST) for a in range(nb)]
+                kt = kn * jnp.exp(rel(tuple(exchange.spread(buf, slot) for slot in LAST),
+                                      G))   # <= 1
+                for b in range(nb - 1):
+                    # exp of a positive exponent above block b's end may be inf: selected away
+                    after = jnp.where(block > b, jnp.exp(rel(G, lasts[b])), 0.0)  # <= 1
+                    kb = jnp.where(block == b, kt, 0.0)
+                    kk = kk + dot(bounded(kn * after), bounded(kb))
+                    qk = qk + dot(bounded(qn * after), bounded(kb))
+                mid = rel(G, tuple(exchange.spread(buf, slot) for slot in MID))
+
+                def factored():
+                    up, down = jnp.exp(mid), kn * jnp.exp(-mid)
+                    return dot(kn * up, down), dot(qn * up, down)
+
+                if factored_always:
+                    kk_d, qk_d = factored()
+                else:
+                    exact = functools.partial(_exact_diagonal_blocks, kn, qn, G, exchange, 1 - buf)
+                    kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT, factored, exact)
+                kk = jnp.where(same_block, kk + kk_d, kk)
+                qk = jnp.where(same_block, qk + qk_d, qk)
+                eG = jnp.exp(G[0] + G[1])
+                put(fq_ref, qn * eG)
+                _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
+                put(fk_ref, kn * jnp.exp(rel(lasts[-1], G)))
+                # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
+                decay_ref[s, h, cols] = jnp.exp(lasts[-1][0] + lasts[-1][1])[0]
+                return kk, qk
+
+            zero = jnp.zeros((C, C), F32)
+            kk, qk = lax.fori_loop(0, K // block_k, channels, (zero, zero))
+            plgpu.store(kk_ref.at[tok, h, :], jnp.where(j < i, kk, 0.0).astype(kk_ref.dtype),
+                        mask=live)
+            plgpu.store(aqk_ref.at[tok, h, :], jnp.where(j <= i, qk, 0.0).astype(aqk_ref.dtype),
+                        mask=live)
+
+    if redo_only:
+        _each_flagged_chunk(redo_ref, chunk)
+    else:
+        chunk(*_slot_and_head(heads_fastest))
 
 
 class _BlockRowExchange:
@@ -1277,11 +1293,14 @@ def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, v_ref, t
 
 
 def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, block, interpret,
-               prep_rows=None):
+               prep_rows=None, redo=None):
     """KDA's intra-chunk products and decayed rows: (kk, aqk, fq, fk, ek, decay). With
     prep_rows (for the Mosaic GPU prep), kk and ek, which only the prep reads, have that many
     rows (the rows past the tokens are left unwritten), and kk is stored in fp16 where bounded
-    by one (the prep's fp16 inverse rounds A to fp16 anyway); else one row a token, kk fp32."""
+    by one (the prep's fp16 inverse rounds A to fp16 anyway); else one row a token, kk fp32.
+    redo: (flags [S, HV] int32, the six outputs of `gdn_prefill_mgpu.kda_intra`): those
+    outputs, with the flagged chunks' formed again here, in place (aligned chunks: slot rows
+    are token rows)."""
     T_total, HV, K = g.shape
     kk_dtype = F32 if prep_rows is None else _bounded_dtype(spec)
     prep_rows = T_total if prep_rows is None else prep_rows
@@ -1298,29 +1317,35 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
     bounded_dtype = _bounded_dtype(spec)
     rows = (T_total, HV, K)
     num_slots = start.shape[0]
+    # k k^T e^{G_i - G_j}, j < i
+    out_shape = (jax.ShapeDtypeStruct((prep_rows, HV, CHUNK), kk_dtype),
+                 # q k^T e^{G_i - G_j}, j <= i
+                 jax.ShapeDtypeStruct((T_total, HV, CHUNK), bounded_dtype),
+                 jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
+                 jax.ShapeDtypeStruct(rows, bounded_dtype),        # k: norm * e^{G_C - G}
+                 # e^G k: norm * e^G, in parts (`_kda_parts`)
+                 jax.ShapeDtypeStruct((parts, prep_rows, HV, K), rows_dtype),
+                 jax.ShapeDtypeStruct((num_slots, HV, K), F32))    # e^{G_C}
+    flags, given = (jnp.zeros((1, 1), jnp.int32), (jnp.zeros((1, 1, 1), F32),) * 6) \
+        if redo is None else redo
+    if redo is not None:
+        out_shape = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in given)
     *outputs, _ = pl.pallas_call(
         functools.partial(_kda_intra_kernel, spec=spec, block_k=block.block_k,
-                          heads_fastest=block.heads_fastest,
+                          heads_fastest=block.heads_fastest, redo_only=redo is not None,
                           interpret=interpret),
-        # k k^T e^{G_i - G_j}, j < i
-        out_shape=(jax.ShapeDtypeStruct((prep_rows, HV, CHUNK), kk_dtype),
-                   # q k^T e^{G_i - G_j}, j <= i
-                   jax.ShapeDtypeStruct((T_total, HV, CHUNK), bounded_dtype),
-                   jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
-                   jax.ShapeDtypeStruct(rows, bounded_dtype),        # k: norm * e^{G_C - G}
-                   # e^G k: norm * e^G, in parts (`_kda_parts`)
-                   jax.ShapeDtypeStruct((parts, prep_rows, HV, K), rows_dtype),
-                   jax.ShapeDtypeStruct((num_slots, HV, K), F32),    # e^{G_C}
-                   # each program's scratch for its reference rows (_BlockRowExchange; a
-                   # quarter of k k^T's size at block_k 32), not returned
-                   jax.ShapeDtypeStruct((num_slots, HV, 2, REF_SLOTS * CHUNK // SUB,
-                                         block.block_k), F32)),
-        grid=_chunk_grid(num_slots, HV, block.heads_fastest),
+        # each program's scratch for its reference rows (_BlockRowExchange; a quarter of k k^T's
+        # size at block_k 32), not returned
+        out_shape=out_shape + (jax.ShapeDtypeStruct(
+            (num_slots, HV, 2, REF_SLOTS * CHUNK // SUB, block.block_k), F32),),
+        grid=(_chunk_grid(num_slots, HV, block.heads_fastest) if redo is None
+              else _redo_grid(num_slots, HV)),
+        input_output_aliases={} if redo is None else {8 + x: x for x in range(6)},
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_intra,
                                              num_stages=block.num_stages_intra),
         interpret=interpret,
-        name="kda_prefill_intra",
-    )(start, length, q, k, g, A_log, dt_bias)
+        name="kda_prefill_intra" if redo is None else "kda_prefill_intra_redo",
+    )(start, length, q, k, g, A_log, dt_bias, flags, *given)
     return tuple(outputs)
 
 
@@ -1335,13 +1360,9 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
         # the Mosaic prep's bulk copies take kk's and e^G k's rows in whole 8-row tiles
         prep_rows = _aligned_rows(v).shape[0] if block.mosaic_kda_prep else None
         if block.mosaic_kda_intra:
-            # by chunk slot (slot rows are token rows for aligned chunks; the arrays hold
-            # every slot's 64 rows)
-            kk, aqk, fq, fk, ek, decay = mgpu_scan.kda_intra(
-                jnp.where(length > 0, start, 0), length, _aligned_rows(q), _aligned_rows(k),
-                _aligned_rows(g), A_log, dt_bias, num_v_heads=HV, scale=spec.scale,
-                lower_bound=spec.gate_lower_bound, gate_floor=GATE_FLOOR,
-                gate_quantum=GATE_QUANTUM, interpret=interpret)
+            kk, aqk, fq, fk, ek, decay = _mosaic_kda_intra(
+                q, k, g, start, length, A_log, dt_bias, spec=spec, block=block,
+                prep_rows=prep_rows, interpret=interpret)
         else:
             kk, aqk, fq, fk, ek, decay = _kda_intra(q, k, g, start, length, A_log, dt_bias,
                                                     rows_dtype=v.dtype, spec=spec, block=block,
@@ -1395,7 +1416,7 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
                    only(kda_scratch, kk.shape),                  # k k^T (the inverse's scratch)
                    only(half_inverse, (T_total, HV, CHUNK), jnp.float16)),  # A, for the inverse
         grid=(_chunk_grid(start.shape[0], HV, block.heads_fastest) if redo is None
-              else (pl.cdiv(start.shape[0], REDO_SLOTS), HV)),
+              else _redo_grid(start.shape[0], HV)),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
         interpret=interpret,
@@ -1420,6 +1441,27 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
     else:
         fw = gdn_outputs[3]
     return tb, w, u, aqk, fq, fk, fw, decay
+
+
+def _mosaic_kda_intra(q, k, g, start, length, A_log, dt_bias, *, spec, block, prep_rows,
+                      interpret):
+    """`_kda_intra`'s outputs from `gdn_prefill_mgpu.kda_intra`, by chunk slot (slot rows are
+    token rows for aligned chunks; the arrays hold every slot's 64 rows), with the chunks whose
+    diagonal blocks' factors may not have held (|G - G_mid| > DIAG_EXP_LIMIT: never for the
+    lower-bound gate) formed again by the Triton intra kernel, in place."""
+    gate = ("given" if not spec.raw_gates else
+            "softplus" if spec.gate_lower_bound is None else "lower_bound")
+    *outs, wide = mgpu_scan.kda_intra(
+        jnp.where(length > 0, start, 0), length, _aligned_rows(q), _aligned_rows(k),
+        _aligned_rows(g), A_log, dt_bias, num_v_heads=g.shape[1], scale=spec.scale, gate=gate,
+        lower_bound=spec.gate_lower_bound or 0.0, gate_floor=GATE_FLOOR,
+        gate_quantum=GATE_QUANTUM, softplus_threshold=SOFTPLUS_THRESHOLD, interpret=interpret)
+    if _factored_diagonal_always_safe(spec):
+        return tuple(outs)
+    redo = ((~(jnp.max(wide, axis=2) <= DIAG_EXP_LIMIT)) & (length[:, None] > 0))
+    return _kda_intra(q, k, g, start, length, A_log, dt_bias, rows_dtype=jnp.bfloat16,
+                      spec=spec, block=block, interpret=interpret, prep_rows=prep_rows,
+                      redo=(redo.astype(jnp.int32), tuple(outs)))
 
 
 def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, interpret):

@@ -27,9 +27,10 @@ then the two products on the tensor cores; for calls whose sequences all start a
 CHUNK, so that every chunk is one bulk copy of 64 token rows in and out.
 
 `kda_intra` (opt-in: `gdn_prefill.PrefillBlockSizes.mosaic_kda_intra`): KDA's intra-chunk
-kernel for GLM-5.3-Flash's raw lower-bound gate, the same math as `gdn_prefill._kda_intra_kernel`
-with the gates' running sums formed on the tensor cores (a triangle of ones against the gates'
-fp16 parts) and every block's reference rows read back from shared memory.
+kernel with the q/k L2 norm, the same math as `gdn_prefill._kda_intra_kernel` with the gates'
+running sums formed on the tensor cores (a triangle of ones against the gates' fp16 parts) and
+every block's reference rows read back from shared memory; the chunks whose diagonal blocks'
+factors may not hold are reported, for the Triton kernel to form again.
 
 `scan`: each program owns one (sequence, value head, block of BV = 64 value columns) and keeps
 the transposed state slab S^T [BV, K] in fp32 registers laid out as a wgmma accumulator, so the
@@ -996,9 +997,10 @@ HALF = 64        # key channels a step: q, k and the gates in [CHUNK, HALF] tile
 
 
 def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref, kk_ref,
-                      aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, q_s, k_s, a_s, dt_s, union_s,
-                      g_union, dec_o, bar, bar_a, *, num_v_heads: int, num_k_heads: int,
-                      scale: float, lower_bound: float, gate_floor: float, gate_quantum: float,
+                      aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, wide_ref, q_s, k_s, a_s, dt_s,
+                      union_s, g_union, dec_o, wide_o, bar, bar_a, *, num_v_heads: int,
+                      num_k_heads: int, scale: float, gate: str, lower_bound: float,
+                      gate_floor: float, gate_quantum: float, softplus_threshold: float,
                       interpret: bool):
     C, H, K = CHUNK, HALF, HEAD_K_DIM
     halves = K // H
@@ -1045,15 +1047,22 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref
     rel = lambda x, y: (x[0] - y[0]) + (x[1] - y[1])    # G_x - G_y from (hi, lo) pairs
     zero = jnp.zeros((C, C), F32)
     kk, qk = zero, zero
+    wide = None
     A_log = A_log_ref[h]
     for c in range(halves):
-        # the gates: GLM-5.3-Flash's lb * sigmoid(e^A_log (a + dt)), 0 past the chunk's rows,
-        # as (hi, lo) parts (`gdn_prefill.split_gate`: hi a multiple of 1 / gate_quantum, exact
-        # in fp16, and lo in two fp16 parts), summed along the rows on the tensor cores
+        # the gates (given, or from the raw projections a: Kimi Linear's -e^A_log softplus(a +
+        # dt), GLM-5.3-Flash's lb * sigmoid(e^A_log (a + dt))), 0 past the chunk's rows, as
+        # (hi, lo) parts (`gdn_prefill.split_gate`: hi a multiple of 1 / gate_quantum, exact in
+        # fp16, and lo in two fp16 parts), summed along the rows on the tensor cores
         plgpu.barrier_wait(bar_a)
-        dt = _columns(_load(dt_s.at[c], col_layout, interpret), (C, H), interpret)
-        x = jnp.exp(A_log) * (_load(a_s, tile, interpret) + dt)
-        g = lower_bound / (1.0 + jnp.exp(-x))
+        g = _load(a_s, tile, interpret)
+        if gate != "given":
+            x = g + _columns(_load(dt_s.at[c], col_layout, interpret), (C, H), interpret)
+            if gate == "softplus":
+                soft = jnp.log(1.0 + jnp.exp(jnp.minimum(x, softplus_threshold)))
+                g = -jnp.exp(A_log) * jnp.where(x > softplus_threshold, x, soft)
+            else:
+                g = lower_bound / (1.0 + jnp.exp(-jnp.exp(A_log) * x))
         g = jnp.where(i < n, jnp.maximum(g, gate_floor), 0.0)
         hi = lax.round(g * gate_quantum) * (1.0 / gate_quantum)
         lo = g - hi
@@ -1102,9 +1111,12 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref
             (kk, qk), _ = _products([[((kn * after).astype(F16), ("T", op_s))],
                                      [((qn * after).astype(F16), ("T", op_s))]], (C, C),
                                     [kk, qk], interpret=interpret)
-        # the diagonal blocks: through their middle rows (|G - G_mid| <= 40 for the lower-bound
-        # gate), as bf16 halves on both sides (e^40 is beyond fp16)
+        # the diagonal blocks: through their middle rows, as bf16 halves on both sides (e^40 is
+        # beyond fp16); the rows' largest |G - G_mid| go out, and the launcher forms the chunks
+        # where it passes 40 again exactly (the lower-bound gate keeps it within 40)
         mid = rel(G, spread(mids))
+        wide_c = jnp.max(jnp.abs(mid), axis=1)
+        wide = wide_c if wide is None else jnp.maximum(wide, wide_c)
         up, down = jnp.exp(mid), kn * jnp.exp(-mid)
         _store_halves(dn_s, split_bf16(down), interpret=interpret)
         ku, qu = split_bf16(kn * up), split_bf16(qn * up)
@@ -1129,30 +1141,34 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref
         plgpu.copy_smem_to_gmem(dec_o.at[c], decay_ref.at[s, h, at_cols(c)])
     kk_o[...] = jnp.where(j < i, kk, 0.0).astype(kk_o.dtype)
     aqk_o[...] = jnp.where(j <= i, qk, 0.0).astype(aqk_o.dtype)
+    wide_o[...] = wide
     _commit_smem(interpret)
     plgpu.copy_smem_to_gmem(kk_o, kk_ref.at[rows_out, h])
     plgpu.copy_smem_to_gmem(aqk_o, aqk_ref.at[rows_out, h])
+    plgpu.copy_smem_to_gmem(wide_o, wide_ref.at[s, h])
     if not interpret:
         plgpu.wait_smem_to_gmem(0)
 
 
 def kda_intra(start, length, q, k, a, A_log, dt_bias, *, num_v_heads: int, scale: float,
-              lower_bound: float, gate_floor: float, gate_quantum: float,
-              interpret: bool = False):
-    """KDA's intra-chunk kernel (as `gdn_prefill._kda_intra_kernel`) for GLM-5.3-Flash's raw
-    lower-bound gate with -8 lower_bound <= 40 (every diagonal block factors through its middle
-    row), q/k L2 norm, bf16 q and k: per (chunk slot, value head), the gates from the raw
-    projections a, their running sums (on the tensor cores, against a triangle of ones), k k^T
-    and q k^T with every per-channel decay (below the diagonal blocks through each block's last
-    row, fp16 operands; the diagonal blocks through their middle rows, bf16 halves), and the
-    decayed rows.
+              gate: str, lower_bound: float, gate_floor: float, gate_quantum: float,
+              softplus_threshold: float, interpret: bool = False):
+    """KDA's intra-chunk kernel (as `gdn_prefill._kda_intra_kernel`) with the q/k L2 norm, bf16
+    q and k: per (chunk slot, value head), the gates, their running sums (on the tensor cores,
+    against a triangle of ones), k k^T and q k^T with every per-channel decay (below the
+    diagonal blocks through each block's last row, fp16 operands; the diagonal blocks through
+    their middle rows, bf16 halves), and the decayed rows.
 
     start [S] (multiples of CHUNK: slot s's rows are tokens start[s] ..; an unused slot any such
-    row), length [S]; q, k [T, HK, 128] bf16 (T a multiple of 8); a [T, HV, 128] fp32; A_log
-    [HV], dt_bias [HV * 128] fp32. Returns, by chunk slot (row s * CHUNK + i): kk, aqk
+    row), length [S]; q, k [T, HK, 128] bf16 (T a multiple of 8); a [T, HV, 128] fp32: the
+    log decays g (gate "given"), or the raw projections (gate "softplus": -e^A_log
+    softplus(a + dt); "lower_bound": lower_bound * sigmoid(e^A_log (a + dt))), A_log [HV],
+    dt_bias [HV * 128] fp32. Returns, by chunk slot (row s * CHUNK + i): kk, aqk
     [S * CHUNK, HV, CHUNK] fp16 (j < i and j <= i), q e^G [S * CHUNK, HV, 128] bf16,
     k e^{G_C - G} fp16, e^G k's bf16 hi and lo parts [2, S * CHUNK, HV, 128], e^{G_C}
-    [S, HV, 128] fp32."""
+    [S, HV, 128] fp32, and each row's largest |G - G_mid| [S, HV, CHUNK] fp32: where it passes
+    `gdn_prefill.DIAG_EXP_LIMIT` (or is NaN), the diagonal blocks' factors may not have held
+    and the caller must form the chunk again."""
     S, HV = start.shape[0], num_v_heads
     C, H, K = CHUNK, HALF, HEAD_K_DIM
     halves = K // H
@@ -1165,20 +1181,22 @@ def kda_intra(start, length, q, k, a, A_log, dt_bias, *, num_v_heads: int, scale
                                plgpu.SMEM((2, C, H), BF16))),
                plgpu.RefUnion(plgpu.SMEM((C, H), F32),
                               (plgpu.SMEM((C, C), F16), plgpu.SMEM((C, C), F16))),
-               plgpu.SMEM((halves, H), F32),
+               plgpu.SMEM((halves, H), F32), plgpu.SMEM((C,), F32),
                plgpu.Barrier(num_arrivals=3 * halves, num_barriers=1),
                plgpu.Barrier(num_arrivals=1, num_barriers=1))
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     return plgpu.kernel(
         functools.partial(_kda_intra_kernel, num_v_heads=HV, num_k_heads=q.shape[1],
-                          scale=scale, lower_bound=lower_bound, gate_floor=gate_floor,
-                          gate_quantum=gate_quantum, interpret=interpret),
+                          scale=scale, gate=gate, lower_bound=lower_bound, gate_floor=gate_floor,
+                          gate_quantum=gate_quantum, softplus_threshold=softplus_threshold,
+                          interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((S * C, HV, C), F16),
                   jax.ShapeDtypeStruct((S * C, HV, C), F16),
                   jax.ShapeDtypeStruct((S * C, HV, K), BF16),
                   jax.ShapeDtypeStruct((S * C, HV, K), F16),
                   jax.ShapeDtypeStruct((2, S * C, HV, K), BF16),
-                  jax.ShapeDtypeStruct((S, HV, K), F32)),
+                  jax.ShapeDtypeStruct((S, HV, K), F32),
+                  jax.ShapeDtypeStruct((S, HV, C), F32)),
         scratch_types=scratch,
         grid=(S * HV,),
         grid_names=("p",),
