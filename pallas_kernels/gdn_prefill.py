@@ -369,6 +369,8 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
             why = (_mosaic_kda_intra_reason(spec) if block.mosaic_kda_prep else
                    "it writes the layouts of the Mosaic GPU KDA prep, which mosaic_kda_prep "
                    "selects")
+            if why is None and block.block_k not in (32, 64):
+                why = f"block_k={block.block_k} must be 32 or 64"
             if why:
                 return f"mosaic_kda_intra: {why}"
         if block.pair_group not in (1, PAIR_GROUP):
@@ -1455,7 +1457,8 @@ def _mosaic_kda_intra(q, k, g, start, length, A_log, dt_bias, *, spec, block, pr
         jnp.where(length > 0, start, 0), length, _aligned_rows(q), _aligned_rows(k),
         _aligned_rows(g), A_log, dt_bias, num_v_heads=g.shape[1], scale=spec.scale, gate=gate,
         lower_bound=spec.gate_lower_bound or 0.0, gate_floor=GATE_FLOOR,
-        gate_quantum=GATE_QUANTUM, softplus_threshold=SOFTPLUS_THRESHOLD, interpret=interpret)
+        gate_quantum=GATE_QUANTUM, softplus_threshold=SOFTPLUS_THRESHOLD,
+        block_k=block.block_k, interpret=interpret)
     if _factored_diagonal_always_safe(spec):
         return tuple(outs)
     redo = ((~(jnp.max(wide, axis=2) <= DIAG_EXP_LIMIT)) & (length[:, None] > 0))

@@ -993,7 +993,6 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
 # ------------------------------------------------------------ KDA's intra-chunk products
 
 SUB = 16         # KDA's sub-chunk (`gdn_prefill.SUB`): the blocks the decays factor through
-HALF = 64        # key channels a step: q, k and the gates in [CHUNK, HALF] tiles
 
 
 def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref, kk_ref,
@@ -1001,9 +1000,9 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref
                       union_s, g_union, dec_o, wide_o, bar, bar_a, *, num_v_heads: int,
                       num_k_heads: int, scale: float, gate: str, lower_bound: float,
                       gate_floor: float, gate_quantum: float, softplus_threshold: float,
-                      interpret: bool):
-    C, H, K = CHUNK, HALF, HEAD_K_DIM
-    halves = K // H
+                      block_k: int, interpret: bool):
+    C, H, K = CHUNK, block_k, HEAD_K_DIM
+    steps = K // H
     # one buffer in turn for: the running sums' operand tiles; the products' operand tiles; the
     # half's outputs on their way out. And the running sums' hi and lo parts in turn (for their
     # reference rows), then k k^T and q k^T on their way out
@@ -1015,7 +1014,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref
     rows_in = pl.ds(pl.multiple_of(start_ref[s], C), C)
     rows_out = pl.ds(pl.multiple_of(s * C, C), C)
     at_cols = lambda c: pl.ds(c * H, H)
-    for c in range(halves):
+    for c in range(steps):
         plgpu.copy_gmem_to_smem(q_ref.at[rows_in, hk, at_cols(c)], q_s.at[c], bar)
         plgpu.copy_gmem_to_smem(k_ref.at[rows_in, hk, at_cols(c)], k_s.at[c], bar)
         plgpu.copy_gmem_to_smem(dt_ref.at[pl.ds(h * K + c * H, H)], dt_s.at[c], bar)
@@ -1024,14 +1023,15 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref
     plgpu.barrier_wait(bar)
     tile = None if interpret else plgpu.Layout.WGMMA
     col_layout = None if interpret else plgpu.Layout.WGMMA.reduce(0)
-    i, j = _iota((C, H), 0, interpret), _iota((C, H), 1, interpret)
-    block = i // SUB
+    i, j = _iota((C, C), 0, interpret), _iota((C, C), 1, interpret)   # [C, C] tiles
+    row = _iota((C, H), 0, interpret)                                   # [C, H] tiles
+    block = row // SUB
     n = len_ref[s]
 
     def row_factors(x_s):
         """The rows' L2 factors with the tame of huge rows (`gdn_decode.tamed_l2_factor`)."""
         sums = None
-        for c in range(halves):
+        for c in range(steps):
             x = _load(x_s.at[c], tile, interpret).astype(F32)
             xp = x * TAME_PROBE
             part = (jnp.sum(x * x, axis=1), jnp.sum(xp * xp, axis=1),
@@ -1049,7 +1049,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref
     kk, qk = zero, zero
     wide = None
     A_log = A_log_ref[h]
-    for c in range(halves):
+    for c in range(steps):
         # the gates (given, or from the raw projections a: Kimi Linear's -e^A_log softplus(a +
         # dt), GLM-5.3-Flash's lb * sigmoid(e^A_log (a + dt))), 0 past the chunk's rows, as
         # (hi, lo) parts (`gdn_prefill.split_gate`: hi a multiple of 1 / gate_quantum, exact in
@@ -1063,7 +1063,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref
                 g = -jnp.exp(A_log) * jnp.where(x > softplus_threshold, x, soft)
             else:
                 g = lower_bound / (1.0 + jnp.exp(-jnp.exp(A_log) * x))
-        g = jnp.where(i < n, jnp.maximum(g, gate_floor), 0.0)
+        g = jnp.where(row < n, jnp.maximum(g, gate_floor), 0.0)
         hi = lax.round(g * gate_quantum) * (1.0 / gate_quantum)
         lo = g - hi
         lo1 = lo.astype(F16)
@@ -1074,7 +1074,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref
         parts_s[1] = lo1
         parts_s[2] = (lo - lo1.astype(F32)).astype(F16)
         _commit_smem(interpret)   # (and every thread's read of a_s done)
-        if c + 1 < halves:
+        if c + 1 < steps:
             plgpu.copy_gmem_to_smem(a_ref.at[rows_in, h, at_cols(c + 1)], a_s, bar_a)
         (G_hi, G_lo), _ = _products([[(ltri, parts_s.at[0])],
                                      [(ltri, parts_s.at[1]), (ltri, parts_s.at[2])]],
@@ -1123,7 +1123,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref
         (kd, qd), _ = _products(
             [[(x[a], ("T", dn_s.at[b])) for a, b in ((0, 0), (0, 1), (1, 0))] for x in (ku, qu)],
             (C, C), interpret=interpret)
-        same_block = block == j // SUB
+        same_block = i // SUB == j // SUB
         kk = kk + jnp.where(same_block, kd, 0.0)
         qk = qk + jnp.where(same_block, qd, 0.0)
         # the decayed rows the prep and the scan take, and the chunk's total decay (the
@@ -1152,7 +1152,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref
 
 def kda_intra(start, length, q, k, a, A_log, dt_bias, *, num_v_heads: int, scale: float,
               gate: str, lower_bound: float, gate_floor: float, gate_quantum: float,
-              softplus_threshold: float, interpret: bool = False):
+              softplus_threshold: float, block_k: int = 32, interpret: bool = False):
     """KDA's intra-chunk kernel (as `gdn_prefill._kda_intra_kernel`) with the q/k L2 norm, bf16
     q and k: per (chunk slot, value head), the gates, their running sums (on the tensor cores,
     against a triangle of ones), k k^T and q k^T with every per-channel decay (below the
@@ -1170,26 +1170,28 @@ def kda_intra(start, length, q, k, a, A_log, dt_bias, *, num_v_heads: int, scale
     `gdn_prefill.DIAG_EXP_LIMIT` (or is NaN), the diagonal blocks' factors may not have held
     and the caller must form the chunk again."""
     S, HV = start.shape[0], num_v_heads
-    C, H, K = CHUNK, HALF, HEAD_K_DIM
-    halves = K // H
-    # about 100 KiB of shared memory: two programs an SM
-    scratch = (_swizzled((halves, C, H)), _swizzled((halves, C, H)),
-               plgpu.SMEM((C, H), F32), plgpu.SMEM((halves, H), F32),
-               plgpu.RefUnion(_swizzled((3, C, C), F16),
-                              (_swizzled((C, H), F16), _swizzled((2, C, H))),
+    C, H, K = CHUNK, block_k, HEAD_K_DIM
+    steps = K // H
+    tile16 = lambda shape, dtype=BF16: _swizzled(shape, dtype, swizzle=2 * H)  # rows of H
+    # block_k key channels a step (32 or 64: [CHUNK, block_k] register tiles; 32 halves the
+    # registers each tile takes). Shared memory: about 70 KiB at 32, 100 KiB at 64
+    scratch = (tile16((steps, C, H)), tile16((steps, C, H)),
+               plgpu.SMEM((C, H), F32), plgpu.SMEM((steps, H), F32),
+               plgpu.RefUnion(tile16((3, C, H), F16),
+                              (tile16((C, H), F16), tile16((2, C, H))),
                               (plgpu.SMEM((C, H), BF16), plgpu.SMEM((C, H), F16),
                                plgpu.SMEM((2, C, H), BF16))),
                plgpu.RefUnion(plgpu.SMEM((C, H), F32),
                               (plgpu.SMEM((C, C), F16), plgpu.SMEM((C, C), F16))),
-               plgpu.SMEM((halves, H), F32), plgpu.SMEM((C,), F32),
-               plgpu.Barrier(num_arrivals=3 * halves, num_barriers=1),
+               plgpu.SMEM((steps, H), F32), plgpu.SMEM((C,), F32),
+               plgpu.Barrier(num_arrivals=3 * steps, num_barriers=1),
                plgpu.Barrier(num_arrivals=1, num_barriers=1))
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     return plgpu.kernel(
         functools.partial(_kda_intra_kernel, num_v_heads=HV, num_k_heads=q.shape[1],
                           scale=scale, gate=gate, lower_bound=lower_bound, gate_floor=gate_floor,
                           gate_quantum=gate_quantum, softplus_threshold=softplus_threshold,
-                          interpret=interpret),
+                          block_k=block_k, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((S * C, HV, C), F16),
                   jax.ShapeDtypeStruct((S * C, HV, C), F16),
                   jax.ShapeDtypeStruct((S * C, HV, K), BF16),

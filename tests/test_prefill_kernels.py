@@ -826,11 +826,12 @@ def test_mosaic_scan_lowers_for_hopper():
             jnp.ones((S, HV, 64)))
         assert "mosaic_gpu" in exported.mlir_module()
     # KDA's intra-chunk kernel
-    for gate in ("lower_bound", "softplus", "given"):
+    for gate, block_k in (("lower_bound", 32), ("softplus", 64), ("given", 32)):
         f = jax.jit(functools.partial(mgpu.kda_intra, num_v_heads=HV, scale=K ** -0.5,
                                       gate=gate, lower_bound=-5.0, gate_floor=kern.GATE_FLOOR,
                                       gate_quantum=kern.GATE_QUANTUM,
-                                      softplus_threshold=kern.SOFTPLUS_THRESHOLD))
+                                      softplus_threshold=kern.SOFTPLUS_THRESHOLD,
+                                      block_k=block_k))
         exported = jax.export.export(f, platforms=["cuda"])(
             jnp.zeros((S,), jnp.int32), jnp.full((S,), 64, jnp.int32), x, x,
             jnp.ones((T, HV, K)), jnp.ones((HV,)), jnp.ones((HV * K,)))
@@ -973,7 +974,7 @@ def _lower_bound_gate_inputs(lens, HK, HV, K, seed=51):
     return q, k, v, a, b, h0, cu, A_log, dt_bias
 
 
-def _both_intra_kernels(mode, lens, HK, HV, gate, spread=False):
+def _both_intra_kernels(mode, lens, HK, HV, gate, spread=False, block_k=32):
     """KDA's intra-chunk outputs by the Triton kernel and by `gdn_prefill._mosaic_kda_intra`
     (the Mosaic GPU kernel, and the Triton one again for the chunks it flags) on bf16 inputs
     with the L2 norm: gate "given" (g; spread: from ~0 to very negative inside every chunk),
@@ -994,7 +995,7 @@ def _both_intra_kernels(mode, lens, HK, HV, gate, spread=False):
     start, length, _, _ = kern.chunk_table(cu, T)
     interpret = mode == "interpret"
     prep_rows = kern._aligned_rows(v).shape[0]
-    block = kern.PrefillBlockSizes(block_k=32, mosaic_kda_prep=True, mosaic_kda_intra=True)
+    block = kern.PrefillBlockSizes(block_k=block_k, mosaic_kda_prep=True, mosaic_kda_intra=True)
     want = kern._kda_intra(q, k, a, start, length, A_log, dt_bias, rows_dtype=BF16, spec=spec,
                            block=block, interpret=interpret, prep_rows=prep_rows)
     got = kern._mosaic_kda_intra(q, k, a, start, length, A_log, dt_bias, spec=spec,
@@ -1004,7 +1005,8 @@ def _both_intra_kernels(mode, lens, HK, HV, gate, spread=False):
                           num_v_heads=HV, scale=spec.scale, gate=gate,
                           lower_bound=lb or 0.0, gate_floor=kern.GATE_FLOOR,
                           gate_quantum=kern.GATE_QUANTUM,
-                          softplus_threshold=kern.SOFTPLUS_THRESHOLD, interpret=interpret)[-1]
+                          softplus_threshold=kern.SOFTPLUS_THRESHOLD, block_k=block_k,
+                          interpret=interpret)[-1]
     return want, got, np.asarray(wide), np.asarray(length) > 0, T
 
 
@@ -1021,15 +1023,16 @@ def _intra_rows(name, x, T, used):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("gate", ["lower_bound", "softplus", "given"])
-def test_mosaic_kda_intra_matches_the_triton_intra(mode, gate):
+@pytest.mark.parametrize("gate,block_k", [("lower_bound", 64), ("softplus", 32), ("given", 32)])
+def test_mosaic_kda_intra_matches_the_triton_intra(mode, gate, block_k):
     """The Mosaic GPU KDA intra-chunk kernel (`gdn_prefill_mgpu.kda_intra`, with the L2 norm)
     writes what the Triton one does, by chunk slot: k k^T and q k^T with every per-channel
     decay within 2e-4 (fp16 operands and outputs), the decayed rows and the chunks' total decays
-    within 1e-5, for each gate form (the lower-bound gate's diagonal blocks always factor: no
+    within 1e-5, for each gate form and both channel steps (block_k 32 and 64) (the lower-bound gate's diagonal blocks always factor: no
     chunk formed again); an empty sequence, a last chunk short of the rows (not a multiple of
     8), GVA 2x."""
-    want, got, wide, used, T = _both_intra_kernels(mode, [64, 0, 100], 1, 2, gate)
+    want, got, wide, used, T = _both_intra_kernels(mode, [64, 0, 100], 1, 2, gate,
+                                                   block_k=block_k)
     assert gate != "lower_bound" or np.all(wide[used] <= kern.DIAG_EXP_LIMIT)
     for name, w, g, tol in zip(INTRA_OUTPUTS, want, got, (2e-4, 2e-4, 1e-5, 1e-5, 1e-5, 1e-5)):
         w, g = _intra_rows(name, w, T, used), _intra_rows(name, g, T, used)
@@ -1106,6 +1109,8 @@ def test_mosaic_kda_prep_dispatch_rule():
     assert "mosaic_kda_prep" in kern.unsupported_reason(
         glm, kern.PrefillBlockSizes(mosaic_kda_intra=True))
     assert kern.unsupported_reason(aligned, intra) is None        # any gate form
+    assert "block_k=16" in kern.unsupported_reason(
+        glm, kern.PrefillBlockSizes(mosaic_kda_prep=True, mosaic_kda_intra=True, block_k=16))
     for spec, word in ((kda(aligned_chunks=True, raw_gates=True, gate_lower_bound=-5.0,
                             use_qk_l2norm=False), "L2 norm"),
                        (kda(raw_gates=True, gate_lower_bound=-5.0), "aligned_chunks")):
