@@ -974,17 +974,20 @@ def _lower_bound_gate_inputs(lens, HK, HV, K, seed=51):
     return q, k, v, a, b, h0, cu, A_log, dt_bias
 
 
-def _both_intra_kernels(mode, lens, HK, HV, gate, spread=False, block_k=32):
+def _both_intra_kernels(mode, lens, HK, HV, gate, spread=False, block_k=32, huge=False):
     """KDA's intra-chunk outputs by the Triton kernel and by `gdn_prefill._mosaic_kda_intra`
     (the Mosaic GPU kernel, and the Triton one again for the chunks it flags) on bf16 inputs
     with the L2 norm: gate "given" (g; spread: from ~0 to very negative inside every chunk),
     "softplus" or "lower_bound" (raw projections). spread: value head 0's given gates from ~0 to
-    very negative inside every chunk. Returns (triton, mosaic, the Mosaic
+    very negative inside every chunk; huge: a q and a k row too large to square in fp32
+    (tamed by both kernels). Returns (triton, mosaic, the Mosaic
     kernel's own largest |G - G_mid| per row [S, HV, C], used slots [S] bool, T)."""
     from pallas_kernels import gdn_prefill_mgpu as mgpu
     K = 128
     T = sum(lens)
     q, k, v, a, _, _, cu, A_log, dt_bias = _lower_bound_gate_inputs(lens, HK, HV, K)
+    if huge:
+        q, k = q.at[3].multiply(2.0 ** 60), k.at[70].multiply(2.0 ** 70)
     if gate == "given":
         a = _kda_inputs(53, lens, HK=HK, HV=HV, K=K)[3]
         if spread:   # value head 0 only
@@ -1023,16 +1026,18 @@ def _intra_rows(name, x, T, used):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("gate,block_k", [("lower_bound", 64), ("softplus", 32), ("given", 32)])
-def test_mosaic_kda_intra_matches_the_triton_intra(mode, gate, block_k):
+@pytest.mark.parametrize("gate,block_k,huge", [("lower_bound", 64, False),
+                                               ("softplus", 32, False), ("given", 32, True)])
+def test_mosaic_kda_intra_matches_the_triton_intra(mode, gate, block_k, huge):
     """The Mosaic GPU KDA intra-chunk kernel (`gdn_prefill_mgpu.kda_intra`, with the L2 norm)
     writes what the Triton one does, by chunk slot: k k^T and q k^T with every per-channel
     decay within 2e-4 (fp16 operands and outputs), the decayed rows and the chunks' total decays
-    within 1e-5, for each gate form and both channel steps (block_k 32 and 64) (the lower-bound gate's diagonal blocks always factor: no
-    chunk formed again); an empty sequence, a last chunk short of the rows (not a multiple of
-    8), GVA 2x."""
+    within 1e-5; for each gate form (the lower-bound gate's diagonal blocks always factor: no
+    chunk formed again), both channel steps (block_k 32 and 64), a q and a k row too large to
+    square in fp32 (both kernels tame them), an empty sequence, a last chunk short of the rows
+    (not a multiple of 8), GVA 2x."""
     want, got, wide, used, T = _both_intra_kernels(mode, [64, 0, 100], 1, 2, gate,
-                                                   block_k=block_k)
+                                                   block_k=block_k, huge=huge)
     assert gate != "lower_bound" or np.all(wide[used] <= kern.DIAG_EXP_LIMIT)
     for name, w, g, tol in zip(INTRA_OUTPUTS, want, got, (2e-4, 2e-4, 1e-5, 1e-5, 1e-5, 1e-5)):
         w, g = _intra_rows(name, w, T, used), _intra_rows(name, g, T, used)
