@@ -896,8 +896,9 @@ def _prep_kernel(start_ref, len_ref, lead_ref, q_ref, k_ref, v_ref, g_ref, beta_
 def _each_flagged_chunk(redo_ref, chunk):
     """chunk(s, h) for each chunk slot s of value head h that redo_ref [S, HV] flags, for the
     REDO_SLOTS slots of this program (grid (cdiv(S, REDO_SLOTS), HV), `_redo_grid`), their
-    flags read in one load: with a program a chunk, a pass that usually does nothing spent its
-    time on each program's dependent loads of its flag (as `_prep_redo_kernel`)."""
+    flags read in one load and walked only in the rare case that one is set: with a program a
+    chunk, a pass that usually does nothing spent its time on each program's dependent loads of
+    its flag (tens of microseconds at a few thousand chunks)."""
     blk, h = pl.program_id(0), pl.program_id(1)
     num_slots = redo_ref.shape[0]
     s0 = blk * REDO_SLOTS
@@ -954,37 +955,26 @@ def _prep_redo_kernel(start_ref, len_ref, lead_ref, k_ref, g_ref, beta_ref, A_lo
     slot_rows: T beta by chunk slot, as the Mosaic prep lays it, from k rows as given, whose
     huge rows it tames itself with the L2 norm); the other chunks' rows stay
     as they are (tb_ref aliases tb_in_ref). One program per REDO_SLOTS chunk slots of one value
-    head: it reads their flags in one load and, in the rare case that one is set, walks them. (A
-    program per chunk spent its time on the dependent loads of the flag: tens of microseconds at
-    a few thousand chunks, for a pass that usually does nothing.)"""
+    head (`_each_flagged_chunk`)."""
     del tb_in_ref
-    blk, h = pl.program_id(0), pl.program_id(1)
-    hk = h // (spec.num_v_heads // spec.num_k_heads)
-    num_slots = redo_ref.shape[0]
-    s0 = blk * REDO_SLOTS
-    here = s0 + lax.broadcasted_iota(jnp.int32, (REDO_SLOTS,), 0) < num_slots
-    flags = plgpu.load(redo_ref.at[pl.ds(s0, REDO_SLOTS), h], mask=here, other=0)
 
-    @pl.when(jnp.max(flags) != 0)
-    def _():
-        def slot(i, carry):
-            s = jnp.minimum(s0 + i, num_slots - 1)
-            t0, n, lead = start_ref[s], len_ref[s], lead_ref[s]
+    def chunk(s, h):
+        hk = h // (spec.num_v_heads // spec.num_k_heads)
+        t0, n, lead = start_ref[s], len_ref[s], lead_ref[s]
 
-            @pl.when((s0 + i < num_slots) & (n > 0) & (redo_ref[s, h] != 0))
-            def _():
-                k_in, rk, _, decay, beta = _gdn_chunk(
-                    k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, lead, n, h, hk, spec,
-                    tame=slot_rows and spec.use_qk_l2norm)
-                A = _gdn_system(k_in, rk, decay, beta, precise=False, interpret=interpret)
-                T = _invert_unit_lower(A, False, interpret)
-                rows = _chunk_rows(lead, n)[:, None]
-                # T beta's rows by token, or by chunk slot (`gdn_prefill_mgpu.prep`'s)
-                at = pl.ds(s * CHUNK if slot_rows else t0, CHUNK)
-                _store_split(tb_ref, (at, h, slice(None)), T * beta[None, :], rows)
-            return carry
+        @pl.when(n > 0)
+        def _():
+            k_in, rk, _, decay, beta = _gdn_chunk(
+                k_ref, g_ref, beta_ref, A_log_ref, dt_ref, t0, lead, n, h, hk, spec,
+                tame=slot_rows and spec.use_qk_l2norm)
+            A = _gdn_system(k_in, rk, decay, beta, precise=False, interpret=interpret)
+            T = _invert_unit_lower(A, False, interpret)
+            rows = _chunk_rows(lead, n)[:, None]
+            # T beta's rows by token, or by chunk slot (`gdn_prefill_mgpu.prep`'s)
+            at = pl.ds(s * CHUNK if slot_rows else t0, CHUNK)
+            _store_split(tb_ref, (at, h, slice(None)), T * beta[None, :], rows)
 
-        lax.fori_loop(0, REDO_SLOTS, slot, 0)
+    _each_flagged_chunk(redo_ref, chunk)
 
 
 # ---------------------------------------------------------------- KDA: intra-chunk products
@@ -1494,7 +1484,7 @@ def _redo(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb, *, spec, bl
         functools.partial(_prep_redo_kernel, spec=spec, slot_rows=slot_rows,
                           interpret=interpret),
         out_shape=jax.ShapeDtypeStruct(tb.shape, tb.dtype),
-        grid=(pl.cdiv(start.shape[0], REDO_SLOTS), redo.shape[1]),
+        grid=_redo_grid(start.shape[0], redo.shape[1]),
         input_output_aliases={9: 0},
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_prep, num_stages=1),
         interpret=interpret,
