@@ -84,8 +84,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gdn_decode import (L2NORM_EPS, TAME_PROBE, huge_rows, scale_huge_rows,
-                                       tamed_l2_factor)
+from pallas_kernels.gdn_decode import (L2NORM_EPS, huge_rows, row_square_sums,
+                                       scale_huge_rows, tamed_l2_factor)
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -207,6 +207,15 @@ def _rows(vec, shape, interpret):
     return lax.broadcast_in_dim(vec, shape, (0,))
 
 
+def _spread_vector(ref, axis, shape, interpret):
+    """The vector in shared memory ref, broadcast along axis of a [C, C] tile in wgmma's layout:
+    loaded in the layout the broadcast takes. Each layout needs its own copy of a vector in
+    shared memory (loads of one ref in two layouts leave layout inference without a solution)."""
+    layout = None if interpret else plgpu.Layout.WGMMA.reduce(1 - axis)
+    x = lax.broadcast_in_dim(_load(ref, layout, interpret), shape, (axis,))
+    return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+
 def _minus_product(x, acc, factor):
     """x - acc * factor, for acc a product's accumulator, as x + acc * (-factor) (the same bits:
     one fma either way). Written as x - acc * factor, LLVM negates acc's registers and may place
@@ -239,6 +248,17 @@ def _tamed_or_given(q, k, tamed):
     """The (q_tamed, k_tamed, use_tamed [1] int32) operands of `scan`: `tamed` as
     the launcher gives it, or the rows themselves with use_tamed 0."""
     return tamed if tamed is not None else (q, k, jnp.zeros((1,), jnp.int32))
+
+
+def _launch(kernel, *, out_type, scratch, num_programs: int, name: str, interpret: bool,
+            num_threads: int = 1):
+    """The call of a kernel of this module: num_programs programs on a 1-D grid "p", each of
+    num_threads warpgroups ("wg"), precise math, Mosaic GPU's interpreter with interpret."""
+    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=(num_programs,),
+                        grid_names=("p",), num_threads=num_threads, thread_name="wg",
+                        kernel_name=name, compiler_params=plgpu.CompilerParams(approx_math=False),
+                        **extra)
 
 
 def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_ref, kt_ref,
@@ -613,22 +633,13 @@ def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_
     kernel = functools.partial(_kernel, num_v_heads=HV, num_k_heads=num_k_heads, head_v_dim=V,
                                has_initial_state=has_initial_state, narrow=narrow,
                                warp_specialized=warp_specialized, interpret=interpret)
-    extra = {}
-    if interpret:
-        extra["interpret"] = plgpu.InterpretGPUParams()
     state_shape = (N, HV, K, V) if narrow else (N, HV, V, K)
-    return plgpu.kernel(
+    return _launch(
         kernel,
         out_type=(jax.ShapeDtypeStruct((T, HV, V), v.dtype),
                   jax.ShapeDtypeStruct(state_shape, F32)),
-        scratch_types=scratch,
-        grid=(N * HV * nv,),
-        grid_names=("p",),
-        num_threads=3 if warp_specialized else 1,
-        thread_name="wg",
-        kernel_name="gdn_prefill_mgpu_scan",
-        compiler_params=plgpu.CompilerParams(approx_math=False),
-        **extra,
+        scratch=scratch, num_programs=N * HV * nv, name="gdn_prefill_mgpu_scan",
+        num_threads=3 if warp_specialized else 1, interpret=interpret,
     )(cu, order, first, live, decay, q, k, *_tamed_or_given(q, k, tamed), v, tb, aqk, factors,
       h0)
 
@@ -779,12 +790,9 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, tb_s, aqk_o, flag_
         (kk, qk), _ = _products(groups, (C, C), interpret=interpret)
 
     def vector(r, axis):
-        """Row vector r of the chunk's, broadcast along axis of a [C, C] tile. Each layout has
-        its own copy of the vectors (loads of one shared-memory ref in two layouts leave layout
-        inference without a solution), loaded in the layout the broadcast takes."""
-        layout = None if interpret else plgpu.Layout.WGMMA.reduce(1 - axis)
-        x = lax.broadcast_in_dim(_load(vec_s.at[axis, r], layout, interpret), (C, C), (axis,))
-        return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+        """Row vector r of the chunk's, broadcast along axis of a [C, C] tile (from the copy of
+        the vectors kept for that axis's layout)."""
+        return _spread_vector(vec_s.at[axis, r], axis, (C, C), interpret)
 
     rq_rows, rk_rows, rk_cols = vector(RQ, 0), vector(RK, 0), vector(RK, 1)
     if l2norm:
@@ -867,19 +875,9 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
                 jax.ShapeDtypeStruct((S, HV, 2, C), F32))
     if l2norm:
         out_type += (jax.ShapeDtypeStruct(factors.shape, F32),)
-    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
-    return plgpu.kernel(
-        kernel,
-        out_type=out_type,
-        scratch_types=scratch,
-        grid=(num_programs,),
-        grid_names=("p",),
-        num_threads=1,
-        thread_name="wg",
-        kernel_name="gdn_prefill_mgpu_prep",
-        compiler_params=plgpu.CompilerParams(approx_math=False),
-        **extra,
-    )(start, q, k, rows, *(() if factors is None else (factors,)))
+    call = _launch(kernel, out_type=out_type, scratch=scratch, num_programs=num_programs,
+                   name="gdn_prefill_mgpu_prep", interpret=interpret)
+    return call(start, q, k, rows, *(() if factors is None else (factors,)))
 
 
 # --------------------------------------------------------------------------- KDA's chunk prep
@@ -913,11 +911,8 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref,
             x_s[...] = jnp.where(_iota(x.shape, 0, interpret) < n, x, jnp.zeros_like(x))
 
     def vector(axis):
-        """beta, broadcast along axis of a [C, C] tile (each layout from its own copy, as in
-        `_prep_item`)."""
-        layout = None if interpret else plgpu.Layout.WGMMA.reduce(1 - axis)
-        x = lax.broadcast_in_dim(_load(beta_s.at[axis], layout, interpret), (C, C), (axis,))
-        return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+        """beta, broadcast along axis of a [C, C] tile (from its copy for that layout)."""
+        return _spread_vector(beta_s.at[axis], axis, (C, C), interpret)
 
     kk = _load(kk_s, wgmma_layout, interpret).astype(F32)
     A = jnp.where((i > j) & (i < n), vector(0) * kk, 0.0)
@@ -972,21 +967,14 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
     scratch = (plgpu.SMEM((C, C), kk.dtype), union, _swizzled((2, C, K)), _swizzled((C, K)),
                plgpu.SMEM((2, C), F32), plgpu.SMEM((C,), F32),
                plgpu.Barrier(num_arrivals=6, num_barriers=1))
-    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
-    return plgpu.kernel(
+    return _launch(
         functools.partial(_kda_prep_kernel, num_v_heads=HV, max_a=max_a, max_t=max_t,
                           interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((2, S * C, HV, K), BF16),
                   jax.ShapeDtypeStruct((S * C, HV, K), F32),
                   jax.ShapeDtypeStruct((S, HV, C), F32)),
-        scratch_types=scratch,
-        grid=(S * HV,),
-        grid_names=("p",),
-        num_threads=1,
-        thread_name="wg",
-        kernel_name="kda_prefill_mgpu_prep",
-        compiler_params=plgpu.CompilerParams(approx_math=False),
-        **extra,
+        scratch=scratch, num_programs=S * HV, name="kda_prefill_mgpu_prep",
+        interpret=interpret,
     )(start, length, kk, ek, v, beta)
 
 
@@ -1030,14 +1018,9 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref
 
     def row_factors(x_s):
         """The rows' L2 factors with the tame of huge rows (`gdn_decode.tamed_l2_factor`)."""
-        sums = None
+        sums = (0.0, 0.0, 0.0)
         for c in range(steps):
-            x = _load(x_s.at[c], tile, interpret).astype(F32)
-            xp = x * TAME_PROBE
-            part = (jnp.sum(x * x, axis=1), jnp.sum(xp * xp, axis=1),
-                    jnp.max(jnp.abs(x), axis=1))
-            sums = part if sums is None else (sums[0] + part[0], sums[1] + part[1],
-                                              jnp.maximum(sums[2], part[2]))
+            sums = row_square_sums(_load(x_s.at[c], tile, interpret).astype(F32), sums)
         t, r = tamed_l2_factor(*sums)
         return t * r
 
@@ -1186,8 +1169,7 @@ def kda_intra(start, length, q, k, a, A_log, dt_bias, *, num_v_heads: int, scale
                plgpu.SMEM((steps, H), F32), plgpu.SMEM((C,), F32),
                plgpu.Barrier(num_arrivals=3 * steps, num_barriers=1),
                plgpu.Barrier(num_arrivals=1, num_barriers=1))
-    extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
-    return plgpu.kernel(
+    return _launch(
         functools.partial(_kda_intra_kernel, num_v_heads=HV, num_k_heads=q.shape[1],
                           scale=scale, gate=gate, lower_bound=lower_bound, gate_floor=gate_floor,
                           gate_quantum=gate_quantum, softplus_threshold=softplus_threshold,
@@ -1199,12 +1181,6 @@ def kda_intra(start, length, q, k, a, A_log, dt_bias, *, num_v_heads: int, scale
                   jax.ShapeDtypeStruct((2, S * C, HV, K), BF16),
                   jax.ShapeDtypeStruct((S, HV, K), F32),
                   jax.ShapeDtypeStruct((S, HV, C), F32)),
-        scratch_types=scratch,
-        grid=(S * HV,),
-        grid_names=("p",),
-        num_threads=1,
-        thread_name="wg",
-        kernel_name="kda_prefill_mgpu_intra",
-        compiler_params=plgpu.CompilerParams(approx_math=False),
-        **extra,
+        scratch=scratch, num_programs=S * HV, name="kda_prefill_mgpu_intra",
+        interpret=interpret,
     )(start, length, q, k, a, A_log, dt_bias)
