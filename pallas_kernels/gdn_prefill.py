@@ -1350,7 +1350,8 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
     redo = None
     if kda:
         # the Mosaic prep's bulk copies take kk's and e^G k's rows in whole 8-row tiles
-        prep_rows = _aligned_rows(v).shape[0] if block.mosaic_kda_prep else None
+        prep_rows = (pl.cdiv(T_total, mgpu_scan.ALIGN) * mgpu_scan.ALIGN
+                     if block.mosaic_kda_prep else None)
         if block.mosaic_kda_intra:
             kk, aqk, fq, fk, ek, decay = _mosaic_kda_intra(
                 q, k, g, start, length, A_log, dt_bias, spec=spec, block=block,
