@@ -77,8 +77,7 @@ __all__ = [
     "index_overflow_reason", "SERIAL_TUNING_TABLE", "default_serial_block_sizes",
     "token_update", "token_delta", "token_write", "l2_normalize", "softplus_value",
     "gdn_gate_value", "kda_gate_value",
-    "tame_huge_rows", "huge_rows", "scale_huge_rows", "huge_row_factor", "TAME_PROBE",
-    "row_square_sums", "tamed_l2_factor", "counter_bits", "stochastic_round_value", "gdn_decode", "serial_prefill",
+    "tame_huge_rows", "huge_rows", "scale_huge_rows", "huge_row_factor", "counter_bits", "stochastic_round_value", "gdn_decode", "serial_prefill",
 ]
 
 
@@ -142,30 +141,6 @@ def scale_huge_rows(x: jax.Array, huge: jax.Array, factor: jax.Array) -> jax.Arr
     subnormals."""
     on_rows = lambda v: lax.broadcast_in_dim(v, x.shape, tuple(range(v.ndim)))
     return jnp.where(on_rows(huge), x * on_rows(factor).astype(x.dtype), x)
-
-
-TAME_PROBE = 2.0 ** -72  # `row_square_sums`: any finite fp32 row's squares times this**2
-                        # stay below overflow, a huge row's above fp32's normal range
-
-
-def row_square_sums(x, sums):
-    """`sums` (sum x^2, sum (x * TAME_PROBE)^2, max |x|) per row, each [C], updated with the rows
-    x [C, n] (fp32): partial sums over a row's columns for `tamed_l2_factor`."""
-    s, s_probe, m = sums
-    xp = x * TAME_PROBE
-    return (s + jnp.sum(x * x, axis=1), s_probe + jnp.sum(xp * xp, axis=1),
-            jnp.maximum(m, jnp.max(jnp.abs(x), axis=1)))
-
-
-def tamed_l2_factor(s, s_probe, m):
-    """(t, r) per row from `row_square_sums`: x * t * r is the row as `tame_rows` then the L2
-    norm give it, bit for bit. t is the exact power of two `tame_rows` scales a huge row by (1
-    elsewhere); its sum of squares is s_probe scaled by an exact power of two (the terms that
-    power would scale are the same ones, rounded the same way), so no second pass over the row
-    is needed. Ordinary rows: t = 1, r = rsqrt(s + eps) as without the tame."""
-    huge, t = huge_row_factor(m)
-    up = jnp.where(huge, t * (1.0 / TAME_PROBE), 0.0)   # in [2^-32, 2^46] for a huge row
-    return t, lax.rsqrt(jnp.where(huge, s_probe * (up * up), s) + L2NORM_EPS)
 
 
 def huge_row_factor(m: jax.Array) -> tuple[jax.Array, jax.Array]:

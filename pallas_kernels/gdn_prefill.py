@@ -115,9 +115,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gdn_prefill_mgpu as mgpu_scan
-from pallas_kernels.gdn_decode import TAME_PROBE, tame_huge_rows
-from pallas_kernels.gdn_decode import row_square_sums as _row_square_sums
-from pallas_kernels.gdn_decode import tamed_l2_factor as _tamed_l2_factor
+from pallas_kernels.gdn_decode import huge_row_factor, tame_huge_rows
 
 F32 = jnp.float32
 CHUNK = 64
@@ -204,10 +202,6 @@ class PrefillBlockSizes:
     # (`gdn_prefill_mgpu.kda_prep`: the fp16 doubling inverse and the products on the tensor
     # cores), the chunks whose fp16 inverse may not have held formed again by the Triton prep
     mosaic_kda_prep: bool = False
-    # with mosaic_kda_prep and the L2 norm: KDA's intra-chunk kernel in Mosaic GPU too
-    # (`gdn_prefill_mgpu.kda_intra`; chunks whose gates span too much for its diagonal blocks
-    # formed again by the Triton one). Opt-in: not yet timed against the Triton kernel on a GPU
-    mosaic_kda_intra: bool = False
 
     def blocked_inverse_for(self, spec: PrefillSpec) -> bool:
         # Measured on the H200: the blocked inverse makes KDA's prep 7-8% faster and GDN's
@@ -303,16 +297,6 @@ def _mosaic_kda_prep_reason(spec: PrefillSpec) -> str | None:
     return None
 
 
-def _mosaic_kda_intra_reason(spec: PrefillSpec) -> str | None:
-    why = _mosaic_kda_prep_reason(spec)
-    if why:
-        return why
-    if not spec.use_qk_l2norm or spec.scale > 1.0:
-        return ("the Mosaic GPU KDA intra kernel takes the L2 norm in the kernel and a scale "
-                "<= 1 (its products take fp16 operands, bounded by one only for unit rows)")
-    return None
-
-
 def _narrow_reason(spec: PrefillSpec) -> str | None:
     """Why the Mosaic scan's narrow form cannot take the call (None: it can)."""
     if not spec.even_starts:
@@ -365,14 +349,6 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
             why = _mosaic_kda_prep_reason(spec)
             if why:
                 return f"mosaic_kda_prep: {why}"
-        if block.mosaic_kda_intra:
-            why = (_mosaic_kda_intra_reason(spec) if block.mosaic_kda_prep else
-                   "it writes the layouts of the Mosaic GPU KDA prep, which mosaic_kda_prep "
-                   "selects")
-            if why is None and block.block_k not in (32, 64):
-                why = f"block_k={block.block_k} must be 32 or 64"
-            if why:
-                return f"mosaic_kda_intra: {why}"
         if block.pair_group not in (1, PAIR_GROUP):
             return f"pair_group={block.pair_group} must be 1 or {PAIR_GROUP}"
         if spec.per_channel_gate and block.paired_halves:
@@ -545,6 +521,30 @@ def _l2_factor(x, use_qk_l2norm: bool):
         return jnp.ones((x.shape[0],), F32)
     x = x.astype(F32)
     return lax.rsqrt(jnp.sum(x * x, axis=1) + L2NORM_EPS)
+
+
+TAME_PROBE = 2.0 ** -72  # `_row_square_sums`: any finite fp32 row's squares times this**2
+                        # stay below overflow, a huge row's above fp32's normal range
+
+
+def _row_square_sums(x, sums):
+    """`sums` (sum x^2, sum (x * TAME_PROBE)^2, max |x|) per row, each [C], updated with the rows
+    x [C, n] (fp32): partial sums over a row's columns for `_tamed_l2_factor`."""
+    s, s_probe, m = sums
+    xp = x * TAME_PROBE
+    return (s + jnp.sum(x * x, axis=1), s_probe + jnp.sum(xp * xp, axis=1),
+            jnp.maximum(m, jnp.max(jnp.abs(x), axis=1)))
+
+
+def _tamed_l2_factor(s, s_probe, m):
+    """(t, r) per row from `_row_square_sums`: x * t * r is the row as `tame_rows` then the L2
+    norm give it, bit for bit. t is the exact power of two `tame_rows` scales a huge row by (1
+    elsewhere); its sum of squares is s_probe scaled by an exact power of two (the terms that
+    power would scale are the same ones, rounded the same way), so no second pass over the row
+    is needed. Ordinary rows: t = 1, r = rsqrt(s + eps) as without the tame."""
+    huge, t = huge_row_factor(m)
+    up = jnp.where(huge, t * (1.0 / TAME_PROBE), 0.0)   # in [2^-32, 2^46] for a huge row
+    return t, lax.rsqrt(jnp.where(huge, s_probe * (up * up), s) + L2NORM_EPS)
 
 
 def _softplus(x):
@@ -979,9 +979,9 @@ def _prep_redo_kernel(start_ref, len_ref, lead_ref, k_ref, g_ref, beta_ref, A_lo
 
 # ---------------------------------------------------------------- KDA: intra-chunk products
 
-def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, redo_ref,
-                      *refs, spec: PrefillSpec, block_k: int, heads_fastest: bool,
-                      redo_only: bool, interpret: bool):
+def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, kk_ref,
+                      aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, rows_ref, *, spec: PrefillSpec,
+                      block_k: int, heads_fastest: bool, interpret: bool):
     """KDA's per-channel work for chunk slot s, value head h, on whole-chunk [C, block_k] tiles.
 
     Writes kk_ij = sum_c kn_ic kn_jc e^{G_ic - G_jc} (j < i, zero elsewhere, without beta) and
@@ -1012,121 +1012,111 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
     per tile row) that give every row of a tile its own block's row. Picking a row out of a
     register tile instead takes a reduction across the tile's rows, which crosses warps (shared
     memory and a barrier each); a gather replaces the select chain that spread the rows back."""
-    # redo_only: the outputs as given (aliased), formed again for the flagged chunks only
-    kk_ref, aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, rows_ref = refs[-7:]
+    s, h = _slot_and_head(heads_fastest)
+    hk = h // (spec.num_v_heads // spec.num_k_heads)
+    t0, n = start_ref[s], len_ref[s]
     C, K = CHUNK, spec.head_k_dim
     nb = C // SUB
 
-    def chunk(s, h):
-        hk = h // (spec.num_v_heads // spec.num_k_heads)
-        t0, n = start_ref[s], len_ref[s]
+    @pl.when(n > 0)
+    def _():
+        live = (lax.broadcasted_iota(jnp.int32, (C,), 0) < n)[:, None]
+        tok = pl.ds(t0, C)
+        block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) // SUB      # each row's block
+        load = lambda ref: plgpu.load(ref, mask=live, other=0).astype(F32)
+        dot = functools.partial(_dot, precise=spec.precise, interpret=interpret, trans_b=True)
+        # The products below the diagonal blocks take operands bounded by the rows' norms (the
+        # decays there are <= 1): L2-normalised, fp16 holds them with one-pass TF32's
+        # significand at twice its tensor-core rate. The diagonal blocks' factors e^{+-(G - G_m)}
+        # reach e^40, beyond fp16: those stay TF32.
+        bounded = lambda x: x.astype(_bounded_dtype(spec))
+        factored_always = _factored_diagonal_always_safe(spec)
+        rel = lambda x, y: (x[0] - y[0]) + (x[1] - y[1])  # G_x - G_y from (hi, lo) pairs
+        exchange = _BlockRowExchange(rows_ref, (s, h), block_k, interpret)
 
-        @pl.when(n > 0)
-        def _():
-            live = (lax.broadcasted_iota(jnp.int32, (C,), 0) < n)[:, None]
-            tok = pl.ds(t0, C)
-            block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) // SUB      # each row's block
-            load = lambda ref: plgpu.load(ref, mask=live, other=0).astype(F32)
-            dot = functools.partial(_dot, precise=spec.precise, interpret=interpret, trans_b=True)
-            # The products below the diagonal blocks take operands bounded by the rows' norms
-            # (the decays there are <= 1): L2-normalised, fp16 holds them with one-pass TF32's
-            # significand at twice its tensor-core rate. The diagonal blocks' factors
-            # e^{+-(G - G_m)} reach e^40, beyond fp16: those stay TF32.
-            bounded = lambda x: x.astype(_bounded_dtype(spec))
-            factored_always = _factored_diagonal_always_safe(spec)
-            rel = lambda x, y: (x[0] - y[0]) + (x[1] - y[1])  # G_x - G_y from (hi, lo) pairs
-            exchange = _BlockRowExchange(rows_ref, (s, h), block_k, interpret)
+        def gate(cols):
+            """The chunk's log decays in the channels cols, [C, block_k] (0 past the chunk)."""
+            g = load(g_ref.at[tok, h, cols])
+            if not spec.raw_gates:
+                return g
+            dt = dt_ref[pl.ds(h * K + cols.start, cols.size)][None, :].astype(F32)
+            return jnp.where(live, _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec), 0.0)
 
-            def gate(cols):
-                """The chunk's log decays in the channels cols, [C, block_k] (0 past the chunk)."""
-                g = load(g_ref.at[tok, h, cols])
-                if not spec.raw_gates:
-                    return g
-                dt = dt_ref[pl.ds(h * K + cols.start, cols.size)][None, :].astype(F32)
-                return jnp.where(live, _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec), 0.0)
-
-            if spec.use_qk_l2norm:
-                # The only kernel that reads KDA's raw q and k rows (the launcher tames no rows for
-                # KDA), and it only scales them: huge rows are tamed here (`_tamed_l2_factor`).
-                def squares(c, sums):
-                    cols = pl.ds(c * block_k, block_k)
-                    k, q = load(k_ref.at[tok, hk, cols]), load(q_ref.at[tok, hk, cols])
-                    return (*_row_square_sums(k, sums[:3]), *_row_square_sums(q, sums[3:]))
-
-                zero = jnp.zeros((C,), F32)
-                sums = lax.fori_loop(0, K // block_k, squares, (zero,) * 6)
-                tk, rk = _tamed_l2_factor(*sums[:3])
-                tq, rq = _tamed_l2_factor(*sums[3:])
-                rq = rq * jnp.float32(spec.scale)
-            else:
-                tk = tq = jnp.ones((C,), F32)
-                rk, rq = jnp.ones((C,), F32), jnp.full((C,), spec.scale, F32)
-
-            i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
-            j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
-            same_block = (i // SUB) == (j // SUB)
-            # scratch slots of the reference rows: last rows (hi, lo), middle rows (hi, lo)
-            LAST, MID = (0, 1), (2, 3)
-
-            def channels(c, acc):
-                kk, qk = acc
+        if spec.use_qk_l2norm:
+            # The only kernel that reads KDA's raw q and k rows (the launcher tames no rows for
+            # KDA), and it only scales them: huge rows are tamed here (`_tamed_l2_factor`).
+            def squares(c, sums):
                 cols = pl.ds(c * block_k, block_k)
-                put = lambda ref, x: plgpu.store(ref.at[tok, h, cols], x.astype(ref.dtype),
-                                                 mask=live)
-                G = _split_cumsum(gate(cols))                                  # rows past n add 0
-                kn = load(k_ref.at[tok, hk, cols]) * tk[:, None] * rk[:, None]
-                qn = load(q_ref.at[tok, hk, cols]) * tq[:, None] * rq[:, None]
-                # Step c shares its reference rows through buffer c % 2. Step c + 1 stores into the
-                # other buffer, so its stores cannot race this step's loads; the next store into
-                # this buffer (step c + 2, or the exact fallback's second column, which alternates
-                # buffers too, SUB times: an even count) comes after a barrier of a use in between,
-                # which every thread reaches only after issuing this step's loads. So one barrier
-                # per use orders both the stores before the loads and the loads before the stores
-                # that overwrite them.
-                buf = lax.rem(c, 2)
-                exchange.share(buf, [(G[0], ((SUB - 1, LAST[0]), (SUB // 2, MID[0]))),
-                                     (G[1], ((SUB - 1, LAST[1]), (SUB // 2, MID[1])))])
-                lasts = [tuple(exchange.row(buf, slot, a) for slot in LAST) for a in range(nb)]
-                kt = kn * jnp.exp(rel(tuple(exchange.spread(buf, slot) for slot in LAST),
-                                      G))   # <= 1
-                for b in range(nb - 1):
-                    # exp of a positive exponent above block b's end may be inf: selected away
-                    after = jnp.where(block > b, jnp.exp(rel(G, lasts[b])), 0.0)  # <= 1
-                    kb = jnp.where(block == b, kt, 0.0)
-                    kk = kk + dot(bounded(kn * after), bounded(kb))
-                    qk = qk + dot(bounded(qn * after), bounded(kb))
-                mid = rel(G, tuple(exchange.spread(buf, slot) for slot in MID))
+                k, q = load(k_ref.at[tok, hk, cols]), load(q_ref.at[tok, hk, cols])
+                return (*_row_square_sums(k, sums[:3]), *_row_square_sums(q, sums[3:]))
 
-                def factored():
-                    up, down = jnp.exp(mid), kn * jnp.exp(-mid)
-                    return dot(kn * up, down), dot(qn * up, down)
+            zero = jnp.zeros((C,), F32)
+            sums = lax.fori_loop(0, K // block_k, squares, (zero,) * 6)
+            tk, rk = _tamed_l2_factor(*sums[:3])
+            tq, rq = _tamed_l2_factor(*sums[3:])
+            rq = rq * jnp.float32(spec.scale)
+        else:
+            tk = tq = jnp.ones((C,), F32)
+            rk, rq = jnp.ones((C,), F32), jnp.full((C,), spec.scale, F32)
 
-                if factored_always:
-                    kk_d, qk_d = factored()
-                else:
-                    exact = functools.partial(_exact_diagonal_blocks, kn, qn, G, exchange, 1 - buf)
-                    kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT, factored, exact)
-                kk = jnp.where(same_block, kk + kk_d, kk)
-                qk = jnp.where(same_block, qk + qk_d, qk)
-                eG = jnp.exp(G[0] + G[1])
-                put(fq_ref, qn * eG)
-                _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
-                put(fk_ref, kn * jnp.exp(rel(lasts[-1], G)))
-                # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
-                decay_ref[s, h, cols] = jnp.exp(lasts[-1][0] + lasts[-1][1])[0]
-                return kk, qk
+        i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
+        j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+        same_block = (i // SUB) == (j // SUB)
+        # scratch slots of the reference rows: last rows (hi, lo), middle rows (hi, lo)
+        LAST, MID = (0, 1), (2, 3)
 
-            zero = jnp.zeros((C, C), F32)
-            kk, qk = lax.fori_loop(0, K // block_k, channels, (zero, zero))
-            plgpu.store(kk_ref.at[tok, h, :], jnp.where(j < i, kk, 0.0).astype(kk_ref.dtype),
-                        mask=live)
-            plgpu.store(aqk_ref.at[tok, h, :], jnp.where(j <= i, qk, 0.0).astype(aqk_ref.dtype),
-                        mask=live)
+        def channels(c, acc):
+            kk, qk = acc
+            cols = pl.ds(c * block_k, block_k)
+            put = lambda ref, x: plgpu.store(ref.at[tok, h, cols], x.astype(ref.dtype), mask=live)
+            G = _split_cumsum(gate(cols))                                  # rows past n add 0
+            kn = load(k_ref.at[tok, hk, cols]) * tk[:, None] * rk[:, None]
+            qn = load(q_ref.at[tok, hk, cols]) * tq[:, None] * rq[:, None]
+            # Step c shares its reference rows through buffer c % 2. Step c + 1 stores into the
+            # other buffer, so its stores cannot race this step's loads; the next store into
+            # this buffer (step c + 2, or the exact fallback's second column, which alternates
+            # buffers too, SUB times: an even count) comes after a barrier of a use in between,
+            # which every thread reaches only after issuing this step's loads. So one barrier
+            # per use orders both the stores before the loads and the loads before the stores
+            # that overwrite them.
+            buf = lax.rem(c, 2)
+            exchange.share(buf, [(G[0], ((SUB - 1, LAST[0]), (SUB // 2, MID[0]))),
+                                 (G[1], ((SUB - 1, LAST[1]), (SUB // 2, MID[1])))])
+            lasts = [tuple(exchange.row(buf, slot, a) for slot in LAST) for a in range(nb)]
+            kt = kn * jnp.exp(rel(tuple(exchange.spread(buf, slot) for slot in LAST), G))  # <= 1
+            for b in range(nb - 1):
+                # exp of a positive exponent above block b's end may be inf: selected away
+                after = jnp.where(block > b, jnp.exp(rel(G, lasts[b])), 0.0)  # <= 1
+                kb = jnp.where(block == b, kt, 0.0)
+                kk = kk + dot(bounded(kn * after), bounded(kb))
+                qk = qk + dot(bounded(qn * after), bounded(kb))
+            mid = rel(G, tuple(exchange.spread(buf, slot) for slot in MID))
 
-    if redo_only:
-        _each_flagged_chunk(redo_ref, chunk)
-    else:
-        chunk(*_slot_and_head(heads_fastest))
+            def factored():
+                up, down = jnp.exp(mid), kn * jnp.exp(-mid)
+                return dot(kn * up, down), dot(qn * up, down)
+
+            if factored_always:
+                kk_d, qk_d = factored()
+            else:
+                exact = functools.partial(_exact_diagonal_blocks, kn, qn, G, exchange, 1 - buf)
+                kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT, factored, exact)
+            kk = jnp.where(same_block, kk + kk_d, kk)
+            qk = jnp.where(same_block, qk + qk_d, qk)
+            eG = jnp.exp(G[0] + G[1])
+            put(fq_ref, qn * eG)
+            _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
+            put(fk_ref, kn * jnp.exp(rel(lasts[-1], G)))
+            # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
+            decay_ref[s, h, cols] = jnp.exp(lasts[-1][0] + lasts[-1][1])[0]
+            return kk, qk
+
+        zero = jnp.zeros((C, C), F32)
+        kk, qk = lax.fori_loop(0, K // block_k, channels, (zero, zero))
+        plgpu.store(kk_ref.at[tok, h, :], jnp.where(j < i, kk, 0.0).astype(kk_ref.dtype),
+                    mask=live)
+        plgpu.store(aqk_ref.at[tok, h, :], jnp.where(j <= i, qk, 0.0).astype(aqk_ref.dtype),
+                    mask=live)
 
 
 class _BlockRowExchange:
@@ -1285,14 +1275,11 @@ def _scan_kernel(cu_ref, order_ref, first_ref, slots_ref, q_ref, k_ref, v_ref, t
 
 
 def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, block, interpret,
-               prep_rows=None, redo=None):
+               prep_rows=None):
     """KDA's intra-chunk products and decayed rows: (kk, aqk, fq, fk, ek, decay). With
     prep_rows (for the Mosaic GPU prep), kk and ek, which only the prep reads, have that many
     rows (the rows past the tokens are left unwritten), and kk is stored in fp16 where bounded
-    by one (the prep's fp16 inverse rounds A to fp16 anyway); else one row a token, kk fp32.
-    redo: (flags [S, HV] int32, the six outputs of `gdn_prefill_mgpu.kda_intra`): those
-    outputs, with the flagged chunks' formed again here, in place (aligned chunks: slot rows
-    are token rows)."""
+    by one (the prep's fp16 inverse rounds A to fp16 anyway); else one row a token, kk fp32."""
     T_total, HV, K = g.shape
     kk_dtype = F32 if prep_rows is None else _bounded_dtype(spec)
     prep_rows = T_total if prep_rows is None else prep_rows
@@ -1309,35 +1296,29 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
     bounded_dtype = _bounded_dtype(spec)
     rows = (T_total, HV, K)
     num_slots = start.shape[0]
-    # k k^T e^{G_i - G_j}, j < i
-    out_shape = (jax.ShapeDtypeStruct((prep_rows, HV, CHUNK), kk_dtype),
-                 # q k^T e^{G_i - G_j}, j <= i
-                 jax.ShapeDtypeStruct((T_total, HV, CHUNK), bounded_dtype),
-                 jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
-                 jax.ShapeDtypeStruct(rows, bounded_dtype),        # k: norm * e^{G_C - G}
-                 # e^G k: norm * e^G, in parts (`_kda_parts`)
-                 jax.ShapeDtypeStruct((parts, prep_rows, HV, K), rows_dtype),
-                 jax.ShapeDtypeStruct((num_slots, HV, K), F32))    # e^{G_C}
-    flags, given = (jnp.zeros((1, 1), jnp.int32), (jnp.zeros((1, 1, 1), F32),) * 6) \
-        if redo is None else redo
-    if redo is not None:
-        out_shape = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in given)
     *outputs, _ = pl.pallas_call(
         functools.partial(_kda_intra_kernel, spec=spec, block_k=block.block_k,
-                          heads_fastest=block.heads_fastest, redo_only=redo is not None,
+                          heads_fastest=block.heads_fastest,
                           interpret=interpret),
-        # each program's scratch for its reference rows (_BlockRowExchange; a quarter of k k^T's
-        # size at block_k 32), not returned
-        out_shape=out_shape + (jax.ShapeDtypeStruct(
-            (num_slots, HV, 2, REF_SLOTS * CHUNK // SUB, block.block_k), F32),),
-        grid=(_chunk_grid(num_slots, HV, block.heads_fastest) if redo is None
-              else _redo_grid(num_slots, HV)),
-        input_output_aliases={} if redo is None else {8 + x: x for x in range(6)},
+        # k k^T e^{G_i - G_j}, j < i
+        out_shape=(jax.ShapeDtypeStruct((prep_rows, HV, CHUNK), kk_dtype),
+                   # q k^T e^{G_i - G_j}, j <= i
+                   jax.ShapeDtypeStruct((T_total, HV, CHUNK), bounded_dtype),
+                   jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
+                   jax.ShapeDtypeStruct(rows, bounded_dtype),        # k: norm * e^{G_C - G}
+                   # e^G k: norm * e^G, in parts (`_kda_parts`)
+                   jax.ShapeDtypeStruct((parts, prep_rows, HV, K), rows_dtype),
+                   jax.ShapeDtypeStruct((num_slots, HV, K), F32),    # e^{G_C}
+                   # each program's scratch for its reference rows (_BlockRowExchange; a
+                   # quarter of k k^T's size at block_k 32), not returned
+                   jax.ShapeDtypeStruct((num_slots, HV, 2, REF_SLOTS * CHUNK // SUB,
+                                         block.block_k), F32)),
+        grid=_chunk_grid(num_slots, HV, block.heads_fastest),
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_intra,
                                              num_stages=block.num_stages_intra),
         interpret=interpret,
-        name="kda_prefill_intra" if redo is None else "kda_prefill_intra_redo",
-    )(start, length, q, k, g, A_log, dt_bias, flags, *given)
+        name="kda_prefill_intra",
+    )(start, length, q, k, g, A_log, dt_bias)
     return tuple(outputs)
 
 
@@ -1352,14 +1333,9 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
         # the Mosaic prep's bulk copies take kk's and e^G k's rows in whole 8-row tiles
         prep_rows = (pl.cdiv(T_total, mgpu_scan.ALIGN) * mgpu_scan.ALIGN
                      if block.mosaic_kda_prep else None)
-        if block.mosaic_kda_intra:
-            kk, aqk, fq, fk, ek, decay = _mosaic_kda_intra(
-                q, k, g, start, length, A_log, dt_bias, spec=spec, block=block,
-                prep_rows=prep_rows, interpret=interpret)
-        else:
-            kk, aqk, fq, fk, ek, decay = _kda_intra(q, k, g, start, length, A_log, dt_bias,
-                                                    rows_dtype=v.dtype, spec=spec, block=block,
-                                                    interpret=interpret, prep_rows=prep_rows)
+        kk, aqk, fq, fk, ek, decay = _kda_intra(q, k, g, start, length, A_log, dt_bias,
+                                                rows_dtype=v.dtype, spec=spec, block=block,
+                                                interpret=interpret, prep_rows=prep_rows)
         if block.mosaic_kda_prep:
             if v.dtype != jnp.bfloat16:
                 raise ValueError(f"mosaic_kda_prep takes bf16 inputs, got v of {v.dtype}")
@@ -1434,28 +1410,6 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
     else:
         fw = gdn_outputs[3]
     return tb, w, u, aqk, fq, fk, fw, decay
-
-
-def _mosaic_kda_intra(q, k, g, start, length, A_log, dt_bias, *, spec, block, prep_rows,
-                      interpret):
-    """`_kda_intra`'s outputs from `gdn_prefill_mgpu.kda_intra`, by chunk slot (slot rows are
-    token rows for aligned chunks; the arrays hold every slot's 64 rows), with the chunks whose
-    diagonal blocks' factors may not have held (|G - G_mid| > DIAG_EXP_LIMIT: never for the
-    lower-bound gate) formed again by the Triton intra kernel, in place."""
-    gate = ("given" if not spec.raw_gates else
-            "softplus" if spec.gate_lower_bound is None else "lower_bound")
-    *outs, wide = mgpu_scan.kda_intra(
-        jnp.where(length > 0, start, 0), length, _aligned_rows(q), _aligned_rows(k),
-        _aligned_rows(g), A_log, dt_bias, num_v_heads=g.shape[1], scale=spec.scale, gate=gate,
-        lower_bound=spec.gate_lower_bound or 0.0, gate_floor=GATE_FLOOR,
-        gate_quantum=GATE_QUANTUM, softplus_threshold=SOFTPLUS_THRESHOLD,
-        block_k=block.block_k, interpret=interpret)
-    if _factored_diagonal_always_safe(spec):
-        return tuple(outs)
-    redo = ((~(jnp.max(wide, axis=2) <= DIAG_EXP_LIMIT)) & (length[:, None] > 0))
-    return _kda_intra(q, k, g, start, length, A_log, dt_bias, rows_dtype=jnp.bfloat16,
-                      spec=spec, block=block, interpret=interpret, prep_rows=prep_rows,
-                      redo=(redo.astype(jnp.int32), tuple(outs)))
 
 
 def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, interpret):

@@ -1,5 +1,5 @@
 """GDN prefill in Pallas Mosaic GPU: the chunk prep, and the state scan with the state as the
-tensor cores' accumulator; and KDA's chunk prep and intra-chunk products.
+tensor cores' accumulator; and KDA's chunk prep.
 
 The same chunked form as `gdn_prefill` (see that module for the math and the Triton kernels),
 for Gated DeltaNet with bf16 inputs and K = 128, written for Hopper's asynchronous tensor-core
@@ -25,12 +25,6 @@ packed sequences may share token rows), and each is one bulk copy.
 head), from the Triton intra-chunk kernel's k k^T and e^G k: the same fp16 inverse as `prep`,
 then the two products on the tensor cores; for calls whose sequences all start at multiples of
 CHUNK, so that every chunk is one bulk copy of 64 token rows in and out.
-
-`kda_intra` (opt-in: `gdn_prefill.PrefillBlockSizes.mosaic_kda_intra`): KDA's intra-chunk
-kernel with the q/k L2 norm, the same math as `gdn_prefill._kda_intra_kernel` with the gates'
-running sums formed on the tensor cores (a triangle of ones against the gates' fp16 parts) and
-every block's reference rows read back from shared memory; the chunks whose diagonal blocks'
-factors may not hold are reported, for the Triton kernel to form again.
 
 `scan`: each program owns one (sequence, value head, block of BV = 64 value columns) and keeps
 the transposed state slab S^T [BV, K] in fp32 registers laid out as a wgmma accumulator, so the
@@ -84,8 +78,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gdn_decode import (L2NORM_EPS, huge_rows, row_square_sums,
-                                       scale_huge_rows, tamed_l2_factor)
+from pallas_kernels.gdn_decode import L2NORM_EPS, huge_rows, scale_huge_rows
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -100,7 +93,7 @@ FQ, FK, FW = range(NUM_FACTORS)
 _COPIES = 6              # bulk copies a chunk: q, k, v, T beta, aqk, factors
 
 __all__ = ["CHUNK", "HEAD_K_DIM", "BLOCK_V", "ALIGN", "NUM_ROW_VECTORS", "unsupported_reason",
-           "scan", "prep", "kda_prep", "kda_intra"]
+           "scan", "prep", "kda_prep"]
 
 
 def unsupported_reason(*, head_k_dim: int, head_v_dim: int, dtype) -> str | None:
@@ -977,210 +970,3 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
         interpret=interpret,
     )(start, length, kk, ek, v, beta)
 
-
-# ------------------------------------------------------------ KDA's intra-chunk products
-
-SUB = 16         # KDA's sub-chunk (`gdn_prefill.SUB`): the blocks the decays factor through
-
-
-def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, a_ref, A_log_ref, dt_ref, kk_ref,
-                      aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, wide_ref, q_s, k_s, a_s, dt_s,
-                      union_s, g_union, dec_o, wide_o, bar, bar_a, *, num_v_heads: int,
-                      num_k_heads: int, scale: float, gate: str, lower_bound: float,
-                      gate_floor: float, gate_quantum: float, softplus_threshold: float,
-                      block_k: int, interpret: bool):
-    C, H, K = CHUNK, block_k, HEAD_K_DIM
-    steps = K // H
-    # one buffer in turn for: the running sums' operand tiles; the products' operand tiles; the
-    # half's outputs on their way out. And the running sums' hi and lo parts in turn (for their
-    # reference rows), then k k^T and q k^T on their way out
-    parts_s, (op_s, dn_s), (fq_o, fk_o, ek_o) = union_s
-    g_s, (kk_o, aqk_o) = g_union
-    p = lax.axis_index("p")
-    s, h = p // num_v_heads, p % num_v_heads
-    hk = h // (num_v_heads // num_k_heads)
-    rows_in = pl.ds(pl.multiple_of(start_ref[s], C), C)
-    rows_out = pl.ds(pl.multiple_of(s * C, C), C)
-    at_cols = lambda c: pl.ds(c * H, H)
-    for c in range(steps):
-        plgpu.copy_gmem_to_smem(q_ref.at[rows_in, hk, at_cols(c)], q_s.at[c], bar)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows_in, hk, at_cols(c)], k_s.at[c], bar)
-        plgpu.copy_gmem_to_smem(dt_ref.at[pl.ds(h * K + c * H, H)], dt_s.at[c], bar)
-    # the gates' raw projections a half at a time: the next half's fetched while one is formed
-    plgpu.copy_gmem_to_smem(a_ref.at[rows_in, h, at_cols(0)], a_s, bar_a)
-    plgpu.barrier_wait(bar)
-    tile = None if interpret else plgpu.Layout.WGMMA
-    col_layout = None if interpret else plgpu.Layout.WGMMA.reduce(0)
-    i, j = _iota((C, C), 0, interpret), _iota((C, C), 1, interpret)   # [C, C] tiles
-    row = _iota((C, H), 0, interpret)                                   # [C, H] tiles
-    block = row // SUB
-    n = len_ref[s]
-
-    def row_factors(x_s):
-        """The rows' L2 factors with the tame of huge rows (`gdn_decode.tamed_l2_factor`)."""
-        sums = (0.0, 0.0, 0.0)
-        for c in range(steps):
-            sums = row_square_sums(_load(x_s.at[c], tile, interpret).astype(F32), sums)
-        t, r = tamed_l2_factor(*sums)
-        return t * r
-
-    fk_rows = _rows(row_factors(k_s), (C, H), interpret)
-    fq_rows = _rows(row_factors(q_s) * scale, (C, H), interpret)
-    ltri = jnp.where(j <= i, 1.0, 0.0).astype(F16)      # [C, C]: the in-chunk running sums
-    rel = lambda x, y: (x[0] - y[0]) + (x[1] - y[1])    # G_x - G_y from (hi, lo) pairs
-    zero = jnp.zeros((C, C), F32)
-    kk, qk = zero, zero
-    wide = None
-    A_log = A_log_ref[h]
-    for c in range(steps):
-        # the gates (given, or from the raw projections a: Kimi Linear's -e^A_log softplus(a +
-        # dt), GLM-5.3-Flash's lb * sigmoid(e^A_log (a + dt))), 0 past the chunk's rows, as
-        # (hi, lo) parts (`gdn_prefill.split_gate`: hi a multiple of 1 / gate_quantum, exact in
-        # fp16, and lo in two fp16 parts), summed along the rows on the tensor cores
-        plgpu.barrier_wait(bar_a)
-        g = _load(a_s, tile, interpret)
-        if gate != "given":
-            x = g + _columns(_load(dt_s.at[c], col_layout, interpret), (C, H), interpret)
-            if gate == "softplus":
-                soft = jnp.log(1.0 + jnp.exp(jnp.minimum(x, softplus_threshold)))
-                g = -jnp.exp(A_log) * jnp.where(x > softplus_threshold, x, soft)
-            else:
-                g = lower_bound / (1.0 + jnp.exp(-jnp.exp(A_log) * x))
-        g = jnp.where(row < n, jnp.maximum(g, gate_floor), 0.0)
-        hi = lax.round(g * gate_quantum) * (1.0 / gate_quantum)
-        lo = g - hi
-        lo1 = lo.astype(F16)
-        if c and not interpret:
-            # the operand tiles take the memory the half before sent its outputs from
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        parts_s[0] = hi.astype(F16)
-        parts_s[1] = lo1
-        parts_s[2] = (lo - lo1.astype(F32)).astype(F16)
-        _commit_smem(interpret)   # (and every thread's read of a_s done)
-        if c + 1 < steps:
-            plgpu.copy_gmem_to_smem(a_ref.at[rows_in, h, at_cols(c + 1)], a_s, bar_a)
-        (G_hi, G_lo), _ = _products([[(ltri, parts_s.at[0])],
-                                     [(ltri, parts_s.at[1]), (ltri, parts_s.at[2])]],
-                                    (C, H), interpret=interpret)
-        G = (G_hi, G_lo)
-        # the blocks' reference rows (last and middle) through shared memory, hi then lo
-        ref_rows = []
-        for part in G:
-            g_s[...] = part
-            _commit_smem(interpret)
-            ref_rows.append([_load(g_s.at[r], col_layout, interpret) for b in range(C // SUB)
-                             for r in (SUB * b + SUB - 1, SUB * b + SUB // 2)])
-            _commit_smem(interpret)   # every thread's reads done before the next store
-        spread_row = lambda x: _columns(x, (C, H), interpret)
-        lasts = [tuple(spread_row(rows[2 * b]) for rows in ref_rows) for b in range(C // SUB)]
-        mids = [tuple(spread_row(rows[2 * b + 1]) for rows in ref_rows)
-                for b in range(C // SUB)]
-
-        def spread(refs):
-            """Each row's own block's reference row."""
-            out = refs[-1]
-            for b in range(C // SUB - 2, -1, -1):
-                out = tuple(jnp.where(block == b, x, y) for x, y in zip(refs[b], out))
-            return out
-
-        kn = _load(k_s.at[c], tile, interpret).astype(F32) * fk_rows
-        qn = _load(q_s.at[c], tile, interpret).astype(F32) * fq_rows
-        # below the diagonal blocks: through block b's last row, both exponents <= 0
-        kt = kn * jnp.exp(rel(spread(lasts), G))
-        for b in range(C // SUB - 1):
-            after = jnp.where(block > b, jnp.exp(rel(G, lasts[b])), 0.0)
-            op_s[...] = jnp.where(block == b, kt, 0.0).astype(F16)
-            _commit_smem(interpret)
-            (kk, qk), _ = _products([[((kn * after).astype(F16), ("T", op_s))],
-                                     [((qn * after).astype(F16), ("T", op_s))]], (C, C),
-                                    [kk, qk], interpret=interpret)
-        # the diagonal blocks: through their middle rows, as bf16 halves on both sides (e^40 is
-        # beyond fp16); the rows' largest |G - G_mid| go out, and the launcher forms the chunks
-        # where it passes 40 again exactly (the lower-bound gate keeps it within 40)
-        mid = rel(G, spread(mids))
-        wide_c = jnp.max(jnp.abs(mid), axis=1)
-        wide = wide_c if wide is None else jnp.maximum(wide, wide_c)
-        up, down = jnp.exp(mid), kn * jnp.exp(-mid)
-        _store_halves(dn_s, split_bf16(down), interpret=interpret)
-        ku, qu = split_bf16(kn * up), split_bf16(qn * up)
-        (kd, qd), _ = _products(
-            [[(x[a], ("T", dn_s.at[b])) for a, b in ((0, 0), (0, 1), (1, 0))] for x in (ku, qu)],
-            (C, C), interpret=interpret)
-        same_block = i // SUB == j // SUB
-        kk = kk + jnp.where(same_block, kd, 0.0)
-        qk = qk + jnp.where(same_block, qd, 0.0)
-        # the decayed rows the prep and the scan take, and the chunk's total decay (the
-        # operand tiles' memory is free: the products are done)
-        eG = jnp.exp(G_hi + G_lo)
-        fq_o[...] = (qn * eG).astype(fq_o.dtype)
-        _store_halves(ek_o, split_bf16(kn * eG), interpret=interpret, commit=False)
-        fk_o[...] = (kn * jnp.exp(rel(lasts[-1], G))).astype(fk_o.dtype)
-        dec_o[c] = jnp.exp(ref_rows[0][-2] + ref_rows[1][-2])   # the last row: G_C
-        _commit_smem(interpret)
-        plgpu.copy_smem_to_gmem(fq_o, fq_ref.at[rows_out, h, at_cols(c)])
-        plgpu.copy_smem_to_gmem(fk_o, fk_ref.at[rows_out, h, at_cols(c)])
-        for part in range(2):
-            plgpu.copy_smem_to_gmem(ek_o.at[part], ek_ref.at[part, rows_out, h, at_cols(c)])
-        plgpu.copy_smem_to_gmem(dec_o.at[c], decay_ref.at[s, h, at_cols(c)])
-    kk_o[...] = jnp.where(j < i, kk, 0.0).astype(kk_o.dtype)
-    aqk_o[...] = jnp.where(j <= i, qk, 0.0).astype(aqk_o.dtype)
-    wide_o[...] = wide
-    _commit_smem(interpret)
-    plgpu.copy_smem_to_gmem(kk_o, kk_ref.at[rows_out, h])
-    plgpu.copy_smem_to_gmem(aqk_o, aqk_ref.at[rows_out, h])
-    plgpu.copy_smem_to_gmem(wide_o, wide_ref.at[s, h])
-    if not interpret:
-        plgpu.wait_smem_to_gmem(0)
-
-
-def kda_intra(start, length, q, k, a, A_log, dt_bias, *, num_v_heads: int, scale: float,
-              gate: str, lower_bound: float, gate_floor: float, gate_quantum: float,
-              softplus_threshold: float, block_k: int = 32, interpret: bool = False):
-    """KDA's intra-chunk kernel (as `gdn_prefill._kda_intra_kernel`) with the q/k L2 norm, bf16
-    q and k: per (chunk slot, value head), the gates, their running sums (on the tensor cores,
-    against a triangle of ones), k k^T and q k^T with every per-channel decay (below the
-    diagonal blocks through each block's last row, fp16 operands; the diagonal blocks through
-    their middle rows, bf16 halves), and the decayed rows.
-
-    start [S] (multiples of CHUNK: slot s's rows are tokens start[s] ..; an unused slot any such
-    row), length [S]; q, k [T, HK, 128] bf16 (T a multiple of 8); a [T, HV, 128] fp32: the
-    log decays g (gate "given"), or the raw projections (gate "softplus": -e^A_log
-    softplus(a + dt); "lower_bound": lower_bound * sigmoid(e^A_log (a + dt))), A_log [HV],
-    dt_bias [HV * 128] fp32. Returns, by chunk slot (row s * CHUNK + i): kk, aqk
-    [S * CHUNK, HV, CHUNK] fp16 (j < i and j <= i), q e^G [S * CHUNK, HV, 128] bf16,
-    k e^{G_C - G} fp16, e^G k's bf16 hi and lo parts [2, S * CHUNK, HV, 128], e^{G_C}
-    [S, HV, 128] fp32, and each row's largest |G - G_mid| [S, HV, CHUNK] fp32: where it passes
-    `gdn_prefill.DIAG_EXP_LIMIT` (or is NaN), the diagonal blocks' factors may not have held
-    and the caller must form the chunk again."""
-    S, HV = start.shape[0], num_v_heads
-    C, H, K = CHUNK, block_k, HEAD_K_DIM
-    steps = K // H
-    tile16 = lambda shape, dtype=BF16: _swizzled(shape, dtype, swizzle=2 * H)  # rows of H
-    # block_k key channels a step (32 or 64: [CHUNK, block_k] register tiles; 32 halves the
-    # registers each tile takes). Shared memory: about 70 KiB at 32, 100 KiB at 64
-    scratch = (tile16((steps, C, H)), tile16((steps, C, H)),
-               plgpu.SMEM((C, H), F32), plgpu.SMEM((steps, H), F32),
-               plgpu.RefUnion(tile16((3, C, H), F16),
-                              (tile16((C, H), F16), tile16((2, C, H))),
-                              (plgpu.SMEM((C, H), BF16), plgpu.SMEM((C, H), F16),
-                               plgpu.SMEM((2, C, H), BF16))),
-               plgpu.RefUnion(plgpu.SMEM((C, H), F32),
-                              (plgpu.SMEM((C, C), F16), plgpu.SMEM((C, C), F16))),
-               plgpu.SMEM((steps, H), F32), plgpu.SMEM((C,), F32),
-               plgpu.Barrier(num_arrivals=3 * steps, num_barriers=1),
-               plgpu.Barrier(num_arrivals=1, num_barriers=1))
-    return _launch(
-        functools.partial(_kda_intra_kernel, num_v_heads=HV, num_k_heads=q.shape[1],
-                          scale=scale, gate=gate, lower_bound=lower_bound, gate_floor=gate_floor,
-                          gate_quantum=gate_quantum, softplus_threshold=softplus_threshold,
-                          block_k=block_k, interpret=interpret),
-        out_type=(jax.ShapeDtypeStruct((S * C, HV, C), F16),
-                  jax.ShapeDtypeStruct((S * C, HV, C), F16),
-                  jax.ShapeDtypeStruct((S * C, HV, K), BF16),
-                  jax.ShapeDtypeStruct((S * C, HV, K), F16),
-                  jax.ShapeDtypeStruct((2, S * C, HV, K), BF16),
-                  jax.ShapeDtypeStruct((S, HV, K), F32),
-                  jax.ShapeDtypeStruct((S, HV, C), F32)),
-        scratch=scratch, num_programs=S * HV, name="kda_prefill_mgpu_intra",
-        interpret=interpret,
-    )(start, length, q, k, a, A_log, dt_bias)

@@ -825,17 +825,6 @@ def test_mosaic_scan_lowers_for_hopper():
             jnp.ones((T, HV, 64), kk_dtype), jnp.ones((2, T, HV, K), BF16), y,
             jnp.ones((S, HV, 64)))
         assert "mosaic_gpu" in exported.mlir_module()
-    # KDA's intra-chunk kernel
-    for gate, block_k in (("lower_bound", 32), ("softplus", 64), ("given", 32)):
-        f = jax.jit(functools.partial(mgpu.kda_intra, num_v_heads=HV, scale=K ** -0.5,
-                                      gate=gate, lower_bound=-5.0, gate_floor=kern.GATE_FLOOR,
-                                      gate_quantum=kern.GATE_QUANTUM,
-                                      softplus_threshold=kern.SOFTPLUS_THRESHOLD,
-                                      block_k=block_k))
-        exported = jax.export.export(f, platforms=["cuda"])(
-            jnp.zeros((S,), jnp.int32), jnp.full((S,), 64, jnp.int32), x, x,
-            jnp.ones((T, HV, K)), jnp.ones((HV,)), jnp.ones((HV * K,)))
-        assert "mosaic_gpu" in exported.mlir_module()
 
 
 def test_mosaic_scan_dispatch_rule():
@@ -964,130 +953,6 @@ def test_mosaic_kda_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
     assert np.all(redo[used, 0] == 1) and np.all(redo[:, 1] == 0) and np.all(redo[~used] == 0)
 
 
-def _lower_bound_gate_inputs(lens, HK, HV, K, seed=51):
-    """bf16 KDA inputs with GLM-5.3-Flash's raw gate: (q, k, v, a, b, h0, cu, A_log, dt_bias)."""
-    q, k, v, _, b, h0, cu = _kda_inputs(seed, lens, HK=HK, HV=HV, K=K, dtype=BF16)
-    rng = np.random.default_rng(seed + 1)
-    a = jnp.asarray(2 * rng.standard_normal((sum(lens), HV, K)), F32)
-    A_log = jnp.asarray(rng.standard_normal(HV), F32)
-    dt_bias = jnp.asarray(rng.standard_normal(HV * K), F32)
-    return q, k, v, a, b, h0, cu, A_log, dt_bias
-
-
-def _both_intra_kernels(mode, lens, HK, HV, gate, spread=False, block_k=32, huge=False):
-    """KDA's intra-chunk outputs by the Triton kernel and by `gdn_prefill._mosaic_kda_intra`
-    (the Mosaic GPU kernel, and the Triton one again for the chunks it flags) on bf16 inputs
-    with the L2 norm: gate "given" (g; spread: from ~0 to very negative inside every chunk),
-    "softplus" or "lower_bound" (raw projections). spread: value head 0's given gates from ~0 to
-    very negative inside every chunk; huge: a q and a k row too large to square in fp32
-    (tamed by both kernels). Returns (triton, mosaic, the Mosaic
-    kernel's own largest |G - G_mid| per row [S, HV, C], used slots [S] bool, T)."""
-    from pallas_kernels import gdn_prefill_mgpu as mgpu
-    K = 128
-    T = sum(lens)
-    q, k, v, a, _, _, cu, A_log, dt_bias = _lower_bound_gate_inputs(lens, HK, HV, K)
-    if huge:
-        q, k = q.at[3].multiply(2.0 ** 60), k.at[70].multiply(2.0 ** 70)
-    if gate == "given":
-        a = _kda_inputs(53, lens, HK=HK, HV=HV, K=K)[3]
-        if spread:   # value head 0 only
-            a = a.at[:, 0].set(_kda_inputs(53, lens, HK=HK, HV=HV, K=K, spread=True)[3][:, 0])
-    lb = -5.0 if gate == "lower_bound" else None
-    spec = _spec(HK, HV, K, K, per_channel_gate=True, precise=False,
-                 raw_gates=gate != "given", gate_lower_bound=lb, aligned_chunks=True)
-    start, length, _, _ = kern.chunk_table(cu, T)
-    interpret = mode == "interpret"
-    prep_rows = kern._aligned_rows(v).shape[0]
-    block = kern.PrefillBlockSizes(block_k=block_k, mosaic_kda_prep=True, mosaic_kda_intra=True)
-    want = kern._kda_intra(q, k, a, start, length, A_log, dt_bias, rows_dtype=BF16, spec=spec,
-                           block=block, interpret=interpret, prep_rows=prep_rows)
-    got = kern._mosaic_kda_intra(q, k, a, start, length, A_log, dt_bias, spec=spec,
-                                 block=block, prep_rows=prep_rows, interpret=interpret)
-    wide = mgpu.kda_intra(jnp.where(length > 0, start, 0), length, kern._aligned_rows(q),
-                          kern._aligned_rows(k), kern._aligned_rows(a), A_log, dt_bias,
-                          num_v_heads=HV, scale=spec.scale, gate=gate,
-                          lower_bound=lb or 0.0, gate_floor=kern.GATE_FLOOR,
-                          gate_quantum=kern.GATE_QUANTUM,
-                          softplus_threshold=kern.SOFTPLUS_THRESHOLD, block_k=block_k,
-                          interpret=interpret)[-1]
-    return want, got, np.asarray(wide), np.asarray(length) > 0, T
-
-
-INTRA_OUTPUTS = ("kk", "aqk", "fq", "fk", "ek", "decay")
-
-
-def _intra_rows(name, x, T, used):
-    """One intra output as float64 rows comparable across the two kernels (e^G k's parts
-    summed, the tokens' rows, the used slots' decays)."""
-    x = np.asarray(x, np.float64)
-    if name == "ek":
-        x = x[0] + x[1]
-    return x[used] if name == "decay" else x[:T]
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("gate,block_k,huge", [("lower_bound", 64, False),
-                                               ("softplus", 32, False), ("given", 32, True)])
-def test_mosaic_kda_intra_matches_the_triton_intra(mode, gate, block_k, huge):
-    """The Mosaic GPU KDA intra-chunk kernel (`gdn_prefill_mgpu.kda_intra`, with the L2 norm)
-    writes what the Triton one does, by chunk slot: k k^T and q k^T with every per-channel
-    decay within 2e-4 (fp16 operands and outputs), the decayed rows and the chunks' total decays
-    within 1e-5; for each gate form (the lower-bound gate's diagonal blocks always factor: no
-    chunk formed again), both channel steps (block_k 32 and 64), a q and a k row too large to
-    square in fp32 (both kernels tame them), an empty sequence, a last chunk short of the rows
-    (not a multiple of 8), GVA 2x."""
-    want, got, wide, used, T = _both_intra_kernels(mode, [64, 0, 100], 1, 2, gate,
-                                                   block_k=block_k, huge=huge)
-    assert gate != "lower_bound" or np.all(wide[used] <= kern.DIAG_EXP_LIMIT)
-    for name, w, g, tol in zip(INTRA_OUTPUTS, want, got, (2e-4, 2e-4, 1e-5, 1e-5, 1e-5, 1e-5)):
-        w, g = _intra_rows(name, w, T, used), _intra_rows(name, g, T, used)
-        assert np.all(np.isfinite(g)), name
-        assert rel_err(g, w) <= tol, (name, rel_err(g, w))
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_mosaic_kda_intra_redoes_chunks_whose_gates_span_too_much(mode):
-    """Value head 0's gates from ~0 to very negative inside every chunk (|G - G_mid| far past
-    40 in the diagonal blocks), value head 1's typical: the Mosaic GPU intra kernel reports head
-    0's chunks, and the Triton kernel forms them again in place, bit for bit its own outputs;
-    head 1's stay the Mosaic kernel's."""
-    want, got, wide, used, T = _both_intra_kernels(mode, [128, 100], 1, 2, "given",
-                                                   spread=True)
-    redo = ~(wide.max(axis=2) <= kern.DIAG_EXP_LIMIT) & used[:, None]     # [S, HV]
-    assert redo[used, 0].all() and not redo[:, 1].any()
-    C = kern.CHUNK
-    for name, w, g in zip(INTRA_OUTPUTS, want, got):
-        w, g = _intra_rows(name, w, T, used), _intra_rows(name, g, T, used)
-        assert np.all(np.isfinite(g)), name
-        for s, h in zip(*np.nonzero(redo)):
-            # a slot's rows (its tokens': the chunks are aligned), or its row among the used
-            # slots' decays
-            at = ((int(np.flatnonzero(used).tolist().index(s)) if name == "decay"
-                   else slice(s * C, min(s * C + C, T))), h)
-            assert np.array_equal(g[at], w[at]), (name, s, h)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_mosaic_kda_intra_against_float64(mode):
-    """KDA with both Mosaic GPU kernels (`mosaic_kda_intra` with `mosaic_kda_prep`), GLM-5.3-
-    Flash's raw lower-bound gate, bf16 inputs: output and final state against float64 (packed
-    sequences starting at multiples of 64, an empty one, GVA 2x, an initial state)."""
-    lens, HK, HV, K = [64, 0, 64, 100], 2, 4, 128
-    q, k, v, a, b, h0, cu, A_log, dt_bias = _lower_bound_gate_inputs(lens, HK, HV, K)
-    spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True, precise=False,
-                 raw_gates=True, gate_lower_bound=-5.0, aligned_chunks=True)
-    block = kern.PrefillBlockSizes(block_v=32, block_k=32, mosaic_kda_prep=True,
-                                   mosaic_kda_intra=True)
-    assert kern.unsupported_reason(spec, block) is None
-    o, hT = kern.chunk_prefill(q, k, v, a, b, cu, spec=spec, block=block, initial_state=h0,
-                               A_log=A_log, dt_bias=dt_bias, interpret=mode == "interpret")[:2]
-    assert np.all(np.isfinite(np.asarray(o, F32))) and np.all(np.isfinite(np.asarray(hT)))
-    gates = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=-5.0)
-    ro, rs = _oracle(q, k, v, gates, ref.gdn_beta(b), h0, cu)
-    assert rel_err(o, ro) <= 5e-3
-    assert rel_err(hT, rs) <= 5e-4
-
-
 def test_mosaic_kda_prep_dispatch_rule():
     """Where the default blocks take KDA's prep in Mosaic GPU, and why not elsewhere."""
     kda = lambda **kw: _spec(16, 32, 128, 128, per_channel_gate=True,
@@ -1106,20 +971,6 @@ def test_mosaic_kda_prep_dispatch_rule():
         assert not pick(spec)
         assert word in kern.unsupported_reason(spec, block)
     assert kern.unsupported_reason(aligned, block) is None
-    # the intra kernel in Mosaic GPU: opt-in, with the Mosaic prep and the L2 norm
-    glm = kda(aligned_chunks=True, raw_gates=True, gate_lower_bound=-5.0)
-    intra = kern.PrefillBlockSizes(mosaic_kda_prep=True, mosaic_kda_intra=True)
-    assert not kern.PrefillBlockSizes.get_default(glm, 8, BF16).mosaic_kda_intra
-    assert kern.unsupported_reason(glm, intra) is None
-    assert "mosaic_kda_prep" in kern.unsupported_reason(
-        glm, kern.PrefillBlockSizes(mosaic_kda_intra=True))
-    assert kern.unsupported_reason(aligned, intra) is None        # any gate form
-    assert "block_k=16" in kern.unsupported_reason(
-        glm, kern.PrefillBlockSizes(mosaic_kda_prep=True, mosaic_kda_intra=True, block_k=16))
-    for spec, word in ((kda(aligned_chunks=True, raw_gates=True, gate_lower_bound=-5.0,
-                            use_qk_l2norm=False), "L2 norm"),
-                       (kda(raw_gates=True, gate_lower_bound=-5.0), "aligned_chunks")):
-        assert word in kern.unsupported_reason(spec, intra)
 
 
 def test_front_door_start_facts():
