@@ -560,10 +560,23 @@ def split_gate(g):
     return hi, g - hi
 
 
-def _split_cumsum(g):
-    """In-chunk cumulative log decay as (hi, lo) sums along axis 0."""
+def _split_cumsum(g, one_scan: bool = False):
+    """In-chunk cumulative log decay as (hi, lo) sums along axis 0. one_scan (a [C, n] tile):
+    both parts go through one running sum, side by side in a last axis of two, which pays the
+    sum's exchanges across lanes and warps once (`_one_scan_gates` says where that is faster)."""
     hi, lo = split_gate(g)
-    return jnp.cumsum(hi, axis=0), jnp.cumsum(lo, axis=0)
+    if not one_scan:
+        return jnp.cumsum(hi, axis=0), jnp.cumsum(lo, axis=0)
+    return lax.unstack(jnp.cumsum(jnp.stack((hi, lo), axis=-1), axis=0), axis=-1)
+
+
+def _one_scan_gates(spec: PrefillSpec) -> bool:
+    """Whether KDA's intra kernel sums its gates' two parts in one running sum (`_split_cumsum`;
+    the same bits either way). Measured on the H200: the intra kernel 5% faster with Kimi
+    Linear's raw softplus gate, 3-5% slower with GLM-5.3-Flash's raw lower-bound gate (why the
+    two differ was not worked out); not measured with given gates, which keep two sums
+    (BENCHMARKS.md, KDA prefill)."""
+    return spec.raw_gates and spec.gate_lower_bound is None
 
 
 def _invert_unit_lower(A, precise, interpret, *, half=False):
@@ -1069,7 +1082,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             kk, qk = acc
             cols = pl.ds(c * block_k, block_k)
             put = lambda ref, x: plgpu.store(ref.at[tok, h, cols], x.astype(ref.dtype), mask=live)
-            G = _split_cumsum(gate(cols))                                  # rows past n add 0
+            G = _split_cumsum(gate(cols), _one_scan_gates(spec))           # rows past n add 0
             kn = load(k_ref.at[tok, hk, cols]) * tk[:, None] * rk[:, None]
             qn = load(q_ref.at[tok, hk, cols]) * tq[:, None] * rq[:, None]
             # Step c shares its reference rows through buffer c % 2. Step c + 1 stores into the

@@ -1269,6 +1269,37 @@ def test_kda_raw_gates_bf16_against_float64(mode, lower_bound):
     assert rel_err(hT, rs) <= 5e-4
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_kda_intra_gate_sums_in_one_scan_keep_the_bits(mode, monkeypatch):
+    """KDA's intra kernel sums its gates' hi and lo parts in one running sum of twice the width
+    for some gate forms (`_one_scan_gates`) and in two sums for the others: both ways give the
+    same bits, for the raw softplus gate that takes one scan by default and the lower-bound gate
+    that takes two (each with the other form forced), gates spanning -88 to ~0."""
+    lens, HK, HV, K = [100, 30], 1, 2, 32
+    q, k, _, _, _, _, cu = _kda_inputs(26, lens, HK=HK, HV=HV, K=K, dtype=BF16)
+    rng = np.random.default_rng(27)
+    a = jnp.asarray(rng.standard_normal((sum(lens), HV, K)) * np.geomspace(0.01, 30.0, K), F32)
+    A_log = jnp.asarray([0.5, 2.0], F32)
+    dt_bias = jnp.asarray(rng.standard_normal(HV * K), F32)
+    start, length, _, _ = kern.chunk_table(cu, sum(lens))
+    for lower_bound in (None, -5.0):
+        spec = _spec(HK, HV, K, K, per_channel_gate=True, raw_gates=True,
+                     gate_lower_bound=lower_bound, precise=False)
+        assert kern._one_scan_gates(spec) == (lower_bound is None)
+        got = {}
+        for one_scan in (True, False):
+            monkeypatch.setattr(kern, "_one_scan_gates", lambda spec, one_scan=one_scan: one_scan)
+            got[one_scan] = kern._kda_intra(
+                q, k, a, start, length, A_log, dt_bias, rows_dtype=BF16, spec=spec,
+                block=kern.PrefillBlockSizes(block_k=16), interpret=mode == "interpret")
+        used = np.asarray(length) > 0   # e^{G_C} [S, HV, K] of unused chunk slots: unwritten
+        for i, (x, y) in enumerate(zip(got[True], got[False])):
+            x, y = np.asarray(x.astype(F32)), np.asarray(y.astype(F32))
+            if i == len(got[True]) - 1:
+                x, y = x[used], y[used]
+            assert np.all(np.isfinite(x)) and np.array_equal(x, y)
+
+
 def _diag_spans(g, cu):
     """Largest |G_ic - G_mc| per (chunk, head) between a row and the middle row m of its
     16-row block (float64, gates clamped as the kernel does): the kernel forms all of a chunk's
