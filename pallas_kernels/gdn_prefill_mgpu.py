@@ -24,7 +24,8 @@ packed sequences may share token rows), and each is one bulk copy.
 `kda_prep`: KDA's W = (T beta)(e^G k) and U = (T beta) v, one warpgroup per (chunk slot, value
 head), from the Triton intra-chunk kernel's k k^T and e^G k: the same fp16 inverse as `prep`,
 then the two products on the tensor cores; for calls whose sequences all start at multiples of
-CHUNK, so that every chunk is one bulk copy of 64 token rows in and out.
+CHUNK, so that every chunk is one bulk copy of 64 token rows in and out. k k^T and beta arrive on
+a barrier of their own, so the inverse runs while e^G k and v are still being copied in.
 
 `scan`: each program owns one (sequence, value head, block of BV = 64 value columns) and keeps
 the transposed state slab S^T [BV, K] in fp32 registers laid out as a wgmma accumulator, so the
@@ -66,6 +67,11 @@ table does the same: `gdn_prefill.chunk_table(align=ALIGN)`). The rows of a chun
 its sequence's (up to 7 before its start, the next sequence's after its end, or rows past the
 array, which the copies fill with zeros) are masked out of X and D; the output of such a chunk
 is stored in pieces of 32, 16, ..., 1 rows so that no other sequence's rows are written.
+
+Each kernel's last wait on its bulk stores is for their reads of shared memory only
+(`wait_read_only`): the stores to global memory are complete when the kernel ends. (A full wait
+also waits for them to land; in the KDA prep's SASS it ended in an L1 invalidation,
+`CCTL.IVALL`, where a tenth of the kernel's stall samples sat.)
 """
 
 from __future__ import annotations
@@ -502,7 +508,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         _commit_smem(interpret)
         plgpu.copy_smem_to_gmem(state_s, final_gmem)
         if not interpret:
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def store_zeros():
         zeros = jnp.zeros((C, BV), o_ref.dtype)
@@ -559,7 +565,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
 
         lax.fori_loop(0, num_chunks, step, 0)
         store_zeros()
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == 2)
     def _copies():
@@ -709,7 +715,7 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
 
     lax.fori_loop(0, mine, step, 0)
     if not interpret:
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _inverse_fp16(A, i, j, d_s, p_s, interpret):
@@ -883,25 +889,19 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref,
     s, h = p // num_v_heads, p % num_v_heads
     rows_in = pl.ds(pl.multiple_of(start_ref[s], C), C)
     rows_out = pl.ds(pl.multiple_of(s * C, C), C)
-    plgpu.copy_gmem_to_smem(kk_ref.at[rows_in, h], kk_s, bar)
-    for part in range(2):   # (one copy a part: a bulk copy takes at most 5 strided dims)
-        plgpu.copy_gmem_to_smem(ek_ref.at[part, rows_in, h], ek_s.at[part], bar)
-    plgpu.copy_gmem_to_smem(v_ref.at[rows_in, h], v_s, bar)
+    # k k^T and beta on one barrier, e^G k and v on another: the inverse needs only the first,
+    # and runs while the others arrive
+    first, second = bar.at[0], bar.at[1]
+    plgpu.copy_gmem_to_smem(kk_ref.at[rows_in, h], kk_s, first)
     for axis in range(2):
-        plgpu.copy_gmem_to_smem(beta_ref.at[s, h], beta_s.at[axis], bar)
-    plgpu.barrier_wait(bar)
+        plgpu.copy_gmem_to_smem(beta_ref.at[s, h], beta_s.at[axis], first)
+    for part in range(2):   # (one copy a part: a bulk copy takes at most 5 strided dims)
+        plgpu.copy_gmem_to_smem(ek_ref.at[part, rows_in, h], ek_s.at[part], second)
+    plgpu.copy_gmem_to_smem(v_ref.at[rows_in, h], v_s, second)
+    plgpu.barrier_wait(first)
     wgmma_layout = None if interpret else plgpu.Layout.WGMMA
     i, j = _iota((C, C), 0, interpret), _iota((C, C), 1, interpret)
     n = len_ref[s]
-
-    @pl.when(n < C)
-    def _():
-        # the rows past the chunk's end (rows past the arrays, which the copies fill with
-        # zeros, or rows the kernels before left unwritten) as zeros: the products below take
-        # them times zeros of T beta, and a NaN there would spread
-        for x_s in (ek_s.at[0], ek_s.at[1], v_s):
-            x = _load(x_s, wgmma_layout, interpret)
-            x_s[...] = jnp.where(_iota(x.shape, 0, interpret) < n, x, jnp.zeros_like(x))
 
     def vector(axis):
         """beta, broadcast along axis of a [C, C] tile (from its copy for that layout)."""
@@ -913,7 +913,19 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref,
     zero = p - p   # a traced index: see `_prep_kernel`
     D = _inverse_fp16(A, i, j, inverse_s.at[zero], inverse_s.at[zero + 1], interpret)
     flag_o[...] = _unfit_rows(A, D, max_a, max_t)
-    # T beta's halves over the inverse's operand tiles (its last product's wait is done)
+    plgpu.barrier_wait(second)
+
+    @pl.when(n < C)
+    def _():
+        # the rows past the chunk's end (rows past the arrays, which the copies fill with
+        # zeros, or rows the kernels before left unwritten) as zeros: the products below take
+        # them times zeros of T beta, and a NaN there would spread
+        for x_s in (ek_s.at[0], ek_s.at[1], v_s):
+            x = _load(x_s, wgmma_layout, interpret)
+            x_s[...] = jnp.where(_iota(x.shape, 0, interpret) < n, x, jnp.zeros_like(x))
+
+    # T beta's halves over the inverse's operand tiles (its last product's wait is done), and
+    # the zeroed rows above, for the products
     _store_halves(tb_s, split_bf16(D * vector(1)), interpret=interpret)
     # W = (T beta)(e^G k) from both sides' halves (all pairs but lo x lo, as
     # `gdn_prefill._dot_parts`), U = (T beta) v
@@ -930,7 +942,7 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref,
     plgpu.copy_smem_to_gmem(u_s, u_ref.at[rows_out, h])
     plgpu.copy_smem_to_gmem(flag_o, flag_ref.at[s, h])
     if not interpret:
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
@@ -959,7 +971,7 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
                            plgpu.SMEM((C, K), F32))
     scratch = (plgpu.SMEM((C, C), kk.dtype), union, _swizzled((2, C, K)), _swizzled((C, K)),
                plgpu.SMEM((2, C), F32), plgpu.SMEM((C,), F32),
-               plgpu.Barrier(num_arrivals=6, num_barriers=1))
+               plgpu.Barrier(num_arrivals=3, num_barriers=2))
     return _launch(
         functools.partial(_kda_prep_kernel, num_v_heads=HV, max_a=max_a, max_t=max_t,
                           interpret=interpret),
