@@ -1437,9 +1437,14 @@ def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, interpret):
     if spec.raw_gates:
         b = jax.nn.sigmoid(b)
     beta_rows = jnp.where((i < length[:, None])[..., None], b, 0.0).transpose(0, 2, 1)
+    # programs taking items in turn, with the next item's k k^T fetched during one, where
+    # k k^T is fp16; an fp32 k k^T's second buffer would leave one program an SM
+    turns = kk.dtype == jnp.float16
     w, u, flags = mgpu_scan.kda_prep(jnp.where(length > 0, start, 0), length, kk, ek,
                                      _aligned_rows(v), beta_rows, max_a=HALF_INVERSE_MAX_A,
-                                     max_t=HALF_INVERSE_MAX_T, interpret=interpret)
+                                     max_t=HALF_INVERSE_MAX_T,
+                                     num_programs=mgpu_scan.PREP_PROGRAMS if turns else None,
+                                     interpret=interpret)
     redo = ((jnp.max(flags, axis=2) > 0) & (length[:, None] > 0)).astype(jnp.int32)
     return redo, w, u
 

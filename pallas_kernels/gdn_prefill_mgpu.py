@@ -882,72 +882,106 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
 # --------------------------------------------------------------------------- KDA's chunk prep
 
 def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref, u_ref, flag_ref,
-                     kk_s, union_s, ek_s, v_s, beta_s, flag_o, bar, *, num_v_heads: int,
-                     max_a: float, max_t: float, interpret: bool):
+                     kk_s, union_s, ek_s, v_s, beta_s, flag_o, first_bar, second_bar, *,
+                     num_v_heads: int, num_items: int, num_programs: int, max_a: float,
+                     max_t: float, interpret: bool):
     C = CHUNK
+    # work items (chunk slot, value head), heads fastest, taken by the programs in turn; with
+    # two buffers for k k^T and beta, the next item's are fetched while this one is formed
+    num_bufs = kk_s.shape[0]
     p = lax.axis_index("p")
-    s, h = p // num_v_heads, p % num_v_heads
-    rows_in = pl.ds(pl.multiple_of(start_ref[s], C), C)
-    rows_out = pl.ds(pl.multiple_of(s * C, C), C)
-    # k k^T and beta on one barrier, e^G k and v on another: the inverse needs only the first,
-    # and runs while the others arrive
-    first, second = bar.at[0], bar.at[1]
-    plgpu.copy_gmem_to_smem(kk_ref.at[rows_in, h], kk_s, first)
-    for axis in range(2):
-        plgpu.copy_gmem_to_smem(beta_ref.at[s, h], beta_s.at[axis], first)
-    for part in range(2):   # (one copy a part: a bulk copy takes at most 5 strided dims)
-        plgpu.copy_gmem_to_smem(ek_ref.at[part, rows_in, h], ek_s.at[part], second)
-    plgpu.copy_gmem_to_smem(v_ref.at[rows_in, h], v_s, second)
-    plgpu.barrier_wait(first)
+    mine = (num_items - p + num_programs - 1) // num_programs
     wgmma_layout = None if interpret else plgpu.Layout.WGMMA
     i, j = _iota((C, C), 0, interpret), _iota((C, C), 1, interpret)
-    n = len_ref[s]
 
-    def vector(axis):
-        """beta, broadcast along axis of a [C, C] tile (from its copy for that layout)."""
-        return _spread_vector(beta_s.at[axis], axis, (C, C), interpret)
+    def slot_and_head(it):
+        w = p + it * num_programs
+        return w // num_v_heads, w % num_v_heads
 
-    kk = _load(kk_s, wgmma_layout, interpret).astype(F32)
-    A = jnp.where((i > j) & (i < n), vector(0) * kk, 0.0)
-    inverse_s, tb_s, u_s = union_s
-    zero = p - p   # a traced index: see `_prep_kernel`
-    D = _inverse_fp16(A, i, j, inverse_s.at[zero], inverse_s.at[zero + 1], interpret)
-    flag_o[...] = _unfit_rows(A, D, max_a, max_t)
-    plgpu.barrier_wait(second)
+    def rows_in(s):
+        return pl.ds(pl.multiple_of(start_ref[s], C), C)
 
-    @pl.when(n < C)
+    def fetch_first(it):
+        """k k^T and beta, what the inverse needs, on a barrier of their own."""
+        s, h = slot_and_head(it)
+        buf = it % num_bufs
+        plgpu.copy_gmem_to_smem(kk_ref.at[rows_in(s), h], kk_s.at[buf], first_bar.at[buf])
+        for axis in range(2):
+            plgpu.copy_gmem_to_smem(beta_ref.at[s, h], beta_s.at[buf, axis], first_bar.at[buf])
+
+    @pl.when(mine > 0)
     def _():
-        # the rows past the chunk's end (rows past the arrays, which the copies fill with
-        # zeros, or rows the kernels before left unwritten) as zeros: the products below take
-        # them times zeros of T beta, and a NaN there would spread
-        for x_s in (ek_s.at[0], ek_s.at[1], v_s):
-            x = _load(x_s, wgmma_layout, interpret)
-            x_s[...] = jnp.where(_iota(x.shape, 0, interpret) < n, x, jnp.zeros_like(x))
+        fetch_first(0)
 
-    # T beta's halves over the inverse's operand tiles (its last product's wait is done), and
-    # the zeroed rows above, for the products
-    _store_halves(tb_s, split_bf16(D * vector(1)), interpret=interpret)
-    # W = (T beta)(e^G k) from both sides' halves (all pairs but lo x lo, as
-    # `gdn_prefill._dot_parts`), U = (T beta) v
-    (w, u), _ = _products([[(tb_s.at[0], ek_s.at[0]), (tb_s.at[0], ek_s.at[1]),
-                            (tb_s.at[1], ek_s.at[0])],
-                           [(tb_s.at[0], v_s), (tb_s.at[1], v_s)]],
-                          (C, HEAD_K_DIM), interpret=interpret)
-    # W's halves over e^G k's tiles and U over T beta's: the products' reads are done
-    _store_halves(ek_s, split_bf16(w), interpret=interpret, commit=False)
-    u_s[...] = u
-    _commit_smem(interpret)
-    for part in range(2):
-        plgpu.copy_smem_to_gmem(ek_s.at[part], w_ref.at[part, rows_out, h])
-    plgpu.copy_smem_to_gmem(u_s, u_ref.at[rows_out, h])
-    plgpu.copy_smem_to_gmem(flag_o, flag_ref.at[s, h])
+    def step(it, carry):
+        s, h = slot_and_head(it)
+        buf = it % num_bufs
+        if not interpret:
+            # the item before this one stored W from e^G k's tiles, U from the union and its
+            # flags: their reads first, then this item's rows over them
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        # e^G k and v, waited for only before the products: the inverse runs while they arrive
+        for part in range(2):   # (one copy a part: a bulk copy takes at most 5 strided dims)
+            plgpu.copy_gmem_to_smem(ek_ref.at[part, rows_in(s), h], ek_s.at[part], second_bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[rows_in(s), h], v_s, second_bar)
+        if num_bufs > 1:
+            @pl.when(it + 1 < mine)
+            def _():
+                fetch_first(it + 1)   # into the buffer the item before this one used
+
+        plgpu.barrier_wait(first_bar.at[buf])
+        n = len_ref[s]
+
+        def vector(axis):
+            """beta, broadcast along axis of a [C, C] tile (from its copy for that layout)."""
+            return _spread_vector(beta_s.at[buf, axis], axis, (C, C), interpret)
+
+        kk = _load(kk_s.at[buf], wgmma_layout, interpret).astype(F32)
+        A = jnp.where((i > j) & (i < n), vector(0) * kk, 0.0)
+        inverse_s, tb_s, u_s = union_s
+        zero = buf - buf   # a traced index: see `_prep_kernel`
+        D = _inverse_fp16(A, i, j, inverse_s.at[zero], inverse_s.at[zero + 1], interpret)
+        flag_o[...] = _unfit_rows(A, D, max_a, max_t)
+        plgpu.barrier_wait(second_bar)
+
+        @pl.when(n < C)
+        def _():
+            # the rows past the chunk's end (rows past the arrays, which the copies fill with
+            # zeros, or rows the kernels before left unwritten) as zeros: the products below
+            # take them times zeros of T beta, and a NaN there would spread
+            for x_s in (ek_s.at[0], ek_s.at[1], v_s):
+                x = _load(x_s, wgmma_layout, interpret)
+                x_s[...] = jnp.where(_iota(x.shape, 0, interpret) < n, x, jnp.zeros_like(x))
+
+        # T beta's halves over the inverse's operand tiles (its last product's wait is done),
+        # and the zeroed rows above, for the products
+        _store_halves(tb_s, split_bf16(D * vector(1)), interpret=interpret)
+        # W = (T beta)(e^G k) from both sides' halves (all pairs but lo x lo, as
+        # `gdn_prefill._dot_parts`), U = (T beta) v
+        (w, u), _ = _products([[(tb_s.at[0], ek_s.at[0]), (tb_s.at[0], ek_s.at[1]),
+                                (tb_s.at[1], ek_s.at[0])],
+                               [(tb_s.at[0], v_s), (tb_s.at[1], v_s)]],
+                              (C, HEAD_K_DIM), interpret=interpret)
+        # W's halves over e^G k's tiles and U over T beta's: the products' reads are done
+        _store_halves(ek_s, split_bf16(w), interpret=interpret, commit=False)
+        u_s[...] = u
+        _commit_smem(interpret)
+        rows_out = pl.ds(pl.multiple_of(s * C, C), C)
+        for part in range(2):
+            plgpu.copy_smem_to_gmem(ek_s.at[part], w_ref.at[part, rows_out, h])
+        plgpu.copy_smem_to_gmem(u_s, u_ref.at[rows_out, h])
+        plgpu.copy_smem_to_gmem(flag_o, flag_ref.at[s, h])
+        return carry
+
+    lax.fori_loop(0, mine, step, 0)
     if not interpret:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
-             interpret: bool = False):
-    """KDA's W and U, per (chunk slot, value head) item, one warpgroup an item: A = beta k k^T
+             num_programs: int | None = PREP_PROGRAMS, interpret: bool = False):
+    """KDA's W and U, per (chunk slot, value head) item, one warpgroup an item; num_programs
+    programs (None: one an item) take the items in turn, heads fastest. A = beta k k^T
     from the intra-chunk kernel's k k^T, T = (I + A)^-1 by the fp16 doubling of `prep`, then
     W = (T beta)(e^G k) and U = (T beta) v on the tensor cores, each taking T beta as its bf16
     halves against e^G k's hi and lo parts and v's exact rows.
@@ -964,21 +998,27 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
     the caller must form again)."""
     S, HV = beta.shape[:2]
     C, K = CHUNK, HEAD_K_DIM
-    # one item a program, two programs an SM: k k^T, e^G k's parts and v in, and in one union
-    # the inverse's fp16 operand tiles, then T beta's halves, then U; W goes out through e^G
-    # k's tiles (about 100 KiB with k k^T in fp16)
+    num_items = S * HV
+    num_programs = num_items if num_programs is None else min(num_programs, num_items)
+    # two buffers for k k^T and beta where programs take several items (the next item's fetched
+    # while one is formed); k k^T, e^G k's parts and v in, and in one union the inverse's fp16
+    # operand tiles, then T beta's halves, then U; W goes out through e^G k's tiles (about
+    # 100 KiB with k k^T in fp16: two programs an SM)
+    num_bufs = 2 if num_programs < num_items else 1
     union = plgpu.RefUnion(_swizzled((2, C, C), F16), _swizzled((2, C, C)),
                            plgpu.SMEM((C, K), F32))
-    scratch = (plgpu.SMEM((C, C), kk.dtype), union, _swizzled((2, C, K)), _swizzled((C, K)),
-               plgpu.SMEM((2, C), F32), plgpu.SMEM((C,), F32),
-               plgpu.Barrier(num_arrivals=3, num_barriers=2))
+    scratch = (plgpu.SMEM((num_bufs, C, C), kk.dtype), union, _swizzled((2, C, K)),
+               _swizzled((C, K)), plgpu.SMEM((num_bufs, 2, C), F32), plgpu.SMEM((C,), F32),
+               plgpu.Barrier(num_arrivals=3, num_barriers=num_bufs),
+               plgpu.Barrier(num_arrivals=3, num_barriers=1))
     return _launch(
-        functools.partial(_kda_prep_kernel, num_v_heads=HV, max_a=max_a, max_t=max_t,
+        functools.partial(_kda_prep_kernel, num_v_heads=HV, num_items=num_items,
+                          num_programs=num_programs, max_a=max_a, max_t=max_t,
                           interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((2, S * C, HV, K), BF16),
                   jax.ShapeDtypeStruct((S * C, HV, K), F32),
                   jax.ShapeDtypeStruct((S, HV, C), F32)),
-        scratch=scratch, num_programs=S * HV, name="kda_prefill_mgpu_prep",
+        scratch=scratch, num_programs=num_programs, name="kda_prefill_mgpu_prep",
         interpret=interpret,
     )(start, length, kk, ek, v, beta)
 

@@ -817,9 +817,10 @@ def test_mosaic_scan_lowers_for_hopper():
             factors)
         assert "mosaic_gpu" in exported.mlir_module()
     # KDA's prep (token rows a multiple of 8, as its launcher gives them), k k^T fp32 or fp16
-    f = jax.jit(functools.partial(mgpu.kda_prep, max_a=kern.HALF_INVERSE_MAX_A,
-                                  max_t=kern.HALF_INVERSE_MAX_T))
-    for kk_dtype in (F32, F16):
+    # (one item a program, and programs taking several items in turn)
+    for kk_dtype, num_programs in itertools.product((F32, F16), (None, 3)):
+        f = jax.jit(functools.partial(mgpu.kda_prep, max_a=kern.HALF_INVERSE_MAX_A,
+                                      max_t=kern.HALF_INVERSE_MAX_T, num_programs=num_programs))
         exported = jax.export.export(f, platforms=["cuda"])(
             jnp.zeros((S,), jnp.int32), jnp.full((S,), 64, jnp.int32),
             jnp.ones((T, HV, 64), kk_dtype), jnp.ones((2, T, HV, K), BF16), y,
@@ -951,6 +952,41 @@ def test_mosaic_kda_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
                                             interpret=mode == "interpret")[0])
     used = np.asarray(length) > 0
     assert np.all(redo[used, 0] == 1) and np.all(redo[:, 1] == 0) and np.all(redo[~used] == 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mosaic_kda_prep_items_in_turn_keep_the_bits(mode):
+    """KDA's Mosaic GPU prep with programs that take several items in turn (the next item's
+    k k^T and beta fetched while one is formed) gives the bits of one item a program: fresh
+    random rows, a partial last chunk, an empty slot, unfit chunks among fitting ones."""
+    from pallas_kernels import gdn_prefill_mgpu as mgpu
+    C, HV, K = 64, 3, 128
+    length = jnp.array([64, 64, 0, 64, 37], jnp.int32)
+    S = length.shape[0]
+    start = jnp.arange(S, dtype=jnp.int32) * C
+    T = S * C
+    ks = jax.random.split(jax.random.PRNGKey(7), 5)
+    lower = np.tril(np.ones((C, C), np.float32), -1)[None, :, None, :]
+    kk = jax.random.uniform(ks[0], (S, C, HV, C), F32, -0.1, 0.1) * lower
+    kk = kk.at[1, :, 2].multiply(400.0)                  # a chunk whose fp16 inverse fails
+    kk = kk.reshape(T, HV, C).astype(jnp.float16)
+    ek = jnp.stack(mgpu.split_bf16(jax.random.normal(ks[1], (T, HV, K), F32)))
+    v = jax.random.normal(ks[2], (T, HV, K), F32).astype(BF16)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (S, HV, C), F32))
+    beta = jnp.where(jnp.arange(C)[None, None, :] < length[:, None, None], beta, 0.0)
+    run = lambda n: mgpu.kda_prep(start, length, kk, ek, v, beta,
+                                  max_a=kern.HALF_INVERSE_MAX_A, max_t=kern.HALF_INVERSE_MAX_T,
+                                  num_programs=n, interpret=mode == "interpret")
+    one, turns = run(None), run(4)
+    fitting = np.ones((S * C, HV), bool)
+    fitting[C:2 * C, 2] = False                          # (the flagged chunk: its caller redoes it)
+    for a, b in zip(turns, one):
+        a, b = np.asarray(a, F32), np.asarray(b, F32)
+        assert np.array_equal(a, b, equal_nan=True)
+        if a.shape[0] != S:                              # W's halves and U, by token row
+            assert np.all(np.isfinite(a[..., fitting, :]))
+    flags = np.asarray(one[2])
+    assert flags[1, 2].max() == 1 and flags[0].max() == 0 and flags[3].max() == 0
 
 
 def test_mosaic_kda_prep_dispatch_rule():
