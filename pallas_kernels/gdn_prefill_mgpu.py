@@ -655,6 +655,18 @@ F16 = jnp.float16
 PREP_PROGRAMS = 264
 
 
+def _items_in_turn(num_items: int, num_programs: int, num_v_heads: int):
+    """This program's share of the (chunk slot, value head) work items, heads fastest, which
+    num_programs programs take in turn: (how many it takes, it -> (slot, head) of its it-th)."""
+    p = lax.axis_index("p")
+
+    def slot_and_head(it):
+        w = p + it * num_programs
+        return w // num_v_heads, w % num_v_heads
+
+    return (num_items - p + num_programs - 1) // num_programs, slot_and_head
+
+
 def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_k_heads: int,
                  num_items: int, num_programs: int, max_a: float, max_t: float, l2norm: bool,
                  interpret: bool):
@@ -664,14 +676,8 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
     aqk_ref, tb_ref, flag_ref, *refs = refs
     fac_out_ref, *refs = refs if l2norm else (None, *refs)
     (q_s, inverse_s, tb_s), k_s, vec_s, fac_s, nrm_s, aqk_o, flag_o, fac_o, bar = refs
-    # work items (chunk slot, value head), heads fastest, taken by the programs in turn; the
-    # next item's rows are fetched into the other buffer while this one is formed
-    p = lax.axis_index("p")
-    mine = (num_items - p + num_programs - 1) // num_programs
-
-    def slot_and_head(it):
-        w = p + it * num_programs
-        return w // num_v_heads, w % num_v_heads
+    # the next item's rows are fetched into the other buffer while this one is formed
+    mine, slot_and_head = _items_in_turn(num_items, num_programs, num_v_heads)
 
     def fetch(it):
         s, h = slot_and_head(it)
@@ -886,17 +892,11 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref,
                      num_v_heads: int, num_items: int, num_programs: int, max_a: float,
                      max_t: float, interpret: bool):
     C = CHUNK
-    # work items (chunk slot, value head), heads fastest, taken by the programs in turn; with
-    # two buffers for k k^T and beta, the next item's are fetched while this one is formed
+    # with two buffers for k k^T and beta, the next item's are fetched while this one is formed
     num_bufs = kk_s.shape[0]
-    p = lax.axis_index("p")
-    mine = (num_items - p + num_programs - 1) // num_programs
+    mine, slot_and_head = _items_in_turn(num_items, num_programs, num_v_heads)
     wgmma_layout = None if interpret else plgpu.Layout.WGMMA
     i, j = _iota((C, C), 0, interpret), _iota((C, C), 1, interpret)
-
-    def slot_and_head(it):
-        w = p + it * num_programs
-        return w // num_v_heads, w % num_v_heads
 
     def rows_in(s):
         return pl.ds(pl.multiple_of(start_ref[s], C), C)
