@@ -78,6 +78,8 @@ clamped decay is still a full reset) so every cumulative sum is finite and a -in
 produce -inf - (-inf). The cumulative decay is kept as two sums, of hi = g rounded to a multiple
 of 1/16 and lo = g - hi: the hi sums are exact in fp32 (|sum| <= 64 * 88 * 16 < 2^24), so the
 pairwise differences G_i - G_j lose no precision however negative the gates before j were.
+KDA's raw lower-bound gate with 16-bit inputs takes one plain sum instead
+(`_one_part_gate_sums`): the gate bounds a chunk's sums by 64 |lb| (320 at lb = -5).
 
 Dots: fp32 inputs use three-pass TF32 (fp32 accuracy on tensor cores). With bf16 inputs every
 product with a bf16 row operand (raw q and k, v; KDA's stored decayed q, e^G k and W) takes
@@ -107,6 +109,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -568,6 +571,25 @@ def _split_cumsum(g, one_scan: bool = False):
     if not one_scan:
         return jnp.cumsum(hi, axis=0), jnp.cumsum(lo, axis=0)
     return lax.unstack(jnp.cumsum(jnp.stack((hi, lo), axis=-1), axis=0), axis=-1)
+
+
+def _kda_gate_sums(g, spec: PrefillSpec):
+    """KDA's in-chunk cumulative log decays for the intra kernel, as a tuple of parts whose sum
+    is G: one plain fp32 running sum where the gate bounds the chunk's sums
+    (`_one_part_gate_sums`), else the (hi, lo) parts of `_split_cumsum`."""
+    if _one_part_gate_sums(spec):
+        return (jnp.cumsum(jnp.maximum(g, GATE_FLOOR), axis=0),)
+    return _split_cumsum(g, _one_scan_gates(spec))
+
+
+def _one_part_gate_sums(spec: PrefillSpec) -> bool:
+    """Whether KDA's intra kernel sums its gates in one plain fp32 part: the raw lower-bound
+    gate (lb >= -5, `_factored_diagonal_always_safe`) keeps every in-chunk sum within
+    CHUNK * |lb| <= 320, where fp32 rounds each partial sum by at most 2^-24 * 320 (2e-5 in an
+    exponent, far below the fp16 and TF32 roundings of the products the decays enter with
+    16-bit inputs); fp32 inputs keep the exact hi and lo parts. Measured against float64 with
+    the split sums: the same errors (BENCHMARKS.md, KDA prefill)."""
+    return _factored_diagonal_always_safe(spec) and not spec.precise
 
 
 def _one_scan_gates(spec: PrefillSpec) -> bool:
@@ -1044,7 +1066,8 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         # reach e^40, beyond fp16: those stay TF32.
         bounded = lambda x: x.astype(_bounded_dtype(spec))
         factored_always = _factored_diagonal_always_safe(spec)
-        rel = lambda x, y: (x[0] - y[0]) + (x[1] - y[1])  # G_x - G_y from (hi, lo) pairs
+        # G_x - G_y from the sums' parts (hi, lo; or the one part, `_kda_gate_sums`)
+        rel = lambda x, y: functools.reduce(operator.add, [a - b for a, b in zip(x, y)])
         exchange = _BlockRowExchange(rows_ref, (s, h), block_k, interpret)
 
         def gate(cols):
@@ -1082,7 +1105,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             kk, qk = acc
             cols = pl.ds(c * block_k, block_k)
             put = lambda ref, x: plgpu.store(ref.at[tok, h, cols], x.astype(ref.dtype), mask=live)
-            G = _split_cumsum(gate(cols), _one_scan_gates(spec))           # rows past n add 0
+            G = _kda_gate_sums(gate(cols), spec)                           # rows past n add 0
             kn = load(k_ref.at[tok, hk, cols]) * tk[:, None] * rk[:, None]
             qn = load(q_ref.at[tok, hk, cols]) * tq[:, None] * rq[:, None]
             # Step c shares its reference rows through buffer c % 2. Step c + 1 stores into the
@@ -1093,17 +1116,17 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             # per use orders both the stores before the loads and the loads before the stores
             # that overwrite them.
             buf = lax.rem(c, 2)
-            exchange.share(buf, [(G[0], ((SUB - 1, LAST[0]), (SUB // 2, MID[0]))),
-                                 (G[1], ((SUB - 1, LAST[1]), (SUB // 2, MID[1])))])
-            lasts = [tuple(exchange.row(buf, slot, a) for slot in LAST) for a in range(nb)]
-            kt = kn * jnp.exp(rel(tuple(exchange.spread(buf, slot) for slot in LAST), G))  # <= 1
+            parts = range(len(G))
+            exchange.share(buf, [(G[p], ((SUB - 1, LAST[p]), (SUB // 2, MID[p]))) for p in parts])
+            lasts = [tuple(exchange.row(buf, LAST[p], a) for p in parts) for a in range(nb)]
+            kt = kn * jnp.exp(rel(tuple(exchange.spread(buf, LAST[p]) for p in parts), G))  # <= 1
             for b in range(nb - 1):
                 # exp of a positive exponent above block b's end may be inf: selected away
                 after = jnp.where(block > b, jnp.exp(rel(G, lasts[b])), 0.0)  # <= 1
                 kb = jnp.where(block == b, kt, 0.0)
                 kk = kk + dot(bounded(kn * after), bounded(kb))
                 qk = qk + dot(bounded(qn * after), bounded(kb))
-            mid = rel(G, tuple(exchange.spread(buf, slot) for slot in MID))
+            mid = rel(G, tuple(exchange.spread(buf, MID[p]) for p in parts))
 
             def factored():
                 up, down = jnp.exp(mid), kn * jnp.exp(-mid)
@@ -1116,12 +1139,12 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
                 kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT, factored, exact)
             kk = jnp.where(same_block, kk + kk_d, kk)
             qk = jnp.where(same_block, qk + qk_d, qk)
-            eG = jnp.exp(G[0] + G[1])
+            eG = jnp.exp(sum(G[1:], G[0]))
             put(fq_ref, qn * eG)
             _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
             put(fk_ref, kn * jnp.exp(rel(lasts[-1], G)))
             # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
-            decay_ref[s, h, cols] = jnp.exp(lasts[-1][0] + lasts[-1][1])[0]
+            decay_ref[s, h, cols] = jnp.exp(sum(lasts[-1][1:], lasts[-1][0]))[0]
             return kk, qk
 
         zero = jnp.zeros((C, C), F32)

@@ -5,6 +5,7 @@ marked `gpu`). Inputs are fresh random draws (never zeros); pools carry 1e30 sen
 write to a slot that was not named, or a read of padding, shows.
 """
 
+import dataclasses
 import functools
 import itertools
 
@@ -1310,7 +1311,10 @@ def test_kda_intra_gate_sums_in_one_scan_keep_the_bits(mode, monkeypatch):
     """KDA's intra kernel sums its gates' hi and lo parts in one running sum of twice the width
     for some gate forms (`_one_scan_gates`) and in two sums for the others: both ways give the
     same bits, for the raw softplus gate that takes one scan by default and the lower-bound gate
-    that takes two (each with the other form forced), gates spanning -88 to ~0."""
+    that takes two (each with the other form forced), gates spanning -88 to ~0. (The lower-bound
+    gate with 16-bit inputs sums in one plain part by default, `_one_part_gate_sums`: the split
+    parts are forced here.)"""
+    monkeypatch.setattr(kern, "_one_part_gate_sums", lambda spec: False)
     lens, HK, HV, K = [100, 30], 1, 2, 32
     q, k, _, _, _, _, cu = _kda_inputs(26, lens, HK=HK, HV=HV, K=K, dtype=BF16)
     rng = np.random.default_rng(27)
@@ -1334,6 +1338,43 @@ def test_kda_intra_gate_sums_in_one_scan_keep_the_bits(mode, monkeypatch):
             if i == len(got[True]) - 1:
                 x, y = x[used], y[used]
             assert np.all(np.isfinite(x)) and np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kda_one_part_gate_sums_against_float64(mode, monkeypatch):
+    """The raw lower-bound gate with bf16 inputs sums its gates in one plain fp32 part
+    (`_one_part_gate_sums`): against a float64 token loop its outputs and final states are as
+    close as with the exact hi and lo parts, on gates that put the chunks' sums near their bound
+    (-5 for 40 tokens, then ~0: decays that matter, late in chunks whose sums are large) and on
+    random ones, with an initial state."""
+    lens, HK, HV, K = [256, 130], 1, 2, 64
+    q, k, v, _, b, h0, cu = _kda_inputs(61, lens, HK=HK, HV=HV, K=K, dtype=BF16)
+    rng = np.random.default_rng(62)
+    T = sum(lens)
+    pos = (np.arange(T) % kern.CHUNK)[:, None, None]
+    cases = {"strong then weak": (np.where(pos < 40, 8.0, -8.0)
+                                  + 0.3 * rng.standard_normal((T, HV, K)), np.zeros(HV)),
+             "random": (2 * rng.standard_normal((T, HV, K)), 0.5 * rng.standard_normal(HV))}
+    spec = _spec(HK, HV, K, K, per_channel_gate=True, raw_gates=True, gate_lower_bound=-5.0,
+                 precise=False, has_initial_state=True)
+    assert kern._one_part_gate_sums(spec)
+    assert not kern._one_part_gate_sums(dataclasses.replace(spec, precise=True))
+    dt_bias = jnp.asarray(rng.standard_normal(HV * K), F32)
+    for name, (a, A_log) in cases.items():
+        a, A_log = jnp.asarray(a, F32), jnp.asarray(A_log, F32)
+        g = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=-5.0)
+        ro, rs = _oracle(q, k, v, g, jax.nn.sigmoid(b), h0, cu)
+        got = {}
+        for one_part in (True, False):
+            monkeypatch.setattr(kern, "_one_part_gate_sums", lambda spec, one=one_part: one)
+            jax.clear_caches()   # the traced calls do not see the patched rule otherwise
+            got[one_part] = _run(mode, q, k, v, a, b, cu, spec, initial_state=h0, A_log=A_log,
+                                 dt_bias=dt_bias)[:2]
+        (o1, s1), (o2, s2) = got[True], got[False]
+        assert not np.array_equal(np.asarray(s1), np.asarray(s2)), name   # the forms differ
+        assert rel_err(o1, ro) <= 5e-3 and rel_err(s1, rs) <= 1e-3, name
+        assert rel_err(o1, ro) <= 1.02 * rel_err(o2, ro), name
+        assert rel_err(s1, rs) <= 1.05 * rel_err(s2, rs), name
 
 
 def _diag_spans(g, cu):
