@@ -1119,6 +1119,14 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             parts = range(len(G))
             exchange.share(buf, [(G[p], ((SUB - 1, LAST[p]), (SUB // 2, MID[p]))) for p in parts])
             lasts = [tuple(exchange.row(buf, LAST[p], a) for p in parts) for a in range(nb)]
+            # The decayed rows first: their tiles are done with before the products' operands
+            # and results are formed, so fewer registers spill (ptxas; BENCHMARKS.md)
+            eG = jnp.exp(sum(G[1:], G[0]))
+            put(fq_ref, qn * eG)
+            _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
+            put(fk_ref, kn * jnp.exp(rel(lasts[-1], G)))
+            # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
+            decay_ref[s, h, cols] = jnp.exp(sum(lasts[-1][1:], lasts[-1][0]))[0]
             kt = kn * jnp.exp(rel(tuple(exchange.spread(buf, LAST[p]) for p in parts), G))  # <= 1
             for b in range(nb - 1):
                 # exp of a positive exponent above block b's end may be inf: selected away
@@ -1139,12 +1147,6 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
                 kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT, factored, exact)
             kk = jnp.where(same_block, kk + kk_d, kk)
             qk = jnp.where(same_block, qk + qk_d, qk)
-            eG = jnp.exp(sum(G[1:], G[0]))
-            put(fq_ref, qn * eG)
-            _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
-            put(fk_ref, kn * jnp.exp(rel(lasts[-1], G)))
-            # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
-            decay_ref[s, h, cols] = jnp.exp(sum(lasts[-1][1:], lasts[-1][0]))[0]
             return kk, qk
 
         zero = jnp.zeros((C, C), F32)
