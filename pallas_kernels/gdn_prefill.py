@@ -550,6 +550,24 @@ def _tamed_l2_factor(s, s_probe, m):
     return t, lax.rsqrt(jnp.where(huge, s_probe * (up * up), s) + L2NORM_EPS)
 
 
+LOG2E = 1.4426950408889634
+
+
+def _operand_exp(x, interpret: bool):
+    """e^x for the decay factors of tensor-core operands that round to 11 bits (fp16, one-pass
+    TF32): compiled, one `ex2.approx` of x log2(e), where libdevice's expf takes several
+    instructions (the KDA intra kernel runs at its instruction rate); its relative error, about
+    2^-22 plus |x| 2^-24 from the product, is far below the operands' rounding (2^-11). Results
+    below fp32's normal range flush to zero (terms below 1e-38 of the unit diagonal); an
+    exponent of +inf gives +inf as before. Interpret mode: `jnp.exp`."""
+    if interpret:
+        return jnp.exp(x)
+    [y] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x * LOG2E],
+                                       constraints="=f,f", pack=1,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, F32)])
+    return y
+
+
 def _softplus(x):
     return jnp.where(x > SOFTPLUS_THRESHOLD, x,
                      jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
@@ -1127,17 +1145,19 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             put(fk_ref, kn * jnp.exp(rel(lasts[-1], G)))
             # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
             decay_ref[s, h, cols] = jnp.exp(sum(lasts[-1][1:], lasts[-1][0]))[0]
-            kt = kn * jnp.exp(rel(tuple(exchange.spread(buf, LAST[p]) for p in parts), G))  # <= 1
+            kt = kn * _operand_exp(rel(tuple(exchange.spread(buf, LAST[p]) for p in parts), G),
+                                   interpret)  # <= 1
             for b in range(nb - 1):
                 # exp of a positive exponent above block b's end may be inf: selected away
-                after = jnp.where(block > b, jnp.exp(rel(G, lasts[b])), 0.0)  # <= 1
+                after = jnp.where(block > b, _operand_exp(rel(G, lasts[b]), interpret),
+                                  0.0)  # <= 1
                 kb = jnp.where(block == b, kt, 0.0)
                 kk = kk + dot(bounded(kn * after), bounded(kb))
                 qk = qk + dot(bounded(qn * after), bounded(kb))
             mid = rel(G, tuple(exchange.spread(buf, MID[p]) for p in parts))
 
             def factored():
-                up, down = jnp.exp(mid), kn * jnp.exp(-mid)
+                up, down = _operand_exp(mid, interpret), kn * _operand_exp(-mid, interpret)
                 return dot(kn * up, down), dot(qn * up, down)
 
             if factored_always:

@@ -1377,6 +1377,31 @@ def test_kda_one_part_gate_sums_against_float64(mode, monkeypatch):
         assert rel_err(s1, rs) <= 1.05 * rel_err(s2, rs), name
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_operand_exp_against_float64(mode):
+    """The decay factors of the KDA intra kernel's tensor-core operands (`_operand_exp`:
+    `ex2.approx` compiled, `jnp.exp` in interpret mode) within 2^-20 of float64 where e^x is a
+    normal fp32 number, 0 (or that number's subnormal) below it, and exact at 0, +-inf."""
+    from jax.experimental import pallas as pl
+    rng = np.random.default_rng(41)
+    x = rng.uniform(-95.0, 60.0, (64, 32))
+    x[0, :4] = [0.0, -np.inf, np.inf, -87.0]
+    x = jnp.asarray(x, F32)
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = kern._operand_exp(x_ref[...], interpret=mode == "interpret")
+
+    got = np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, F32),
+                                    interpret=mode == "interpret")(x), np.float64)
+    want = np.exp(np.asarray(x, np.float64))
+    normal = (want >= np.finfo(np.float32).tiny) & (want <= np.finfo(np.float32).max)
+    assert np.all(np.abs(got[normal] - want[normal]) <= 2.0 ** -20 * want[normal])
+    assert np.all(got[want > np.finfo(np.float32).max] == np.inf)
+    below = want < np.finfo(np.float32).tiny
+    assert np.all(got[below] <= np.finfo(np.float32).tiny) and np.all(got[below] >= 0)
+    assert got[0, 0] == 1.0 and got[0, 1] == 0.0 and got[0, 2] == np.inf
+
+
 def _diag_spans(g, cu):
     """Largest |G_ic - G_mc| per (chunk, head) between a row and the middle row m of its
     16-row block (float64, gates clamped as the kernel does): the kernel forms all of a chunk's
