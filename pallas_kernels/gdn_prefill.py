@@ -553,16 +553,18 @@ def _tamed_l2_factor(s, s_probe, m):
 LOG2E = 1.4426950408889634
 
 
-def _operand_exp(x, interpret: bool):
+def _operand_exp(x, interpret: bool, log2: bool = False):
     """e^x for the decay factors of tensor-core operands that round to 11 bits (fp16, one-pass
     TF32): compiled, one `ex2.approx` of x log2(e), where libdevice's expf takes several
     instructions (the KDA intra kernel runs at its instruction rate); its relative error, about
     2^-22 plus |x| 2^-24 from the product, is far below the operands' rounding (2^-11). Results
     below fp32's normal range flush to zero (terms below 1e-38 of the unit diagonal); an
-    exponent of +inf gives +inf as before. Interpret mode: `jnp.exp`."""
+    exponent of +inf gives +inf as before. Interpret mode: `jnp.exp`. log2: x is in units of
+    log 2 (2^x, no product)."""
     if interpret:
-        return jnp.exp(x)
-    [y] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x * LOG2E],
+        return jnp.exp2(x) if log2 else jnp.exp(x)
+    [y] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;",
+                                       args=[x if log2 else x * LOG2E],
                                        constraints="=f,f", pack=1,
                                        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, F32)])
     return y
@@ -594,9 +596,10 @@ def _split_cumsum(g, one_scan: bool = False):
 def _kda_gate_sums(g, spec: PrefillSpec):
     """KDA's in-chunk cumulative log decays for the intra kernel, as a tuple of parts whose sum
     is G: one plain fp32 running sum where the gate bounds the chunk's sums
-    (`_one_part_gate_sums`), else the (hi, lo) parts of `_split_cumsum`."""
+    (`_one_part_gate_sums`; then in log2 units, g given so), else the (hi, lo) parts of
+    `_split_cumsum`."""
     if _one_part_gate_sums(spec):
-        return (jnp.cumsum(jnp.maximum(g, GATE_FLOOR), axis=0),)
+        return (jnp.cumsum(jnp.maximum(g, GATE_FLOOR * LOG2E), axis=0),)
     return _split_cumsum(g, _one_scan_gates(spec))
 
 
@@ -758,12 +761,14 @@ def _factored_diagonal_always_safe(spec: PrefillSpec) -> bool:
             and -spec.gate_lower_bound * (SUB // 2) <= DIAG_EXP_LIMIT)
 
 
-def _raw_log_decay(x, A_log, dt, spec: PrefillSpec):
+def _raw_log_decay(x, A_log, dt, spec: PrefillSpec, unit: float = 1.0):
     """The log decay from the raw gate projection x (fp32): -e^A_log softplus(x + dt), or with a
-    lower bound lb * sigmoid(e^A_log (x + dt))."""
+    lower bound lb * sigmoid(e^A_log (x + dt)); unit: in units of 1 / unit (the lower-bound
+    form only: LOG2E gives log2 decays, the bound folded into one constant)."""
     if spec.gate_lower_bound is None:
+        assert unit == 1.0
         return -jnp.exp(A_log) * _softplus(x + dt)
-    return jnp.float32(spec.gate_lower_bound) * jax.nn.sigmoid(jnp.exp(A_log) * (x + dt))
+    return jnp.float32(spec.gate_lower_bound * unit) * jax.nn.sigmoid(jnp.exp(A_log) * (x + dt))
 
 
 # --------------------------------------------------------------------------- kernel 1: chunk prep
@@ -1084,6 +1089,11 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         # reach e^40, beyond fp16: those stay TF32.
         bounded = lambda x: x.astype(_bounded_dtype(spec))
         factored_always = _factored_diagonal_always_safe(spec)
+        # The one-part sums (the lower-bound gate) run in log2 units: every decay is then one
+        # ex2 (no product by log2 e before it), and the bound takes the unit in its constant
+        log2 = _one_part_gate_sums(spec)
+        exp = jnp.exp2 if log2 else jnp.exp
+        operand_exp = functools.partial(_operand_exp, interpret=interpret, log2=log2)
         # G_x - G_y from the sums' parts (hi, lo; or the one part, `_kda_gate_sums`)
         rel = lambda x, y: functools.reduce(operator.add, [a - b for a, b in zip(x, y)])
         exchange = _BlockRowExchange(rows_ref, (s, h), block_k, interpret)
@@ -1094,7 +1104,8 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             if not spec.raw_gates:
                 return g
             dt = dt_ref[pl.ds(h * K + cols.start, cols.size)][None, :].astype(F32)
-            return jnp.where(live, _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec), 0.0)
+            return jnp.where(live, _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec,
+                                                  unit=LOG2E if log2 else 1.0), 0.0)
 
         if spec.use_qk_l2norm:
             # The only kernel that reads KDA's raw q and k rows (the launcher tames no rows for
@@ -1139,25 +1150,23 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             lasts = [tuple(exchange.row(buf, LAST[p], a) for p in parts) for a in range(nb)]
             # The decayed rows first: their tiles are done with before the products' operands
             # and results are formed, so fewer registers spill (ptxas; BENCHMARKS.md)
-            eG = jnp.exp(sum(G[1:], G[0]))
+            eG = exp(sum(G[1:], G[0]))
             put(fq_ref, qn * eG)
             _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
-            put(fk_ref, kn * jnp.exp(rel(lasts[-1], G)))
+            put(fk_ref, kn * exp(rel(lasts[-1], G)))
             # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
-            decay_ref[s, h, cols] = jnp.exp(sum(lasts[-1][1:], lasts[-1][0]))[0]
-            kt = kn * _operand_exp(rel(tuple(exchange.spread(buf, LAST[p]) for p in parts), G),
-                                   interpret)  # <= 1
+            decay_ref[s, h, cols] = exp(sum(lasts[-1][1:], lasts[-1][0]))[0]
+            kt = kn * operand_exp(rel(tuple(exchange.spread(buf, LAST[p]) for p in parts), G))  # <= 1
             for b in range(nb - 1):
                 # exp of a positive exponent above block b's end may be inf: selected away
-                after = jnp.where(block > b, _operand_exp(rel(G, lasts[b]), interpret),
-                                  0.0)  # <= 1
+                after = jnp.where(block > b, operand_exp(rel(G, lasts[b])), 0.0)  # <= 1
                 kb = jnp.where(block == b, kt, 0.0)
                 kk = kk + dot(bounded(kn * after), bounded(kb))
                 qk = qk + dot(bounded(qn * after), bounded(kb))
             mid = rel(G, tuple(exchange.spread(buf, MID[p]) for p in parts))
 
             def factored():
-                up, down = _operand_exp(mid, interpret), kn * _operand_exp(-mid, interpret)
+                up, down = operand_exp(mid), kn * operand_exp(-mid)
                 return dot(kn * up, down), dot(qn * up, down)
 
             if factored_always:
