@@ -122,10 +122,12 @@ from pallas_kernels.gdn_decode import huge_row_factor, tame_huge_rows
 
 F32 = jnp.float32
 CHUNK = 64
-SUB = 16                 # KDA's sub-chunk: blocks of the per-channel intra-chunk products
+SUB = 32                 # KDA's sub-chunk: blocks of the per-channel intra-chunk products
+NUM_SUB = CHUNK // SUB   # (two: the intra kernel is written for two blocks)
 INV_SUB = 16             # the blocked inverse's diagonal blocks, formed by substitution
 REF_SLOTS = 4            # KDA intra kernel: rows per SUB-row block in each buffer of its scratch
-DIAG_EXP_LIMIT = 40.0    # KDA: largest |G - G_mid| for the factored diagonal blocks (e^80 < 3e38)
+DIAG_EXP_LIMIT = 40.0    # KDA: largest |G - G_mid| for the factored diagonal blocks, any rows
+DIAG_EXP_LIMIT_BOUNDED = 80.0   # ... rows bounded by one, single-pass products (`_diag_exp_limit`)
 HALF_INVERSE_MAX_A = 4.0     # the fp16 inverse is kept when max |A| and max |T| are within these:
 HALF_INVERSE_MAX_T = 128.0   # every fp16 operand then stays below C * 4 * 128 = 32768 < 65504
 REDO_SLOTS = 16          # GDN's TF32 redo pass: chunk slots per program
@@ -606,12 +608,13 @@ def _kda_gate_sums(g2, spec: PrefillSpec):
 
 def _one_part_gate_sums(spec: PrefillSpec) -> bool:
     """Whether KDA's intra kernel sums its gates in one plain fp32 part: the raw lower-bound
-    gate (lb >= -5, `_factored_diagonal_always_safe`) keeps every in-chunk sum within
-    CHUNK * |lb| <= 320, where fp32 rounds each partial sum by at most 2^-24 * 320 (2e-5 in an
-    exponent, far below the fp16 and TF32 roundings of the products the decays enter with
-    16-bit inputs); fp32 inputs keep the exact hi and lo parts. Measured against float64 with
-    the split sums: the same errors (BENCHMARKS.md, KDA prefill)."""
-    return _factored_diagonal_always_safe(spec) and not spec.precise
+    gate (lb >= -5) keeps every in-chunk sum within CHUNK * |lb| <= 320, where fp32 rounds each
+    partial sum by at most 2^-24 * 320 (2e-5 in an exponent, far below the fp16 and TF32
+    roundings of the products the decays enter with 16-bit inputs); fp32 inputs keep the exact
+    hi and lo parts. Measured against float64 with the split sums: the same errors
+    (BENCHMARKS.md, KDA prefill)."""
+    return (spec.raw_gates and spec.gate_lower_bound is not None
+            and -spec.gate_lower_bound * CHUNK <= 320.0 and not spec.precise)
 
 
 def _one_scan_gates(spec: PrefillSpec) -> bool:
@@ -754,12 +757,27 @@ def _bounded_dtype(spec: PrefillSpec):
     return jnp.float16 if _bounded_by_one(spec) else F32
 
 
+def _diag_exp_limit(spec: PrefillSpec) -> float:
+    """The largest |G_ic - G_mc| (natural units) for which KDA's intra kernel factors its
+    diagonal blocks through their middle rows m, e^{G_i - G_m} on one side and e^{G_m - G_j}
+    on the other.
+    - Rows bounded by one with single-pass products (`_bounded_by_one`): DIAG_EXP_LIMIT_BOUNDED
+      (80: the lower-bound gate -5 over the 16 rows between a 32-row block's ends and its
+      middle). Every factor stays below e^80 < 3e38. A side that drops below fp32's normal
+      range (a factor near e^-80 on a channel entry below ~5e-4) can lose a term of at most
+      2^-11 of the other row's channel entry: less than the bf16 rounding of such an entry.
+    - Otherwise DIAG_EXP_LIMIT (40): a factor times any row that fp32 can square stays finite,
+      and no term nears fp32's subnormals (the fp32 inputs' 3-pass products keep 2^-22)."""
+    return DIAG_EXP_LIMIT_BOUNDED if _bounded_by_one(spec) else DIAG_EXP_LIMIT
+
+
 def _factored_diagonal_always_safe(spec: PrefillSpec) -> bool:
-    """Whether the gate form alone bounds every diagonal-block exponent by DIAG_EXP_LIMIT: the
-    lower-bound gate g >= lb spans at most SUB // 2 * |lb| between a row and its block's middle
-    row (GLM-5.3-Flash's lb = -5 gives exactly 40)."""
+    """Whether the gate form alone bounds every diagonal-block exponent by `_diag_exp_limit`:
+    the lower-bound gate g >= lb spans at most SUB // 2 * |lb| between a row and its block's
+    middle row (GLM-5.3-Flash's lb = -5 gives exactly 80, the bound for normalised rows with
+    16-bit inputs)."""
     return (spec.raw_gates and spec.gate_lower_bound is not None
-            and -spec.gate_lower_bound * (SUB // 2) <= DIAG_EXP_LIMIT)
+            and -spec.gate_lower_bound * (SUB // 2) <= _diag_exp_limit(spec))
 
 
 def _raw_log_decay(x, A_log, dt, spec: PrefillSpec, unit: float = 1.0):
@@ -1074,13 +1092,11 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
     C, K = CHUNK, spec.head_k_dim
-    nb = C // SUB
 
     @pl.when(n > 0)
     def _():
         live = (lax.broadcasted_iota(jnp.int32, (C,), 0) < n)[:, None]
         tok = pl.ds(t0, C)
-        block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) // SUB      # each row's block
         load = lambda ref: plgpu.load(ref, mask=live, other=0).astype(F32)
         dot = functools.partial(_dot, precise=spec.precise, interpret=interpret, trans_b=True)
         # The products below the diagonal blocks take operands bounded by the rows' norms (the
@@ -1126,6 +1142,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
         j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
         same_block = (i // SUB) == (j // SUB)
+        second = lax.broadcasted_iota(jnp.int32, (C, 1), 0) >= SUB      # the second block's rows
         # scratch slots of the reference rows: last rows (hi, lo), middle rows (hi, lo)
         LAST, MID = (0, 1), (2, 3)
 
@@ -1146,23 +1163,27 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             buf = lax.rem(c, 2)
             parts = range(len(G))
             exchange.share(buf, [(G[p], ((SUB - 1, LAST[p]), (SUB // 2, MID[p]))) for p in parts])
-            lasts = [tuple(exchange.row(buf, LAST[p], a) for p in parts) for a in range(nb)]
+            first_last, chunk_last = (tuple(exchange.row(buf, LAST[p], a) for p in parts)
+                                      for a in range(NUM_SUB))
             # The decayed rows first: their tiles are done with before the products' operands
             # and results are formed, so fewer registers spill (ptxas; BENCHMARKS.md)
             eG = jnp.exp2(sum(G[1:], G[0]))
             put(fq_ref, qn * eG)
             _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
-            put(fk_ref, kn * jnp.exp2(rel(lasts[-1], G)))
+            put(fk_ref, kn * jnp.exp2(rel(chunk_last, G)))
             # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
-            decay_ref[s, h, cols] = jnp.exp2(sum(lasts[-1][1:], lasts[-1][0]))[0]
-            kt = kn * operand_exp(rel(tuple(exchange.spread(buf, LAST[p]) for p in parts), G))  # <= 1
-            for b in range(nb - 1):
-                # exp of a positive exponent above block b's end may be inf: selected away
-                after = jnp.where(block > b, operand_exp(rel(G, lasts[b])), 0.0)  # <= 1
-                kb = jnp.where(block == b, kt, 0.0)
-                kk = kk + dot(bounded(kn * after), bounded(kb))
-                qk = qk + dot(bounded(qn * after), bounded(kb))
-            mid = rel(G, tuple(exchange.spread(buf, MID[p]) for p in parts))
+            decay_ref[s, h, cols] = jnp.exp2(sum(chunk_last[1:], chunk_last[0]))[0]
+            # Below the diagonal blocks, through the first block's last row: its rows decay
+            # towards it (k e^{G_l - G}), the second block's from it (e^{G - G_l}); G falls
+            # along the chunk, so both exponents are <= 0 and one exponential serves both
+            to_first_last = rel(G, first_last)
+            e = operand_exp(jnp.where(second, to_first_last, -to_first_last))   # <= 1
+            k_first = bounded(jnp.where(second, 0.0, kn * e))
+            kk = kk + dot(bounded(jnp.where(second, kn * e, 0.0)), k_first)
+            qk = qk + dot(bounded(jnp.where(second, qn * e, 0.0)), k_first)
+            # each row's own block's middle row
+            mid = rel(G, tuple(jnp.where(second, exchange.row(buf, MID[p], 1),
+                                         exchange.row(buf, MID[p], 0)) for p in parts))
 
             def factored():
                 up, down = operand_exp(mid), kn * operand_exp(-mid)
@@ -1172,8 +1193,8 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
                 kk_d, qk_d = factored()
             else:
                 exact = functools.partial(_exact_diagonal_blocks, kn, qn, G, exchange, 1 - buf)
-                kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT * LOG2E, factored,
-                                      exact)
+                kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= _diag_exp_limit(spec) * LOG2E,
+                                      factored, exact)
             kk = jnp.where(same_block, kk + kk_d, kk)
             qk = jnp.where(same_block, qk + qk_d, qk)
             return kk, qk

@@ -1407,8 +1407,8 @@ def test_operand_exp2_against_float64(mode):
 
 def _diag_spans(g, cu):
     """Largest |G_ic - G_mc| per (chunk, head) between a row and the middle row m of its
-    16-row block (float64, gates clamped as the kernel does): the kernel forms all of a chunk's
-    diagonal blocks as products when this is <= DIAG_EXP_LIMIT; above, it forms them exactly
+    SUB-row block (float64, gates clamped as the kernel does): the kernel forms all of a chunk's
+    diagonal blocks as products when this is <= `_diag_exp_limit`; above, it forms them exactly
     (it decides per chunk and channel step)."""
     g = np.maximum(np.asarray(g, np.float64), kern.GATE_FLOOR)
     cu = np.asarray(cu)
@@ -1441,13 +1441,18 @@ def test_kda_raw_gates_spanning_orders_of_magnitude(mode, lower_bound):
     o, hT, _, _ = _run(mode, q, k, v, a, b, cu, spec, initial_state=h0, A_log=A_log,
                        dt_bias=dt_bias)
     g = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=lower_bound)
+    limit = kern._diag_exp_limit(spec)   # fp32 inputs: the limit for any rows
+    spans = _diag_spans(g, cu).reshape(-1, HV)
     if lower_bound is not None:  # some channels at the bound exactly, others near zero
         assert np.any(np.asarray(g) == lower_bound) and np.any(np.asarray(g) > -1e-6)
-        assert _diag_spans(g, cu).max() <= kern.DIAG_EXP_LIMIT
+        # fp32 inputs check the spans at run time (the bound's 80 is for normalised 16-bit
+        # rows): some chunks take the factored diagonal, others the exact one
+        assert not kern._factored_diagonal_always_safe(spec)
+        assert spans.max() <= -lower_bound * kern.SUB // 2
+        assert spans.min() <= limit < spans.max()
     else:  # head 0 takes the factored diagonal, head 1 the exact one
-        spans = _diag_spans(g, cu).reshape(-1, HV)
-        assert np.all(spans[:, 0] <= kern.DIAG_EXP_LIMIT)
-        assert np.all(spans[:, 1] > kern.DIAG_EXP_LIMIT)
+        assert np.all(spans[:, 0] <= limit)
+        assert np.all(spans[:, 1] > limit)
     ro, rs = _oracle(q, k, v, g, ref.gdn_beta(b), h0, cu)
     assert rel_err(o, ro) <= 1e-5
     assert rel_err(hT, rs) <= 1e-5
@@ -1466,12 +1471,12 @@ def test_kda_factored_and_exact_diagonal_blocks(mode, exact_only, monkeypatch):
     g[90, 1, ::3] = -np.inf
     g = jnp.asarray(g)
     spans = _diag_spans(g, cu)
-    assert spans.min() <= kern.DIAG_EXP_LIMIT < spans.max()
+    spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True)
+    assert spans.min() <= kern._diag_exp_limit(spec) < spans.max()
     if exact_only:
-        monkeypatch.setattr(kern, "DIAG_EXP_LIMIT", -1.0)
+        monkeypatch.setattr(kern, "_diag_exp_limit", lambda spec: -1.0)
     kern.chunk_prefill.clear_cache()  # the limit is read when the kernel is traced
     try:
-        spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True)
         o, hT, _, _ = _run(mode, q, k, v, g, beta, cu, spec, initial_state=h0)
     finally:
         kern.chunk_prefill.clear_cache()
@@ -1481,24 +1486,32 @@ def test_kda_factored_and_exact_diagonal_blocks(mode, exact_only, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_kda_large_rows_factored_diagonal(mode):
-    """q, k rows of norm ~6e4 with every gate at the lower bound -5: the factored diagonal
-    blocks (exponents up to +-40) of the raw rows overflow above the diagonal (e^75 x 3e9),
-    which must stay out of the kept entries; the result equals float64."""
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_kda_large_rows_factored_diagonal(mode, dtype):
+    """q, k rows of norm ~6e4 (L2-normalised in the kernel) with every gate at one value, so
+    that the factored diagonal blocks run at their limit (`_diag_exp_limit`): fp32 inputs at 40
+    (gates -2.5: the lower bound's sigmoid at 0.5), bf16 inputs at 80 (every gate at the bound
+    -5). Their entries above the diagonal overflow (up to e^80, e^160 times the rows' product),
+    which must stay out of the kept entries; the result equals float64 (fp32 <= 1e-5, bf16
+    inputs <= 5e-3 and the state <= 1e-3)."""
     lens, HK, HV, K = [100, 40], 1, 2, 32
-    q, k, v, _, b, h0, cu = _kda_inputs(33, lens, HK=HK, HV=HV, K=K)
-    q, k = 1e4 * q, 1e4 * k
-    a = jnp.full((sum(lens), HV, K), 40.0, F32)  # sigmoid(e^A_log (a + dt)) = 1: g = -5
+    q, k, v, _, b, h0, cu = _kda_inputs(33, lens, HK=HK, HV=HV, K=K, dtype=dtype)
+    q, k = ((1e4 * x.astype(F32)).astype(dtype) for x in (q, k))
+    precise = dtype == F32
+    # sigmoid(e^A_log (a + dt)) = 1/2 (g = -2.5) at a = 0, = 1 (g = -5) at a = 40
+    a = jnp.full((sum(lens), HV, K), 0.0 if precise else 40.0, F32)
     A_log, dt_bias = jnp.zeros(HV, F32), jnp.zeros(HV * K, F32)
     spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True, raw_gates=True,
-                 gate_lower_bound=-5.0)
+                 gate_lower_bound=-5.0, precise=precise)
+    g = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=-5.0)
+    assert np.all(np.asarray(g) == (-2.5 if precise else -5.0))
+    assert _diag_spans(g, cu).max() == kern._diag_exp_limit(spec)
+    assert kern._factored_diagonal_always_safe(spec) != precise   # fp32: checked at run time
     o, hT, _, _ = _run(mode, q, k, v, a, b, cu, spec, initial_state=h0, A_log=A_log,
                        dt_bias=dt_bias)
-    g = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=-5.0)
-    assert np.all(np.asarray(g) == -5.0)
     ro, rs = _oracle(q, k, v, g, ref.gdn_beta(b), h0, cu)
-    assert rel_err(o, ro) <= 1e-5
-    assert rel_err(hT, rs) <= 1e-5
+    assert rel_err(o, ro) <= (1e-5 if precise else 5e-3)
+    assert rel_err(hT, rs) <= (1e-5 if precise else 1e-3)
 
 
 def _kda_intra_oracle(q, k, g, cu, HV, scale):
@@ -1538,8 +1551,8 @@ def test_kda_intra_kernel_against_float64(mode, lens, HK, HV, K, block_k, raw):
     """The intra-chunk kernel alone: kk, aqk, the decayed rows and the chunk decays equal a
     float64 einsum over every chunk, ragged ones (T not a multiple of 64) included. K = 256:
     head 0's gates are mild (factored diagonal blocks), head 1's span 1e-7..1e3 with resets in
-    the first chunk (exact diagonal blocks there) and are mild after; the raw lower-bound gate
-    takes the factored blocks statically."""
+    the first chunk (exact diagonal blocks there) and are mild after; with fp32 inputs the raw
+    lower-bound gate's chunks are checked at run time too (`_diag_exp_limit`)."""
     q, k, _, g, _, _, cu = _kda_inputs(41, lens, HK=HK, HV=HV, K=K)
     rng = np.random.default_rng(42)
     A_log = dt_bias = None
@@ -1553,10 +1566,11 @@ def test_kda_intra_kernel_against_float64(mode, lens, HK, HV, K, block_k, raw):
         g[:64, 1] = -(10.0 ** rng.uniform(-7, 3, (64, K)))
         g[20, 1, ::5] = -np.inf
         g_in = g = jnp.asarray(g)
-        spans = _diag_spans(g, cu).reshape(-1, HV)
-        assert spans[:, 0].max() <= kern.DIAG_EXP_LIMIT < spans[0, 1]
     spec = _spec(HK, HV, K, K, per_channel_gate=True, raw_gates=raw,
                  gate_lower_bound=-5.0 if raw else None)
+    if not raw:
+        spans = _diag_spans(g, cu).reshape(-1, HV)
+        assert spans[:, 0].max() <= kern._diag_exp_limit(spec) < spans[0, 1]
     start, length, _, _ = kern.chunk_table(cu, q.shape[0])
     A_log = jnp.zeros((HV,), F32) if A_log is None else A_log
     dt_bias = jnp.zeros((HV,), F32) if dt_bias is None else dt_bias
