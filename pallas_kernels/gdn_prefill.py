@@ -47,11 +47,12 @@ KDA (`per_channel_gate`): the decay is per key channel, e^{G_ic - G_jc}, so A an
 attention matrix cannot be row-scaled products, and the per-channel work runs first in a kernel
 of its own, `_kda_intra_kernel`, one program per chunk and value head, block_k key channels at
 a time on whole-chunk [C, block_k] tiles. Across a chunk e^{G_ic - G_jc} can exceed fp32, so the
-products factor through reference rows of 16-row blocks (SUB): the terms below the diagonal
-blocks are one tensor-core product per block b, of rows decayed towards the last row of block b
-(no exponent above 0); the diagonal blocks are one more product through their middle rows when
-the gates allow it (exponents within +-DIAG_EXP_LIMIT), else formed exactly, column by column
-(the reference rows go through a small per-program scratch in memory, `_BlockRowExchange`). The
+products factor through reference rows of the chunk's two 32-row blocks (SUB): the terms below
+the diagonal blocks are one tensor-core product, of rows decayed towards and from the first
+block's last row (no exponent above 0); the diagonal blocks are one more product through their
+middle rows when the gates allow it (exponents within +-`_diag_exp_limit`), else formed exactly,
+column by column (the reference rows go through a small per-program scratch in memory,
+`_BlockRowExchange`). The
 same program writes the decayed q e^G and k e^{G_C - G} (the scan takes them instead of row
 factors), e^G k (for W), the masked k k^T and q k^T (k k^T without beta) and the chunk's total
 decay per channel. The prep then loads k k^T, forms A and T beta and stores W = (T beta) (e^G k)
@@ -1066,28 +1067,27 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
     qn: the L2-normalised rows, qn also scaled).
 
     e^{G_i - G_j} across a whole chunk can exceed fp32 (a lower-bound gate of -5 spans up to
-    320), so the products factor through reference rows of the chunk's SUB-row blocks, with every
-    exponent bounded:
-    - j in block b, i in a later block: through l_b, the last row of block b,
-          e^{G_i - G_j} = e^{G_i - G_lb} e^{G_lb - G_j},   both exponents <= 0;
-      one [C, block_k] x [block_k, C] product per block b (the first factor masked to the rows
-      after block b, the second to block b's rows), all into one accumulator, where each entry
-      receives only its own block pair's term;
+    320), so the products factor through reference rows of the chunk's two SUB-row blocks, with
+    every exponent bounded:
+    - j in the first block, i in the second: through l, the first block's last row,
+          e^{G_i - G_j} = e^{G_i - G_l} e^{G_l - G_j},   both exponents <= 0;
+      one [C, block_k] x [block_k, C] product (the first factor masked to the second block's
+      rows, the second to the first block's), whose other entries are zero;
     - i, j in one block: through the block's middle row m, e^{+-(G - G_m)} on the two sides, one
-      product for all blocks (its entries across blocks are not kept), when |G_ic - G_mc| <=
-      DIAG_EXP_LIMIT for the chunk's rows and the step's channels (always, for the lower-bound
-      gate: `_factored_diagonal_always_safe`), else exactly, column by column
-      (`_exact_diagonal_blocks`).
-    A factor that underflows drops only a term already below ~1e-38 of the unit diagonal.
-    Entries above the diagonal may be huge (e^80 x the rows' product): the final masks select
-    them away, nothing multiplies them.
+      product for both blocks (its entries across blocks are not kept), when |G_ic - G_mc| <=
+      `_diag_exp_limit` for the chunk's rows and the step's channels (always, for the
+      lower-bound gate with normalised 16-bit rows: `_factored_diagonal_always_safe`), else
+      exactly, column by column (`_exact_diagonal_blocks`).
+    A factor that underflows drops only a term far below the unit diagonal (`_diag_exp_limit`).
+    Entries above the diagonal may overflow (up to e^160 x the rows' product): the final masks
+    select them away, nothing multiplies them.
 
     The reference rows travel through rows_ref, this program's scratch in global memory
-    [2, REF_SLOTS * nb, block_k] (two buffers of REF_SLOTS rows per block): a masked store of G
-    at the rows that matter, one barrier, then loads of single rows, and gathers (a row index
-    per tile row) that give every row of a tile its own block's row. Picking a row out of a
-    register tile instead takes a reduction across the tile's rows, which crosses warps (shared
-    memory and a barrier each); a gather replaces the select chain that spread the rows back."""
+    [2, REF_SLOTS * NUM_SUB, block_k] (two buffers of REF_SLOTS rows per block): a masked store
+    of G at the rows that matter, one barrier, then loads of single rows, selected per block
+    (and in the exact form, gathers: a row index per tile row). Picking a row out of a register
+    tile instead takes a reduction across the tile's rows, which crosses warps (shared memory
+    and a barrier each)."""
     s, h = _slot_and_head(heads_fastest)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
@@ -1102,7 +1102,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         # The products below the diagonal blocks take operands bounded by the rows' norms (the
         # decays there are <= 1): L2-normalised, fp16 holds them with one-pass TF32's
         # significand at twice its tensor-core rate. The diagonal blocks' factors e^{+-(G - G_m)}
-        # reach e^40, beyond fp16: those stay TF32.
+        # reach e^80, beyond fp16: those stay TF32.
         bounded = lambda x: x.astype(_bounded_dtype(spec))
         factored_always = _factored_diagonal_always_safe(spec)
         # The gates and their sums run in log2 units: every decay is then one exp2 (the
