@@ -47,14 +47,14 @@ KDA (`per_channel_gate`): the decay is per key channel, e^{G_ic - G_jc}, so A an
 attention matrix cannot be row-scaled products, and the per-channel work runs first in a kernel
 of its own, `_kda_intra_kernel`, one program per chunk and value head, block_k key channels at
 a time on whole-chunk [C, block_k] tiles. Across a chunk e^{G_ic - G_jc} can exceed fp32, so the
-products factor through reference rows of 16-row blocks (SUB): the terms below the diagonal
-blocks are one tensor-core product per block b, of rows decayed towards the last row of block b
-(no exponent above 0); the diagonal blocks are one more product through their middle rows when
-the gates allow it (exponents within +-DIAG_EXP_LIMIT), else formed exactly, column by column
-(the reference rows go through a small per-program scratch in memory, `_BlockRowExchange`). The
-same program writes the decayed q e^G and k e^{G_C - G} (the scan takes them instead of row
-factors), e^G k (for W), the masked k k^T and q k^T (k k^T without beta) and the chunk's total
-decay per channel. The prep then loads k k^T, forms A and T beta and stores W = (T beta) (e^G k)
+products factor through reference rows of the chunk's two 32-row blocks (SUB): the terms below
+the diagonal blocks are one tensor-core product, of rows decayed towards and from the first
+block's last row (no exponent above 0); the diagonal blocks are one more product through their
+middle rows when the gates allow it (exponents within +-`_diag_exp_limit`), else formed exactly,
+column by column (the reference rows go through a small per-program scratch in memory,
+`_BlockRowExchange`). The same program writes the decayed q e^G and k e^{G_C - G} (the scan
+takes them instead of row factors), e^G k (for W), the masked k k^T and q k^T (k k^T without
+beta) and the chunk's total decay per channel. The prep then loads k k^T, forms A and T beta and stores W = (T beta) (e^G k)
 and U = (T beta) v, and the scan takes the deltas as U - W S: with T beta in the scan instead,
 KDA's scan would load the e^G k rows besides its decayed q and k rows, and lost more time than
 its prep saved (BENCHMARKS.md). With bf16 inputs at K = V = 128 and every sequence starting at a
@@ -78,6 +78,8 @@ clamped decay is still a full reset) so every cumulative sum is finite and a -in
 produce -inf - (-inf). The cumulative decay is kept as two sums, of hi = g rounded to a multiple
 of 1/16 and lo = g - hi: the hi sums are exact in fp32 (|sum| <= 64 * 88 * 16 < 2^24), so the
 pairwise differences G_i - G_j lose no precision however negative the gates before j were.
+KDA's intra kernel with 16-bit inputs takes one plain sum instead (`_one_part_gate_sums`):
+its decays enter products that round to 11 bits anyway.
 
 Dots: fp32 inputs use three-pass TF32 (fp32 accuracy on tensor cores). With bf16 inputs every
 product with a bf16 row operand (raw q and k, v; KDA's stored decayed q, e^G k and W) takes
@@ -107,6 +109,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -119,14 +122,17 @@ from pallas_kernels.gdn_decode import huge_row_factor, tame_huge_rows
 
 F32 = jnp.float32
 CHUNK = 64
-SUB = 16                 # KDA's sub-chunk: blocks of the per-channel intra-chunk products
+SUB = 32                 # KDA's sub-chunk: blocks of the per-channel intra-chunk products
+NUM_SUB = CHUNK // SUB   # (two: the intra kernel is written for two blocks)
 INV_SUB = 16             # the blocked inverse's diagonal blocks, formed by substitution
 REF_SLOTS = 4            # KDA intra kernel: rows per SUB-row block in each buffer of its scratch
-DIAG_EXP_LIMIT = 40.0    # KDA: largest |G - G_mid| for the factored diagonal blocks (e^80 < 3e38)
+DIAG_EXP_LIMIT = 40.0    # KDA: largest |G - G_mid| for the factored diagonal blocks, any rows
+DIAG_EXP_LIMIT_BOUNDED = 80.0   # ... rows bounded by one, single-pass products (`_diag_exp_limit`)
 HALF_INVERSE_MAX_A = 4.0     # the fp16 inverse is kept when max |A| and max |T| are within these:
 HALF_INVERSE_MAX_T = 128.0   # every fp16 operand then stays below C * 4 * 128 = 32768 < 65504
 REDO_SLOTS = 16          # GDN's TF32 redo pass: chunk slots per program
 GATE_FLOOR = -88.0
+ONE_PART_GATE_FLOOR = -32.0   # KDA's one-part gate sums: their floor, log2 units
 GATE_QUANTUM = 16.0      # hi parts of the gates are multiples of 1 / GATE_QUANTUM
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
@@ -547,35 +553,87 @@ def _tamed_l2_factor(s, s_probe, m):
     return t, lax.rsqrt(jnp.where(huge, s_probe * (up * up), s) + L2NORM_EPS)
 
 
+LOG2E = 1.4426950408889634
+
+
+def _approx_op(op: str, x):
+    """One PTX `<op>.approx.ftz.f32` a fp32 element (op: ex2, lg2 or rcp), by inline assembly:
+    relative error about 2^-22, subnormal inputs and results flushed to zero."""
+    [y] = plgpu.elementwise_inline_asm(f"{op}.approx.ftz.f32 $0, $1;", args=[x],
+                                       constraints="=f,f", pack=1,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, F32)])
+    return y
+
+
+def _operand_exp2(x, *, approx: bool):
+    """2^x for the decay factors of tensor-core operands that round to 11 bits (fp16, one-pass
+    TF32; approx): one `ex2.approx`, where a precise exponential takes several instructions (the
+    KDA intra kernel runs at its instruction rate). Its relative error, about 2^-22, is far below
+    the operands' rounding (2^-11); results below fp32's normal range flush to zero (terms below
+    1e-38 of the unit diagonal), an exponent of +inf gives +inf. Without approx (interpret mode,
+    and fp32 inputs, whose products keep fp32's accuracy): `jnp.exp2`."""
+    return _approx_op("ex2", x) if approx else jnp.exp2(x)
+
+
 def _softplus(x):
     return jnp.where(x > SOFTPLUS_THRESHOLD, x,
                      jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
 
 
-def split_gate(g):
-    """A log decay clamped at GATE_FLOOR, as (hi, lo): hi a multiple of 1 / GATE_QUANTUM, lo the
-    small rest. Running sums of hi are exact in fp32; see the module docstring."""
-    g = jnp.maximum(g, GATE_FLOOR)
+def split_gate(g, floor: float = GATE_FLOOR):
+    """A log decay clamped at floor (GATE_FLOOR; in log2 units, GATE_FLOOR * LOG2E), as (hi, lo):
+    hi a multiple of 1 / GATE_QUANTUM, lo the small rest. Running sums of hi are exact in fp32;
+    see the module docstring."""
+    g = jnp.maximum(g, floor)
     hi = jnp.floor(g * GATE_QUANTUM + 0.5) * (1.0 / GATE_QUANTUM)
     return hi, g - hi
 
 
-def _split_cumsum(g, one_scan: bool = False):
+def _split_cumsum(g, one_scan: bool = False, floor: float = GATE_FLOOR):
     """In-chunk cumulative log decay as (hi, lo) sums along axis 0. one_scan (a [C, n] tile):
     both parts go through one running sum, side by side in a last axis of two, which pays the
     sum's exchanges across lanes and warps once (`_one_scan_gates` says where that is faster)."""
-    hi, lo = split_gate(g)
+    hi, lo = split_gate(g, floor)
     if not one_scan:
         return jnp.cumsum(hi, axis=0), jnp.cumsum(lo, axis=0)
     return lax.unstack(jnp.cumsum(jnp.stack((hi, lo), axis=-1), axis=0), axis=-1)
 
 
+def _kda_gate_sums(g2, spec: PrefillSpec):
+    """KDA's in-chunk cumulative decays for the intra kernel, in log2 units from gates g2 in log2
+    units, as a tuple of parts whose sum is G: one plain fp32 running sum with 16-bit inputs
+    (`_one_part_gate_sums`), of the gates clamped at ONE_PART_GATE_FLOOR (a decay of 2^-32 a
+    token: a reset still leaves at most 2^-32 of the state it erases, below fp32's own rounding
+    of that state, and the sums stay within 64 * 32 = 2048, whose rounding is 2^-12), else the
+    (hi, lo) parts of `_split_cumsum` of the gates clamped at GATE_FLOOR * LOG2E (the same clamp
+    as GDN's; |g2| <= 88 log2 e < 128: the hi sums stay exact)."""
+    floor = GATE_FLOOR * LOG2E
+    if _one_part_gate_sums(spec):
+        return (jnp.cumsum(jnp.maximum(g2, ONE_PART_GATE_FLOOR), axis=0),)
+    return _split_cumsum(g2, _one_scan_gates(spec), floor)
+
+
+def _one_part_gate_sums(spec: PrefillSpec) -> bool:
+    """Whether KDA's intra kernel sums its gates in one plain fp32 part: with 16-bit inputs,
+    every gate form; fp32 inputs keep the exact hi and lo parts. A running sum carries an error
+    of a few units in the last place of its magnitude. With the raw lower-bound gate (lb >= -5)
+    every in-chunk sum stays within CHUNK * |lb| <= 320: 2e-5 at most in an exponent. Other
+    gates can take a chunk's sums to -2048 (log2 units, gates at ONE_PART_GATE_FLOOR,
+    `_kda_gate_sums`), and a decay that matters there (a difference of two such sums, a short
+    stretch of mild gates after strong ones) is off by a few 2^-12 relative: below the fp16 and
+    one-pass TF32 roundings of the products that decay enters, in the few chunks whose gates
+    sit near the floor. Measured against float64 on such gates and on bounded ones: the same
+    errors as with the split sums (BENCHMARKS.md, KDA prefill)."""
+    return not spec.precise
+
+
 def _one_scan_gates(spec: PrefillSpec) -> bool:
     """Whether KDA's intra kernel sums its gates' two parts in one running sum (`_split_cumsum`;
-    the same bits either way). Measured on the H200: the intra kernel 5% faster with Kimi
-    Linear's raw softplus gate, 3-5% slower with GLM-5.3-Flash's raw lower-bound gate (why the
-    two differ was not worked out); not measured with given gates, which keep two sums
-    (BENCHMARKS.md, KDA prefill)."""
+    the same bits either way), where it sums two parts: fp32 inputs (16-bit ones take one part,
+    `_one_part_gate_sums`). Measured on the H200 with 16-bit inputs and two parts: the intra
+    kernel 5% faster with Kimi Linear's raw softplus gate, 3-5% slower with GLM-5.3-Flash's raw
+    lower-bound gate (why the two differ was not worked out); not measured with given gates,
+    which keep two sums (BENCHMARKS.md, KDA prefill)."""
     return spec.raw_gates and spec.gate_lower_bound is None
 
 
@@ -710,20 +768,54 @@ def _bounded_dtype(spec: PrefillSpec):
     return jnp.float16 if _bounded_by_one(spec) else F32
 
 
+def _diag_exp_limit(spec: PrefillSpec) -> float:
+    """The largest |G_ic - G_mc| (natural units) for which KDA's intra kernel factors its
+    diagonal blocks through their middle rows m, e^{G_i - G_m} on one side and e^{G_m - G_j}
+    on the other.
+    - Rows bounded by one with single-pass products (`_bounded_by_one`): DIAG_EXP_LIMIT_BOUNDED
+      (80: the lower-bound gate -5 over the 16 rows between a 32-row block's ends and its
+      middle). Every factor stays below e^80 < 3e38. A side that drops below fp32's normal
+      range (a factor near e^-80 on a channel entry below ~5e-4) can lose a term of at most
+      2^-11 of the other row's channel entry: less than the bf16 rounding of such an entry.
+    - Otherwise DIAG_EXP_LIMIT (40): a factor times any row that fp32 can square stays finite,
+      and no term nears fp32's subnormals (the fp32 inputs' 3-pass products keep 2^-22)."""
+    return DIAG_EXP_LIMIT_BOUNDED if _bounded_by_one(spec) else DIAG_EXP_LIMIT
+
+
 def _factored_diagonal_always_safe(spec: PrefillSpec) -> bool:
-    """Whether the gate form alone bounds every diagonal-block exponent by DIAG_EXP_LIMIT: the
-    lower-bound gate g >= lb spans at most SUB // 2 * |lb| between a row and its block's middle
-    row (GLM-5.3-Flash's lb = -5 gives exactly 40)."""
+    """Whether the gate form alone bounds every diagonal-block exponent by `_diag_exp_limit`:
+    the lower-bound gate g >= lb spans at most SUB // 2 * |lb| between a row and its block's
+    middle row (GLM-5.3-Flash's lb = -5 gives exactly 80, the bound for normalised rows with
+    16-bit inputs)."""
     return (spec.raw_gates and spec.gate_lower_bound is not None
-            and -spec.gate_lower_bound * (SUB // 2) <= DIAG_EXP_LIMIT)
+            and -spec.gate_lower_bound * (SUB // 2) <= _diag_exp_limit(spec))
 
 
-def _raw_log_decay(x, A_log, dt, spec: PrefillSpec):
+def _raw_log_decay(x, A_log, dt, spec: PrefillSpec, unit: float = 1.0, approx: bool = False):
     """The log decay from the raw gate projection x (fp32): -e^A_log softplus(x + dt), or with a
-    lower bound lb * sigmoid(e^A_log (x + dt))."""
+    lower bound lb * sigmoid(e^A_log (x + dt)); times unit (LOG2E: in log2 units), folded into
+    the per-head factor or the bound (the same bits with unit 1).
+
+    approx (unit LOG2E only; the KDA intra kernel with 16-bit inputs): the sigmoid as
+    1 / (1 + 2^(-z log2 e)) and the softplus in log2 units as log2(1 + 2^(y log2 e)), each step
+    one PTX approximation (`_approx_op`) where libdevice's exp, log1p and division take a dozen
+    instructions or more: an error of at most a few 2^-22 of |lb| (or of e^A_log) a token in the
+    log decay, whose sum over a chunk (2e-4 at lb = -5) stays below the products' 2^-11
+    rounding. Below y = -17 the softplus's 2^y vanishes beside 1 and the gate becomes 0 (a
+    decay off by under e^A_log 2^-24 a token)."""
+    y = x + dt
+    if approx:
+        assert unit == LOG2E, unit
+        if spec.gate_lower_bound is None:
+            y_cut = jnp.minimum(y, SOFTPLUS_THRESHOLD)
+            soft = _approx_op("lg2", 1.0 + _approx_op("ex2", y_cut * LOG2E))
+            return -jnp.exp(A_log) * jnp.where(y > SOFTPLUS_THRESHOLD, y * LOG2E, soft)
+        z = jnp.exp(A_log) * y
+        sigmoid = _approx_op("rcp", 1.0 + _approx_op("ex2", z * -LOG2E))
+        return jnp.float32(spec.gate_lower_bound * unit) * sigmoid
     if spec.gate_lower_bound is None:
-        return -jnp.exp(A_log) * _softplus(x + dt)
-    return jnp.float32(spec.gate_lower_bound) * jax.nn.sigmoid(jnp.exp(A_log) * (x + dt))
+        return -(jnp.exp(A_log) * unit) * _softplus(y)
+    return jnp.float32(spec.gate_lower_bound * unit) * jax.nn.sigmoid(jnp.exp(A_log) * y)
 
 
 # --------------------------------------------------------------------------- kernel 1: chunk prep
@@ -1003,57 +1095,61 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
     qn: the L2-normalised rows, qn also scaled).
 
     e^{G_i - G_j} across a whole chunk can exceed fp32 (a lower-bound gate of -5 spans up to
-    320), so the products factor through reference rows of the chunk's SUB-row blocks, with every
-    exponent bounded:
-    - j in block b, i in a later block: through l_b, the last row of block b,
-          e^{G_i - G_j} = e^{G_i - G_lb} e^{G_lb - G_j},   both exponents <= 0;
-      one [C, block_k] x [block_k, C] product per block b (the first factor masked to the rows
-      after block b, the second to block b's rows), all into one accumulator, where each entry
-      receives only its own block pair's term;
+    320), so the products factor through reference rows of the chunk's two SUB-row blocks, with
+    every exponent bounded:
+    - j in the first block, i in the second: through l, the first block's last row,
+          e^{G_i - G_j} = e^{G_i - G_l} e^{G_l - G_j},   both exponents <= 0;
+      one [C, block_k] x [block_k, C] product (the first factor masked to the second block's
+      rows, the second to the first block's), whose other entries are zero;
     - i, j in one block: through the block's middle row m, e^{+-(G - G_m)} on the two sides, one
-      product for all blocks (its entries across blocks are not kept), when |G_ic - G_mc| <=
-      DIAG_EXP_LIMIT for the chunk's rows and the step's channels (always, for the lower-bound
-      gate: `_factored_diagonal_always_safe`), else exactly, column by column
-      (`_exact_diagonal_blocks`).
-    A factor that underflows drops only a term already below ~1e-38 of the unit diagonal.
-    Entries above the diagonal may be huge (e^80 x the rows' product): the final masks select
-    them away, nothing multiplies them.
+      product for both blocks (its entries across blocks are not kept), when |G_ic - G_mc| <=
+      `_diag_exp_limit` for the chunk's rows and the step's channels (always, for the
+      lower-bound gate with normalised 16-bit rows: `_factored_diagonal_always_safe`), else
+      exactly, column by column (`_exact_diagonal_blocks`).
+    A factor that underflows drops only a term far below the unit diagonal (`_diag_exp_limit`).
+    Entries above the diagonal may overflow (up to e^160 x the rows' product): the final masks
+    select them away, nothing multiplies them.
 
     The reference rows travel through rows_ref, this program's scratch in global memory
-    [2, REF_SLOTS * nb, block_k] (two buffers of REF_SLOTS rows per block): a masked store of G
-    at the rows that matter, one barrier, then loads of single rows, and gathers (a row index
-    per tile row) that give every row of a tile its own block's row. Picking a row out of a
-    register tile instead takes a reduction across the tile's rows, which crosses warps (shared
-    memory and a barrier each); a gather replaces the select chain that spread the rows back."""
+    [2, REF_SLOTS * NUM_SUB, block_k] (two buffers of REF_SLOTS rows per block): a masked store
+    of G at the rows that matter, one barrier, then loads of single rows, selected per block
+    (and in the exact form, gathers: a row index per tile row). Picking a row out of a register
+    tile instead takes a reduction across the tile's rows, which crosses warps (shared memory
+    and a barrier each)."""
     s, h = _slot_and_head(heads_fastest)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
     C, K = CHUNK, spec.head_k_dim
-    nb = C // SUB
 
     @pl.when(n > 0)
     def _():
         live = (lax.broadcasted_iota(jnp.int32, (C,), 0) < n)[:, None]
         tok = pl.ds(t0, C)
-        block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) // SUB      # each row's block
         load = lambda ref: plgpu.load(ref, mask=live, other=0).astype(F32)
         dot = functools.partial(_dot, precise=spec.precise, interpret=interpret, trans_b=True)
         # The products below the diagonal blocks take operands bounded by the rows' norms (the
         # decays there are <= 1): L2-normalised, fp16 holds them with one-pass TF32's
         # significand at twice its tensor-core rate. The diagonal blocks' factors e^{+-(G - G_m)}
-        # reach e^40, beyond fp16: those stay TF32.
+        # reach e^80, beyond fp16: those stay TF32.
         bounded = lambda x: x.astype(_bounded_dtype(spec))
         factored_always = _factored_diagonal_always_safe(spec)
-        rel = lambda x, y: (x[0] - y[0]) + (x[1] - y[1])  # G_x - G_y from (hi, lo) pairs
+        # The gates and their sums run in log2 units: every decay is then one exp2 (the
+        # products' operand decays one ex2.approx with 16-bit inputs), with no product by
+        # log2 e before it; the raw gates take the unit into a constant they have anyway
+        approx_math = not interpret and not spec.precise
+        operand_exp = functools.partial(_operand_exp2, approx=approx_math)
+        # G_x - G_y from the sums' parts (hi, lo; or the one part, `_kda_gate_sums`)
+        rel = lambda x, y: functools.reduce(operator.add, [a - b for a, b in zip(x, y)])
         exchange = _BlockRowExchange(rows_ref, (s, h), block_k, interpret)
 
         def gate(cols):
             """The chunk's log decays in the channels cols, [C, block_k] (0 past the chunk)."""
             g = load(g_ref.at[tok, h, cols])
             if not spec.raw_gates:
-                return g
+                return g * LOG2E
             dt = dt_ref[pl.ds(h * K + cols.start, cols.size)][None, :].astype(F32)
-            return jnp.where(live, _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec), 0.0)
+            return jnp.where(live, _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec,
+                                                  unit=LOG2E, approx=approx_math), 0.0)
 
         if spec.use_qk_l2norm:
             # The only kernel that reads KDA's raw q and k rows (the launcher tames no rows for
@@ -1075,6 +1171,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
         j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
         same_block = (i // SUB) == (j // SUB)
+        second = lax.broadcasted_iota(jnp.int32, (C, 1), 0) >= SUB      # the second block's rows
         # scratch slots of the reference rows: last rows (hi, lo), middle rows (hi, lo)
         LAST, MID = (0, 1), (2, 3)
 
@@ -1082,7 +1179,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             kk, qk = acc
             cols = pl.ds(c * block_k, block_k)
             put = lambda ref, x: plgpu.store(ref.at[tok, h, cols], x.astype(ref.dtype), mask=live)
-            G = _split_cumsum(gate(cols), _one_scan_gates(spec))           # rows past n add 0
+            G = _kda_gate_sums(gate(cols), spec)                           # rows past n add 0
             kn = load(k_ref.at[tok, hk, cols]) * tk[:, None] * rk[:, None]
             qn = load(q_ref.at[tok, hk, cols]) * tq[:, None] * rq[:, None]
             # Step c shares its reference rows through buffer c % 2. Step c + 1 stores into the
@@ -1093,35 +1190,42 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             # per use orders both the stores before the loads and the loads before the stores
             # that overwrite them.
             buf = lax.rem(c, 2)
-            exchange.share(buf, [(G[0], ((SUB - 1, LAST[0]), (SUB // 2, MID[0]))),
-                                 (G[1], ((SUB - 1, LAST[1]), (SUB // 2, MID[1])))])
-            lasts = [tuple(exchange.row(buf, slot, a) for slot in LAST) for a in range(nb)]
-            kt = kn * jnp.exp(rel(tuple(exchange.spread(buf, slot) for slot in LAST), G))  # <= 1
-            for b in range(nb - 1):
-                # exp of a positive exponent above block b's end may be inf: selected away
-                after = jnp.where(block > b, jnp.exp(rel(G, lasts[b])), 0.0)  # <= 1
-                kb = jnp.where(block == b, kt, 0.0)
-                kk = kk + dot(bounded(kn * after), bounded(kb))
-                qk = qk + dot(bounded(qn * after), bounded(kb))
-            mid = rel(G, tuple(exchange.spread(buf, slot) for slot in MID))
+            parts = range(len(G))
+            exchange.share(buf, [(G[p], ((SUB - 1, LAST[p]), (SUB // 2, MID[p]))) for p in parts])
+            first_last, chunk_last = (tuple(exchange.row(buf, LAST[p], a) for p in parts)
+                                      for a in range(NUM_SUB))
+            # The decayed rows first: their tiles are done with before the products' operands
+            # and results are formed, so fewer registers spill (ptxas; BENCHMARKS.md)
+            eG = jnp.exp2(sum(G[1:], G[0]))
+            put(fq_ref, qn * eG)
+            _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
+            put(fk_ref, kn * jnp.exp2(rel(chunk_last, G)))
+            # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
+            decay_ref[s, h, cols] = jnp.exp2(sum(chunk_last[1:], chunk_last[0]))[0]
+            # Below the diagonal blocks, through the first block's last row: its rows decay
+            # towards it (k e^{G_l - G}), the second block's from it (e^{G - G_l}); G falls
+            # along the chunk, so both exponents are <= 0 and one exponential serves both
+            to_first_last = rel(G, first_last)
+            e = operand_exp(jnp.where(second, to_first_last, -to_first_last))   # <= 1
+            k_first = bounded(jnp.where(second, 0.0, kn * e))
+            kk = kk + dot(bounded(jnp.where(second, kn * e, 0.0)), k_first)
+            qk = qk + dot(bounded(jnp.where(second, qn * e, 0.0)), k_first)
+            # each row's own block's middle row
+            mid = rel(G, tuple(jnp.where(second, exchange.row(buf, MID[p], 1),
+                                         exchange.row(buf, MID[p], 0)) for p in parts))
 
             def factored():
-                up, down = jnp.exp(mid), kn * jnp.exp(-mid)
+                up, down = operand_exp(mid), kn * operand_exp(-mid)
                 return dot(kn * up, down), dot(qn * up, down)
 
             if factored_always:
                 kk_d, qk_d = factored()
             else:
                 exact = functools.partial(_exact_diagonal_blocks, kn, qn, G, exchange, 1 - buf)
-                kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT, factored, exact)
+                kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= _diag_exp_limit(spec) * LOG2E,
+                                      factored, exact)
             kk = jnp.where(same_block, kk + kk_d, kk)
             qk = jnp.where(same_block, qk + qk_d, qk)
-            eG = jnp.exp(G[0] + G[1])
-            put(fq_ref, qn * eG)
-            _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
-            put(fk_ref, kn * jnp.exp(rel(lasts[-1], G)))
-            # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
-            decay_ref[s, h, cols] = jnp.exp(lasts[-1][0] + lasts[-1][1])[0]
             return kk, qk
 
         zero = jnp.zeros((C, C), F32)
@@ -1180,11 +1284,12 @@ class _BlockRowExchange:
 
 
 def _exact_diagonal_blocks(kn, qn, G, exchange, buf):
-    """The diagonal SUB x SUB blocks of k k^T and q k^T for a whole chunk, kn, qn, G (hi, lo)
-    [C, n], with every decay e^{G_ic - G_jc} (j <= i) formed exactly: step r forms column r of
-    every block at once, from row r of every block (spread over the block by `exchange`,
-    _BlockRowExchange, starting in buffer buf and alternating: SUB is even, so the next user
-    finds the buffers alternating still). Entries outside the blocks are zero."""
+    """The diagonal SUB x SUB blocks of k k^T and q k^T for a whole chunk, kn, qn, G (its parts,
+    `_kda_gate_sums`) [C, n] in log2 units, with every decay 2^{G_ic - G_jc} (j <= i) formed
+    exactly: step r forms column r of every block at once, from row r of every block (spread
+    over the block by `exchange`, _BlockRowExchange, starting in buffer buf and alternating: SUB
+    is even, so the next user finds the buffers alternating still). Entries outside the blocks
+    are zero."""
     C = kn.shape[0]
     block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) // SUB
     in_block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) % SUB
@@ -1193,9 +1298,11 @@ def _exact_diagonal_blocks(kn, qn, G, exchange, buf):
     def column(r, mats):
         kk, qk = mats
         b = lax.rem(buf + r, 2)
-        exchange.share(b, [(G[0], ((r, 0),)), (G[1], ((r, 1),)), (kn, ((r, 2),))])
-        g_hi, g_lo, k_r = (exchange.spread(b, slot) for slot in range(3))
-        e = jnp.exp(jnp.where(in_block >= r, (G[0] - g_hi) + (G[1] - g_lo), -jnp.inf))
+        parts = len(G)
+        exchange.share(b, [(x, ((r, slot),)) for slot, x in enumerate((*G, kn))])
+        *g_r, k_r = (exchange.spread(b, slot) for slot in range(parts + 1))
+        rel = functools.reduce(operator.add, [x - y for x, y in zip(G, g_r)])
+        e = jnp.exp2(jnp.where(in_block >= r, rel, -jnp.inf))
         kc = k_r * e
         at = col == block * SUB + r
         return (jnp.where(at, jnp.sum(kn * kc, axis=1, keepdims=True), kk),

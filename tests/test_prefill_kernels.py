@@ -5,6 +5,7 @@ marked `gpu`). Inputs are fresh random draws (never zeros); pools carry 1e30 sen
 write to a slot that was not named, or a read of padding, shows.
 """
 
+import dataclasses
 import functools
 import itertools
 
@@ -1310,7 +1311,9 @@ def test_kda_intra_gate_sums_in_one_scan_keep_the_bits(mode, monkeypatch):
     """KDA's intra kernel sums its gates' hi and lo parts in one running sum of twice the width
     for some gate forms (`_one_scan_gates`) and in two sums for the others: both ways give the
     same bits, for the raw softplus gate that takes one scan by default and the lower-bound gate
-    that takes two (each with the other form forced), gates spanning -88 to ~0."""
+    that takes two (each with the other form forced), gates spanning -88 to ~0. (16-bit inputs sum
+    in one plain part by default, `_one_part_gate_sums`: the split parts are forced here.)"""
+    monkeypatch.setattr(kern, "_one_part_gate_sums", lambda spec: False)
     lens, HK, HV, K = [100, 30], 1, 2, 32
     q, k, _, _, _, _, cu = _kda_inputs(26, lens, HK=HK, HV=HV, K=K, dtype=BF16)
     rng = np.random.default_rng(27)
@@ -1336,10 +1339,124 @@ def test_kda_intra_gate_sums_in_one_scan_keep_the_bits(mode, monkeypatch):
             assert np.all(np.isfinite(x)) and np.array_equal(x, y)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("form", ["lower bound", "given", pytest.param("softplus", marks=FULL)])
+def test_kda_one_part_gate_sums_against_float64(mode, form, monkeypatch):
+    """With bf16 inputs KDA's intra kernel sums its gates in one plain fp32 part
+    (`_one_part_gate_sums`): against a float64 token loop its outputs and final states are as
+    close as with the exact hi and lo parts, with an initial state. The raw lower-bound gate:
+    gates that put the chunks' sums near their bound (-5 for 40 tokens, then ~0: decays that
+    matter, late in chunks whose sums are large) and random ones; given gates: 30 tokens at the
+    floor (-88) then mild ones (sums in the thousands before decays near 1), and gates from 1e-7
+    to 1e3 with resets; the raw softplus gate: random projections, some channels decaying
+    hard."""
+    lens, HK, HV, K = [256, 130], 1, 2, 64
+    q, k, v, g_spread, b, h0, cu = _kda_inputs(61, lens, HK=HK, HV=HV, K=K, dtype=BF16,
+                                                spread=True)
+    rng = np.random.default_rng(62)
+    T = sum(lens)
+    pos = (np.arange(T) % kern.CHUNK)[:, None, None]
+    dt_bias = jnp.asarray(rng.standard_normal(HV * K), F32)
+    raw = dict(raw_gates=True, gate_lower_bound=-5.0 if form == "lower bound" else None)
+    if form == "lower bound":
+        cases = {"strong then weak": (np.where(pos < 40, 8.0, -8.0)
+                                      + 0.3 * rng.standard_normal((T, HV, K)), np.zeros(HV)),
+                 "random": (2 * rng.standard_normal((T, HV, K)), 0.5 * rng.standard_normal(HV))}
+    elif form == "softplus":
+        cases = {"random": (2 * rng.standard_normal((T, HV, K)), np.asarray([0.5, 2.5]))}
+    else:
+        raw = {}
+        cases = {"floor then mild": np.where(pos < 30, -200.0, -0.01 * rng.random((T, HV, K))),
+                 "spread": np.asarray(g_spread)}
+    spec = _spec(HK, HV, K, K, per_channel_gate=True, precise=False, has_initial_state=True,
+                 **raw)
+    assert kern._one_part_gate_sums(spec)
+    assert not kern._one_part_gate_sums(dataclasses.replace(spec, precise=True))
+    for name, case in cases.items():
+        if raw:
+            a, A_log = (jnp.asarray(x, F32) for x in case)
+            g = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=raw["gate_lower_bound"])
+            beta, extra = jax.nn.sigmoid(b), dict(A_log=A_log, dt_bias=dt_bias)
+        else:
+            a = g = jnp.asarray(case, F32)
+            beta, extra = b, {}
+        ro, rs = _oracle(q, k, v, g, beta, h0, cu)
+        got = {}
+        for one_part in (True, False):
+            monkeypatch.setattr(kern, "_one_part_gate_sums", lambda spec, one=one_part: one)
+            jax.clear_caches()   # the traced calls do not see the patched rule otherwise
+            got[one_part] = _run(mode, q, k, v, a, b, cu, spec, initial_state=h0, **extra)[:2]
+        (o1, s1), (o2, s2) = got[True], got[False]
+        assert not np.array_equal(np.asarray(s1), np.asarray(s2)), name   # the forms differ
+        assert rel_err(o1, ro) <= 5e-3 and rel_err(s1, rs) <= 1e-3, name
+        assert rel_err(o1, ro) <= 1.02 * rel_err(o2, ro), name
+        assert rel_err(s1, rs) <= 1.05 * rel_err(s2, rs), name
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_operand_exp2_against_float64(mode):
+    """The decay factors of the KDA intra kernel's tensor-core operands (`_operand_exp2`:
+    `ex2.approx` compiled for 16-bit inputs, `jnp.exp2` in interpret mode) within 2^-21 + |x|
+    2^-23 of float64 where 2^x is a normal fp32 number (the CPU's exp2 goes through exp and
+    loses |x| 2^-24), 0 (or that number's subnormal) below it, and exact at 0, +-inf."""
+    from jax.experimental import pallas as pl
+    rng = np.random.default_rng(41)
+    x = rng.uniform(-135.0, 130.0, (64, 32))
+    x[0, :4] = [0.0, -np.inf, np.inf, -125.0]
+    x = jnp.asarray(x, F32)
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = kern._operand_exp2(x_ref[...], approx=mode != "interpret")
+
+    got = np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, F32),
+                                    interpret=mode == "interpret")(x), np.float64)
+    want = np.exp2(np.asarray(x, np.float64))
+    tiny, big = np.finfo(np.float32).tiny, np.finfo(np.float32).max
+    normal = (want >= tiny) & (want <= big)
+    bound = (2.0 ** -21 + np.abs(np.asarray(x, np.float64)) * 2.0 ** -23) * want
+    assert np.all(np.abs(got[normal] - want[normal]) <= bound[normal])
+    assert np.all(got[want > big] == np.inf)
+    below = want < tiny
+    assert np.all(got[below] <= tiny) and np.all(got[below] >= 0)
+    assert got[0, 0] == 1.0 and got[0, 1] == 0.0 and got[0, 2] == np.inf
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_approx_raw_gates_against_float64(mode, lower_bound):
+    """The KDA intra kernel's raw gates in log2 units with 16-bit inputs (`_raw_log_decay`,
+    approx: PTX ex2, lg2 and rcp approximations compiled; the precise formula in interpret
+    mode) within 2^-20 (1 + |g|) of float64 a token: Kimi Linear's softplus form over the
+    softplus threshold and far below it, GLM-5.3-Flash's lower bound at both ends of the
+    sigmoid."""
+    from jax.experimental import pallas as pl
+    rng = np.random.default_rng(43)
+    x = rng.uniform(-60.0, 40.0, (64, 32)).astype(np.float32)
+    x[0, :6] = [0.0, -1e-3, 20.0, 20.5, -17.0, -88.0]
+    dt = rng.uniform(-2.0, 2.0, (1, 32)).astype(np.float32)
+    A_log = np.float32(0.7)
+    spec = _spec(1, 1, 32, 32, per_channel_gate=True, raw_gates=True,
+                 gate_lower_bound=lower_bound, precise=False)
+
+    def kernel(x_ref, dt_ref, o_ref):
+        o_ref[...] = kern._raw_log_decay(x_ref[...], A_log, dt_ref[...], spec, unit=kern.LOG2E,
+                                         approx=mode != "interpret")
+
+    got = np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, F32),
+                                    interpret=mode == "interpret")(x, dt), np.float64)
+    y = x.astype(np.float64) + dt
+    if lower_bound is None:
+        want = -np.exp(np.float64(A_log)) * np.logaddexp(0.0, y) / np.log(2.0)
+    else:
+        want = lower_bound / np.log(2.0) / (1.0 + np.exp(-np.exp(np.float64(A_log)) * y))
+    assert np.all(np.isfinite(got))
+    assert np.all(np.abs(got - want) <= 2.0 ** -20 * (1.0 + np.abs(want)))
+
+
 def _diag_spans(g, cu):
     """Largest |G_ic - G_mc| per (chunk, head) between a row and the middle row m of its
-    16-row block (float64, gates clamped as the kernel does): the kernel forms all of a chunk's
-    diagonal blocks as products when this is <= DIAG_EXP_LIMIT; above, it forms them exactly
+    SUB-row block (float64, gates clamped as the kernel does): the kernel forms all of a chunk's
+    diagonal blocks as products when this is <= `_diag_exp_limit`; above, it forms them exactly
     (it decides per chunk and channel step)."""
     g = np.maximum(np.asarray(g, np.float64), kern.GATE_FLOOR)
     cu = np.asarray(cu)
@@ -1372,13 +1489,18 @@ def test_kda_raw_gates_spanning_orders_of_magnitude(mode, lower_bound):
     o, hT, _, _ = _run(mode, q, k, v, a, b, cu, spec, initial_state=h0, A_log=A_log,
                        dt_bias=dt_bias)
     g = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=lower_bound)
+    limit = kern._diag_exp_limit(spec)   # fp32 inputs: the limit for any rows
+    spans = _diag_spans(g, cu).reshape(-1, HV)
     if lower_bound is not None:  # some channels at the bound exactly, others near zero
         assert np.any(np.asarray(g) == lower_bound) and np.any(np.asarray(g) > -1e-6)
-        assert _diag_spans(g, cu).max() <= kern.DIAG_EXP_LIMIT
+        # fp32 inputs check the spans at run time (the bound's 80 is for normalised 16-bit
+        # rows): some chunks take the factored diagonal, others the exact one
+        assert not kern._factored_diagonal_always_safe(spec)
+        assert spans.max() <= -lower_bound * kern.SUB // 2
+        assert spans.min() <= limit < spans.max()
     else:  # head 0 takes the factored diagonal, head 1 the exact one
-        spans = _diag_spans(g, cu).reshape(-1, HV)
-        assert np.all(spans[:, 0] <= kern.DIAG_EXP_LIMIT)
-        assert np.all(spans[:, 1] > kern.DIAG_EXP_LIMIT)
+        assert np.all(spans[:, 0] <= limit)
+        assert np.all(spans[:, 1] > limit)
     ro, rs = _oracle(q, k, v, g, ref.gdn_beta(b), h0, cu)
     assert rel_err(o, ro) <= 1e-5
     assert rel_err(hT, rs) <= 1e-5
@@ -1397,12 +1519,12 @@ def test_kda_factored_and_exact_diagonal_blocks(mode, exact_only, monkeypatch):
     g[90, 1, ::3] = -np.inf
     g = jnp.asarray(g)
     spans = _diag_spans(g, cu)
-    assert spans.min() <= kern.DIAG_EXP_LIMIT < spans.max()
+    spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True)
+    assert spans.min() <= kern._diag_exp_limit(spec) < spans.max()
     if exact_only:
-        monkeypatch.setattr(kern, "DIAG_EXP_LIMIT", -1.0)
+        monkeypatch.setattr(kern, "_diag_exp_limit", lambda spec: -1.0)
     kern.chunk_prefill.clear_cache()  # the limit is read when the kernel is traced
     try:
-        spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True)
         o, hT, _, _ = _run(mode, q, k, v, g, beta, cu, spec, initial_state=h0)
     finally:
         kern.chunk_prefill.clear_cache()
@@ -1412,24 +1534,32 @@ def test_kda_factored_and_exact_diagonal_blocks(mode, exact_only, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_kda_large_rows_factored_diagonal(mode):
-    """q, k rows of norm ~6e4 with every gate at the lower bound -5: the factored diagonal
-    blocks (exponents up to +-40) of the raw rows overflow above the diagonal (e^75 x 3e9),
-    which must stay out of the kept entries; the result equals float64."""
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_kda_large_rows_factored_diagonal(mode, dtype):
+    """q, k rows of norm ~6e4 (L2-normalised in the kernel) with every gate at one value, so
+    that the factored diagonal blocks run at their limit (`_diag_exp_limit`): fp32 inputs at 40
+    (gates -2.5: the lower bound's sigmoid at 0.5), bf16 inputs at 80 (every gate at the bound
+    -5). Their entries above the diagonal overflow (up to e^80, e^160 times the rows' product),
+    which must stay out of the kept entries; the result equals float64 (fp32 <= 1e-5, bf16
+    inputs <= 5e-3 and the state <= 1e-3)."""
     lens, HK, HV, K = [100, 40], 1, 2, 32
-    q, k, v, _, b, h0, cu = _kda_inputs(33, lens, HK=HK, HV=HV, K=K)
-    q, k = 1e4 * q, 1e4 * k
-    a = jnp.full((sum(lens), HV, K), 40.0, F32)  # sigmoid(e^A_log (a + dt)) = 1: g = -5
+    q, k, v, _, b, h0, cu = _kda_inputs(33, lens, HK=HK, HV=HV, K=K, dtype=dtype)
+    q, k = ((1e4 * x.astype(F32)).astype(dtype) for x in (q, k))
+    precise = dtype == F32
+    # sigmoid(e^A_log (a + dt)) = 1/2 (g = -2.5) at a = 0, = 1 (g = -5) at a = 40
+    a = jnp.full((sum(lens), HV, K), 0.0 if precise else 40.0, F32)
     A_log, dt_bias = jnp.zeros(HV, F32), jnp.zeros(HV * K, F32)
     spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True, raw_gates=True,
-                 gate_lower_bound=-5.0)
+                 gate_lower_bound=-5.0, precise=precise)
+    g = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=-5.0)
+    assert np.all(np.asarray(g) == (-2.5 if precise else -5.0))
+    assert _diag_spans(g, cu).max() == kern._diag_exp_limit(spec)
+    assert kern._factored_diagonal_always_safe(spec) != precise   # fp32: checked at run time
     o, hT, _, _ = _run(mode, q, k, v, a, b, cu, spec, initial_state=h0, A_log=A_log,
                        dt_bias=dt_bias)
-    g = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=-5.0)
-    assert np.all(np.asarray(g) == -5.0)
     ro, rs = _oracle(q, k, v, g, ref.gdn_beta(b), h0, cu)
-    assert rel_err(o, ro) <= 1e-5
-    assert rel_err(hT, rs) <= 1e-5
+    assert rel_err(o, ro) <= (1e-5 if precise else 5e-3)
+    assert rel_err(hT, rs) <= (1e-5 if precise else 1e-3)
 
 
 def _kda_intra_oracle(q, k, g, cu, HV, scale):
@@ -1469,8 +1599,8 @@ def test_kda_intra_kernel_against_float64(mode, lens, HK, HV, K, block_k, raw):
     """The intra-chunk kernel alone: kk, aqk, the decayed rows and the chunk decays equal a
     float64 einsum over every chunk, ragged ones (T not a multiple of 64) included. K = 256:
     head 0's gates are mild (factored diagonal blocks), head 1's span 1e-7..1e3 with resets in
-    the first chunk (exact diagonal blocks there) and are mild after; the raw lower-bound gate
-    takes the factored blocks statically."""
+    the first chunk (exact diagonal blocks there) and are mild after; with fp32 inputs the raw
+    lower-bound gate's chunks are checked at run time too (`_diag_exp_limit`)."""
     q, k, _, g, _, _, cu = _kda_inputs(41, lens, HK=HK, HV=HV, K=K)
     rng = np.random.default_rng(42)
     A_log = dt_bias = None
@@ -1484,10 +1614,11 @@ def test_kda_intra_kernel_against_float64(mode, lens, HK, HV, K, block_k, raw):
         g[:64, 1] = -(10.0 ** rng.uniform(-7, 3, (64, K)))
         g[20, 1, ::5] = -np.inf
         g_in = g = jnp.asarray(g)
-        spans = _diag_spans(g, cu).reshape(-1, HV)
-        assert spans[:, 0].max() <= kern.DIAG_EXP_LIMIT < spans[0, 1]
     spec = _spec(HK, HV, K, K, per_channel_gate=True, raw_gates=raw,
                  gate_lower_bound=-5.0 if raw else None)
+    if not raw:
+        spans = _diag_spans(g, cu).reshape(-1, HV)
+        assert spans[:, 0].max() <= kern._diag_exp_limit(spec) < spans[0, 1]
     start, length, _, _ = kern.chunk_table(cu, q.shape[0])
     A_log = jnp.zeros((HV,), F32) if A_log is None else A_log
     dt_bias = jnp.zeros((HV,), F32) if dt_bias is None else dt_bias
