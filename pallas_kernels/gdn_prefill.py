@@ -54,13 +54,14 @@ middle rows when the gates allow it (exponents within +-`_diag_exp_limit`), else
 column by column (the reference rows go through a small per-program scratch in memory,
 `_BlockRowExchange`). The same program writes the decayed q e^G and k e^{G_C - G} (the scan
 takes them instead of row factors), e^G k (for W), the masked k k^T and q k^T (k k^T without
-beta) and the chunk's total decay per channel. The prep then loads k k^T, forms A and T beta and stores W = (T beta) (e^G k)
-and U = (T beta) v, and the scan takes the deltas as U - W S: with T beta in the scan instead,
-KDA's scan would load the e^G k rows besides its decayed q and k rows, and lost more time than
-its prep saved (BENCHMARKS.md). With bf16 inputs at K = V = 128 and every sequence starting at a
-multiple of CHUNK (`PrefillSpec.aligned_chunks`), W and U come from the Mosaic GPU prep
-(`gdn_prefill_mgpu.kda_prep`, `_mosaic_kda_prep`) instead, and the Triton prep, in its
-`redo_only` form, forms again only the chunks whose fp16 inverse it flagged.
+beta) and the chunk's total decay per channel. The prep then loads k k^T, forms A and T beta
+and stores W = (T beta) (e^G k) and U = (T beta) v, and the scan takes the deltas as U - W S:
+with T beta in the scan instead, KDA's scan would load the e^G k rows besides its decayed q
+and k rows, and lost more time than its prep saved (BENCHMARKS.md). With bf16 inputs at
+K = V = 128 and every sequence starting at a multiple of CHUNK (`PrefillSpec.aligned_chunks`),
+W and U come from the Mosaic GPU prep (`gdn_prefill_mgpu.kda_prep`, `_mosaic_kda_prep`)
+instead, and the Triton prep, in its `redo_only` form, forms again only the chunks whose fp16
+inverse it flagged.
 
 The inverse T = (I + A)^-1 takes one of two forms, neither forming powers of A (a truncated
 series I - A + A^2 - ... loses about three digits for repeated keys with beta near 1):
@@ -599,6 +600,12 @@ def _split_cumsum(g, one_scan: bool = False, floor: float = GATE_FLOOR):
     return lax.unstack(jnp.cumsum(jnp.stack((hi, lo), axis=-1), axis=0), axis=-1)
 
 
+def _gate_diff(x, y):
+    """G_x - G_y from two tuples of gate-sum parts (`_kda_gate_sums`: (hi, lo), or one part),
+    each part subtracted before the parts are added, so the exact hi sums cancel exactly."""
+    return functools.reduce(operator.add, [a - b for a, b in zip(x, y)])
+
+
 def _kda_gate_sums(g2, spec: PrefillSpec):
     """KDA's in-chunk cumulative decays for the intra kernel, in log2 units from gates g2 in log2
     units, as a tuple of parts whose sum is G: one plain fp32 running sum with 16-bit inputs
@@ -607,10 +614,9 @@ def _kda_gate_sums(g2, spec: PrefillSpec):
     of that state, and the sums stay within 64 * 32 = 2048, whose rounding is 2^-12), else the
     (hi, lo) parts of `_split_cumsum` of the gates clamped at GATE_FLOOR * LOG2E (the same clamp
     as GDN's; |g2| <= 88 log2 e < 128: the hi sums stay exact)."""
-    floor = GATE_FLOOR * LOG2E
     if _one_part_gate_sums(spec):
         return (jnp.cumsum(jnp.maximum(g2, ONE_PART_GATE_FLOOR), axis=0),)
-    return _split_cumsum(g2, _one_scan_gates(spec), floor)
+    return _split_cumsum(g2, _one_scan_gates(spec), GATE_FLOOR * LOG2E)
 
 
 def _one_part_gate_sums(spec: PrefillSpec) -> bool:
@@ -1138,8 +1144,6 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         # log2 e before it; the raw gates take the unit into a constant they have anyway
         approx_math = not interpret and not spec.precise
         operand_exp = functools.partial(_operand_exp2, approx=approx_math)
-        # G_x - G_y from the sums' parts (hi, lo; or the one part, `_kda_gate_sums`)
-        rel = lambda x, y: functools.reduce(operator.add, [a - b for a, b in zip(x, y)])
         exchange = _BlockRowExchange(rows_ref, (s, h), block_k, interpret)
 
         def gate(cols):
@@ -1199,19 +1203,19 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             eG = jnp.exp2(sum(G[1:], G[0]))
             put(fq_ref, qn * eG)
             _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
-            put(fk_ref, kn * jnp.exp2(rel(chunk_last, G)))
+            put(fk_ref, kn * jnp.exp2(_gate_diff(chunk_last, G)))
             # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
             decay_ref[s, h, cols] = jnp.exp2(sum(chunk_last[1:], chunk_last[0]))[0]
             # Below the diagonal blocks, through the first block's last row: its rows decay
             # towards it (k e^{G_l - G}), the second block's from it (e^{G - G_l}); G falls
             # along the chunk, so both exponents are <= 0 and one exponential serves both
-            to_first_last = rel(G, first_last)
+            to_first_last = _gate_diff(G, first_last)
             e = operand_exp(jnp.where(second, to_first_last, -to_first_last))   # <= 1
             k_first = bounded(jnp.where(second, 0.0, kn * e))
             kk = kk + dot(bounded(jnp.where(second, kn * e, 0.0)), k_first)
             qk = qk + dot(bounded(jnp.where(second, qn * e, 0.0)), k_first)
             # each row's own block's middle row
-            mid = rel(G, tuple(jnp.where(second, exchange.row(buf, MID[p], 1),
+            mid = _gate_diff(G, tuple(jnp.where(second, exchange.row(buf, MID[p], 1),
                                          exchange.row(buf, MID[p], 0)) for p in parts))
 
             def factored():
@@ -1301,8 +1305,7 @@ def _exact_diagonal_blocks(kn, qn, G, exchange, buf):
         parts = len(G)
         exchange.share(b, [(x, ((r, slot),)) for slot, x in enumerate((*G, kn))])
         *g_r, k_r = (exchange.spread(b, slot) for slot in range(parts + 1))
-        rel = functools.reduce(operator.add, [x - y for x, y in zip(G, g_r)])
-        e = jnp.exp2(jnp.where(in_block >= r, rel, -jnp.inf))
+        e = jnp.exp2(jnp.where(in_block >= r, _gate_diff(G, g_r), -jnp.inf))
         kc = k_r * e
         at = col == block * SUB + r
         return (jnp.where(at, jnp.sum(kn * kc, axis=1, keepdims=True), kk),
