@@ -202,6 +202,10 @@ class PrefillBlockSizes:
     # (`gdn_prefill_mgpu.kda_prep`: the fp16 doubling inverse and the products on the tensor
     # cores), the chunks whose fp16 inverse may not have held formed again by the Triton prep
     mosaic_kda_prep: bool = False
+    # KDA, with mosaic_kda_prep: the state scan in Mosaic GPU (`gdn_prefill_mgpu.kda_scan`: the
+    # state as the tensor cores' accumulator, bf16 halves on both sides of every product), the
+    # intra kernel then writing k e^{G_C - G} as bf16 halves. Opt-in: not yet timed
+    mosaic_kda_scan: bool = False
 
     def blocked_inverse_for(self, spec: PrefillSpec) -> bool:
         # Measured on the H200: the blocked inverse makes KDA's prep 7-8% faster and GDN's
@@ -317,6 +321,21 @@ def _mosaic_scan_reason(spec: PrefillSpec) -> str | None:
     return None
 
 
+def _mosaic_kda_scan_reason(spec: PrefillSpec, block: PrefillBlockSizes) -> str | None:
+    if not block.mosaic_kda_prep:
+        return "the Mosaic GPU KDA scan takes the Mosaic GPU KDA prep's W and U (mosaic_kda_prep)"
+    why = _mosaic_kda_prep_reason(spec)
+    if why:
+        return why
+    if spec.boundary_states:
+        return "the Mosaic GPU KDA scan writes no chunk-boundary states"
+    if block.mosaic_scan:
+        return "mosaic_scan is GDN's scan; KDA's is mosaic_kda_scan"
+    if block.block_v != mgpu_scan.BLOCK_V:
+        return f"block_v={block.block_v}: the Mosaic GPU KDA scan's programs own {mgpu_scan.BLOCK_V} columns"
+    return None
+
+
 def _pow2(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
@@ -349,6 +368,10 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
             why = _mosaic_kda_prep_reason(spec)
             if why:
                 return f"mosaic_kda_prep: {why}"
+        if block.mosaic_kda_scan:
+            why = _mosaic_kda_scan_reason(spec, block)
+            if why:
+                return f"mosaic_kda_scan: {why}"
         if block.pair_group not in (1, PAIR_GROUP):
             return f"pair_group={block.pair_group} must be 1 or {PAIR_GROUP}"
         if spec.per_channel_gate and block.paired_halves:
@@ -482,8 +505,9 @@ def _store_parts(ref, at, x, mask):
 
 
 def _store_split(ref, at, x, mask):
-    """x into ref[at] [T, HV, C], or, where ref has a leading axis of halves (T beta for the
-    Mosaic GPU scan, [2, S * C, HV, C] bf16), its bf16 hi and lo halves (`_store_parts`)."""
+    """x into ref[at], or, where ref has a leading axis of halves (T beta for the Mosaic GPU
+    scan, [2, S * C, HV, C] bf16; KDA's k e^{G_C - G} for the Mosaic GPU KDA scan), its bf16
+    hi and lo halves (`_store_parts`)."""
     if ref.ndim == 4:
         _store_parts(ref, at, x, mask)
     else:
@@ -1119,7 +1143,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             eG = jnp.exp(G[0] + G[1])
             put(fq_ref, qn * eG)
             _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
-            put(fk_ref, kn * jnp.exp(rel(lasts[-1], G)))
+            _store_split(fk_ref, (tok, h, cols), kn * jnp.exp(rel(lasts[-1], G)), live)
             # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
             decay_ref[s, h, cols] = jnp.exp(lasts[-1][0] + lasts[-1][1])[0]
             return kk, qk
@@ -1318,7 +1342,9 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
                    # q k^T e^{G_i - G_j}, j <= i
                    jax.ShapeDtypeStruct((T_total, HV, CHUNK), bounded_dtype),
                    jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
-                   jax.ShapeDtypeStruct(rows, bounded_dtype),        # k: norm * e^{G_C - G}
+                   # k: norm * e^{G_C - G} (bf16 halves for the Mosaic GPU KDA scan)
+                   jax.ShapeDtypeStruct((2,) + rows, jnp.bfloat16) if block.mosaic_kda_scan
+                   else jax.ShapeDtypeStruct(rows, bounded_dtype),
                    # e^G k: norm * e^G, in parts (`_kda_parts`)
                    jax.ShapeDtypeStruct((parts, prep_rows, HV, K), rows_dtype),
                    jax.ShapeDtypeStruct((num_slots, HV, K), F32),    # e^{G_C}
@@ -1638,10 +1664,10 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
     T_total, HV, V = v.shape
     K = q.shape[2]
     N = cu.shape[0] - 1
-    if block.mosaic_scan:
+    if block.mosaic_scan or block.mosaic_kda_scan:
         pool_in = h0
         if v.dtype != jnp.bfloat16:
-            raise ValueError(f"mosaic_scan takes bf16 inputs, got v of {v.dtype}")
+            raise ValueError(f"the Mosaic GPU scans take bf16 inputs, got v of {v.dtype}")
         live = jnp.ones((N,), jnp.int32)
         if spec.pooled:
             # the named slots' states read here and written back below (a padding slot: zeros
@@ -1649,17 +1675,28 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
             in_pool, h0 = pool_rows(pool_in, slots)
             live = in_pool.astype(jnp.int32)
         # the Mosaic scan's wide form holds S^T: the states cross its boundary transposed
-        narrow = block.block_v == mgpu_scan.BLOCK_V_NARROW
+        narrow = block.mosaic_scan and block.block_v == mgpu_scan.BLOCK_V_NARROW
         orient = (lambda x: x) if narrow else (lambda x: jnp.swapaxes(x, -1, -2))
         h0t = (orient(h0).astype(F32) if spec.has_initial_state or spec.pooled
                else jnp.zeros((1, 1, 1, 1), F32))
-        # (q and k come with their rows aligned, as the Mosaic prep took them)
-        o, final_t = mgpu_scan.scan(cu, _longest_first(cu), first, live, decay, q, k,
-                                    _aligned_rows(v), tb, aqk, fq, h0t, num_v_heads=HV,
-                                    num_k_heads=q.shape[1],
-                                    has_initial_state=spec.has_initial_state or spec.pooled,
-                                    narrow=narrow, tamed=tamed, warp_specialized=not interpret,
-                                    interpret=interpret)
+        if block.mosaic_kda_scan:
+            # KDA: the decayed q rows, k e^{G_C - G}'s halves (the intra kernel's), W's halves
+            # and U (the Mosaic prep's), by token row (slot rows are token rows: aligned chunks)
+            o, final_t = mgpu_scan.kda_scan(cu, _longest_first(cu), first, live, decay, fq, fk,
+                                            w, u, aqk, h0t, num_v_heads=HV,
+                                            has_initial_state=spec.has_initial_state
+                                            or spec.pooled,
+                                            warp_specialized=not interpret,
+                                            interpret=interpret)
+        else:
+            # (q and k come with their rows aligned, as the Mosaic prep took them)
+            o, final_t = mgpu_scan.scan(cu, _longest_first(cu), first, live, decay, q, k,
+                                        _aligned_rows(v), tb, aqk, fq, h0t, num_v_heads=HV,
+                                        num_k_heads=q.shape[1],
+                                        has_initial_state=spec.has_initial_state
+                                        or spec.pooled,
+                                        narrow=narrow, tamed=tamed,
+                                        warp_specialized=not interpret, interpret=interpret)
         o = o[:T_total]
         final = orient(final_t)
         if spec.pooled:

@@ -27,6 +27,16 @@ then the two products on the tensor cores; for calls whose sequences all start a
 CHUNK, so that every chunk is one bulk copy of 64 token rows in and out. k k^T and beta arrive on
 a barrier of their own, so the inverse runs while e^G k and v are still being copied in.
 
+`kda_scan`: KDA's state scan, for calls whose sequences all start at multiples of CHUNK (the
+Mosaic KDA prep's), one program per (sequence, value head, BV = 64 value columns) holding S^T
+[BV, K] as the tensor cores' accumulator. Two warpgroups: the chain publishes S^T's halves, forms
+-D = W S - U from -U (W's halves against S's from shared memory) and publishes D^T's halves,
+then S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}) (both sides in halves); the output warpgroup forms
+O = (q e^G) S + aqk D from the publications. There is no copy warpgroup: each warpgroup fetches
+its own operands into a buffer as soon as it has read it (W into two buffers, the rest one), so
+the next chunk's rows arrive while the current one is formed. Opt-in until timed
+(`PrefillBlockSizes.mosaic_kda_scan`).
+
 `scan`: each program owns one (sequence, value head, block of BV = 64 value columns) and keeps
 the transposed state slab S^T [BV, K] in fp32 registers laid out as a wgmma accumulator, so the
 chunk's update `e^{G_C} S + k^T (fk D)` accumulates into it on the tensor cores.
@@ -99,7 +109,7 @@ FQ, FK, FW = range(NUM_FACTORS)
 _COPIES = 6              # bulk copies a chunk: q, k, v, T beta, aqk, factors
 
 __all__ = ["CHUNK", "HEAD_K_DIM", "BLOCK_V", "ALIGN", "NUM_ROW_VECTORS", "unsupported_reason",
-           "scan", "prep", "kda_prep"]
+           "scan", "prep", "kda_prep", "kda_scan"]
 
 
 def unsupported_reason(*, head_k_dim: int, head_v_dim: int, dtype) -> str | None:
@@ -258,6 +268,38 @@ def _launch(kernel, *, out_type, scratch, num_programs: int, name: str, interpre
                         grid_names=("p",), num_threads=num_threads, thread_name="wg",
                         kernel_name=name, compiler_params=plgpu.CompilerParams(approx_math=False),
                         **extra)
+
+
+def _store_output(o_ref, o_s, o, c, t0, bos, eos, h, cols, interpret):
+    """o [C, BV] into the output rows of chunk c (from token t0) that are its sequence's
+    [bos, eos), through o_s [2, C, BV], buffer c % 2."""
+    C, buf = CHUNK, c % 2
+    if not interpret:
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this buffer's last store read
+    o_s[buf] = o
+    _commit_smem(interpret)
+    lo, hi = jnp.maximum(bos - t0, 0), jnp.minimum(eos - t0, C)
+    num_rows = hi - lo
+
+    @pl.when(num_rows == C)
+    def _():
+        plgpu.copy_smem_to_gmem(o_s.at[buf], o_ref.at[pl.ds(t0, C), h, cols])
+
+    @pl.when(num_rows < C)
+    def _():
+        # the sequence's own rows only, in pieces of 32, 16, ..., 1 rows (a copy's size is
+        # static): the rows before and after them are other sequences'. A bulk copy reads
+        # shared memory at 128-byte aligned addresses: the narrow form's rows are 64 bytes,
+        # so it takes sequences that start at even rows only (then every piece does)
+        done = lo
+        size = C // 2
+        while size:
+            @pl.when(num_rows & size != 0)
+            def _(done=done, size=size):
+                plgpu.copy_smem_to_gmem(o_s.at[buf, pl.ds(done, size)],
+                                        o_ref.at[pl.ds(t0 + done, size), h, cols])
+            done = done + (num_rows & size)
+            size //= 2
 
 
 def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_ref, kt_ref,
@@ -453,34 +495,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         store_output(c, (qs * fq + ad).astype(o_ref.dtype))
 
     def store_output(c, o):
-        """o [C, BV] into the output rows of chunk c that are its sequence's."""
-        t0, buf = chunk_start(c), c % 2
-        if not interpret:
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this buffer's last store read
-        o_s[buf] = o
-        _commit_smem(interpret)
-        lo, hi = jnp.maximum(bos - t0, 0), jnp.minimum(eos - t0, C)
-        num_rows = hi - lo
-
-        @pl.when(num_rows == C)
-        def _():
-            plgpu.copy_smem_to_gmem(o_s.at[buf], o_ref.at[pl.ds(t0, C), h, cols])
-
-        @pl.when(num_rows < C)
-        def _():
-            # the sequence's own rows only, in pieces of 32, 16, ..., 1 rows (a copy's size is
-            # static): the rows before and after them are other sequences'. A bulk copy reads
-            # shared memory at 128-byte aligned addresses: the narrow form's rows are 64 bytes,
-            # so it takes sequences that start at even rows only (then every piece does)
-            done = lo
-            size = C // 2
-            while size:
-                @pl.when(num_rows & size != 0)
-                def _(done=done, size=size):
-                    plgpu.copy_smem_to_gmem(o_s.at[buf, pl.ds(done, size)],
-                                            o_ref.at[pl.ds(t0 + done, size), h, cols])
-                done = done + (num_rows & size)
-                size //= 2
+        _store_output(o_ref, o_s, o, c, chunk_start(c), bos, eos, h, cols, interpret)
 
     # the state's slab in gmem: S^T [BV, K] of the transposed states [N, HV, V, K], or S [K, BV]
     state_gmem = (h0_ref.at[n, h, :, cols] if narrow else h0_ref.at[n, h, cols, :])
@@ -641,6 +656,269 @@ def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_
         num_threads=3 if warp_specialized else 1, interpret=interpret,
     )(cu, order, first, live, decay, q, k, *_tamed_or_given(q, k, tamed), v, tb, aqk, factors,
       h0)
+
+
+# --------------------------------------------------------------------------- KDA's state scan
+
+_KDA_SCAN_PUBLISH = 2    # the chain's publications a chunk: S^T's halves, then D^T's
+
+
+def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, kd_ref, w_ref,
+                     u_ref, aqk_ref, h0_ref, o_ref, hT_ref, w_union, u_s, kd_s, decay_s, qd_s,
+                     aqk_s, s_pub, d_pub, o_s, w_loaded, u_loaded, kd_loaded, q_loaded,
+                     aqk_loaded, published, read, h0_bar, *, num_v_heads: int, head_v_dim: int,
+                     has_initial_state: bool, warp_specialized: bool, interpret: bool):
+    C, K, BV = CHUNK, HEAD_K_DIM, BLOCK_V
+    nv = head_v_dim // BV
+    p = lax.axis_index("p")
+    jv, h = p % nv, (p // nv) % num_v_heads
+    n = order_ref[p // (nv * num_v_heads)]
+    bos, eos = cu_ref[n], cu_ref[n + 1]
+    span_chunks = jnp.where(eos > bos, (eos - bos + C - 1) // C, 0)
+    live = live_ref[n] != 0
+    num_chunks = jnp.where(live, span_chunks, 0)
+    zero_chunks = span_chunks - num_chunks
+    first = first_ref[n]
+    cols = pl.ds(pl.multiple_of(jv * BV, BV), BV)
+    w_s, state_s = w_union
+    wgmma_layout = None if interpret else plgpu.Layout.WGMMA
+    tok_index = _iota((C, BV), 0, interpret)
+    S_PUB, D_PUB = range(_KDA_SCAN_PUBLISH)
+
+    def chunk_start(c):
+        # every sequence starts at a multiple of CHUNK (the launcher's condition)
+        return pl.multiple_of(bos + c * C, C)
+
+    def rows(c):
+        return pl.ds(chunk_start(c), C)
+
+    # Each warpgroup fetches its own operands, into buffers it has finished reading: the chain
+    # W (two buffers: the next chunk's arrives while this one is formed), U, the decayed k
+    # rows' halves and e^{G_C}; the output warpgroup the decayed q rows and the intra-chunk
+    # matrix.
+    # (one copy a half: a bulk copy takes at most 5 strided dims)
+    def fetch_w(c):
+        for part in range(2):
+            plgpu.copy_gmem_to_smem(w_ref.at[part, rows(c), h, :], w_s.at[c % 2, part],
+                                    w_loaded.at[c % 2])
+
+    def fetch_u(c):
+        plgpu.copy_gmem_to_smem(u_ref.at[rows(c), h, cols], u_s, u_loaded)
+
+    def fetch_kd(c):
+        for part in range(2):
+            plgpu.copy_gmem_to_smem(kd_ref.at[part, rows(c), h, :], kd_s.at[part], kd_loaded)
+        plgpu.copy_gmem_to_smem(decay_ref.at[first + c, h], decay_s, kd_loaded)
+
+    def fetch_q(c):
+        plgpu.copy_gmem_to_smem(qd_ref.at[rows(c), h, :], qd_s, q_loaded)
+
+    def fetch_aqk(c):
+        plgpu.copy_gmem_to_smem(aqk_ref.at[rows(c), h, :], aqk_s, aqk_loaded)
+
+    def refill(fetch, c):
+        """fetch(c) if chunk c exists, after this warpgroup's reads of the buffer (committed:
+        ordered before the bulk copy that overwrites it)."""
+        if not warp_specialized:
+            return
+        _commit_smem(interpret)
+
+        @pl.when(c < num_chunks)
+        def _():
+            fetch(c)
+
+    def wait_read(c, what):
+        """Before the chain publishes what for chunk c: the output warpgroup is done with it
+        for chunk c - 1."""
+        if warp_specialized:
+            @pl.when(c >= 1)
+            def _():
+                plgpu.barrier_wait(read.at[what])
+
+    def publish(what):
+        if warp_specialized:
+            plgpu.barrier_arrive(published.at[what])
+
+    def chain_step(c, S):
+        """The state's walk over chunk c, S^T [BV, K] (one accumulator): D = U - W S, then
+        S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}); publishes S^T and D^T for the output."""
+        wbuf = c % 2
+        valid = tok_index < eos - chunk_start(c)
+        plgpu.barrier_wait(w_loaded.at[wbuf])
+        plgpu.barrier_wait(u_loaded)
+        # W S takes S from shared memory: S^T's halves published first, then read by both
+        wait_read(c, S_PUB)
+        _store_halves(s_pub, split_bf16(S), interpret=interpret)
+        publish(S_PUB)
+        # -(U - W S) accumulated from -U: the negations are exact
+        neg_u = -_load(u_s, wgmma_layout, interpret)
+        refill(fetch_u, c + 1)
+        # halves by traced indices: a ref indexed by a constant inside a product that updates
+        # an accumulator (`_products` with init) becomes an operand of its `run_state`, whose
+        # lowering fails to return it
+        lo = c - c + 1
+        hi = lo - 1
+        w_hi, w_lo = w_s.at[wbuf, hi], w_s.at[wbuf, lo]
+        (neg_d,), _ = _products([[(w_hi, ("T", s_pub.at[hi])), (w_hi, ("T", s_pub.at[lo])),
+                                  (w_lo, ("T", s_pub.at[hi]))]], (C, BV), [neg_u],
+                                interpret=interpret)
+        refill(fetch_w, c + 2)
+        d = jnp.where(valid, -neg_d, 0.0)
+        wait_read(c, D_PUB)
+        _store_halves(d_pub, split_bf16(d), interpret=interpret, transposed=True)
+        publish(D_PUB)
+        plgpu.barrier_wait(kd_loaded)
+        decay = _columns(_load(decay_s, None, interpret), (BV, K), interpret)
+        (S,), _ = _products([[(d_pub.at[hi], kd_s.at[hi]), (d_pub.at[hi], kd_s.at[lo]),
+                              (d_pub.at[lo], kd_s.at[hi])]], (BV, K), [S * decay],
+                            interpret=interpret)
+        refill(fetch_kd, c + 1)
+        return S
+
+    def output_step(c):
+        """O = (q e^G) S + aqk D for chunk c, from the published halves."""
+        plgpu.barrier_wait(q_loaded)
+        plgpu.barrier_wait(aqk_loaded)
+        # the intra-chunk matrix's halves, register operands
+        a_hi, a_lo = split_bf16(_load(aqk_s, wgmma_layout, interpret).astype(F32))
+        refill(fetch_aqk, c + 1)
+        if warp_specialized:
+            plgpu.barrier_wait(published.at[S_PUB])
+        (qs,), _ = _products([[(qd_s, ("T", s_pub.at[0])), (qd_s, ("T", s_pub.at[1]))]],
+                             (C, BV), interpret=interpret)
+        if warp_specialized:
+            plgpu.barrier_arrive(read.at[S_PUB])
+        refill(fetch_q, c + 1)
+        if warp_specialized:
+            plgpu.barrier_wait(published.at[D_PUB])
+        lo = c - c + 1   # traced: see chain_step
+        hi = lo - 1
+        (o,), _ = _products([[(a_hi, ("T", d_pub.at[hi])), (a_hi, ("T", d_pub.at[lo])),
+                              (a_lo, ("T", d_pub.at[hi]))]], (C, BV), [qs],
+                            interpret=interpret)
+        if warp_specialized:
+            plgpu.barrier_arrive(read.at[D_PUB])
+        _store_output(o_ref, o_s, o.astype(o_ref.dtype), c, chunk_start(c), bos, eos, h, cols,
+                      interpret)
+
+    state_gmem, final_gmem = h0_ref.at[n, h, cols, :], hT_ref.at[n, h, cols, :]
+
+    def initial_state():
+        """S^T's starting value; before any W is fetched (state_s shares W's buffers)."""
+        if not has_initial_state:
+            zero = jnp.zeros((BV, K), F32)
+            return zero if interpret else plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
+        plgpu.copy_gmem_to_smem(state_gmem, state_s, h0_bar)
+        plgpu.barrier_wait(h0_bar)
+        S = _load(state_s, wgmma_layout, interpret)
+        _commit_smem(interpret)
+        return S
+
+    def store_final(S):
+        state_s[...] = S
+        _commit_smem(interpret)
+        plgpu.copy_smem_to_gmem(state_s, final_gmem)
+        if not interpret:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    def store_zeros():
+        zeros = jnp.zeros((C, BV), o_ref.dtype)
+        if not interpret:
+            zeros = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+
+        def step(c, carry):
+            _store_output(o_ref, o_s, zeros, c, chunk_start(c), bos, eos, h, cols, interpret)
+            return carry
+
+        lax.fori_loop(0, zero_chunks, step, 0)
+
+    if not warp_specialized:
+        def step(c, S):
+            for fetch in (fetch_w, fetch_u, fetch_kd, fetch_q, fetch_aqk):
+                fetch(c)
+            S = chain_step(c, S)
+            output_step(c)
+            return S
+
+        S = lax.fori_loop(0, num_chunks, step, initial_state())
+        store_zeros()
+        store_final(S)
+        return
+
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 0)
+    def _chain():
+        S = initial_state()
+        for c, fetch in ((0, fetch_w), (1, fetch_w), (0, fetch_u), (0, fetch_kd)):
+            @pl.when(c < num_chunks)
+            def _(c=c, fetch=fetch):
+                fetch(c)
+
+        S = lax.fori_loop(0, num_chunks, chain_step, S)
+        store_final(S)
+
+    @pl.when(wg == 1)
+    def _output():
+        @pl.when(num_chunks > 0)
+        def _():
+            fetch_q(0)
+            fetch_aqk(0)
+
+        def step(c, carry):
+            output_step(c)
+            return carry
+
+        lax.fori_loop(0, num_chunks, step, 0)
+        store_zeros()
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def kda_scan(cu, order, first, live, decay, qd, kd, w, u, aqk, h0, *, num_v_heads: int,
+             has_initial_state: bool, warp_specialized: bool = True, interpret: bool = False):
+    """KDA's state scan over packed sequences that all start at multiples of CHUNK, one program
+    per (sequence, value head, BLOCK_V value columns) holding S^T [BV, K] as the tensor cores'
+    accumulator: D = U - W S and S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}) on a chain
+    warpgroup, O = (q e^G) S + aqk D on an output warpgroup from the halves the chain
+    publishes. Every product takes both fp32 sides as bf16 halves (hi x hi + hi x lo + lo x hi).
+
+    cu [N + 1] (starts multiples of CHUNK), order [N], first [N], live [N] as for `scan`; decay
+    [S, HV, K] fp32 (e^{G_C} per chunk slot); by token row (slot s's rows are tokens 64 s ..):
+    qd [T', HV, K] bf16 (q e^G with norm and scale), kd [2, T', HV, K] bf16 (k e^{G_C - G}'s
+    halves), w [2, T', HV, K] bf16 (W's halves), u [T', HV, V] fp32, aqk [T', HV, C] fp16 or
+    fp32; h0 [N, HV, V, K] (transposed; a placeholder without has_initial_state).
+    Returns (o [T, HV, V] bf16 with T = u's rows, final states [N, HV, V, K] fp32, transposed)."""
+    T, HV, V = u.shape
+    N = cu.shape[0] - 1
+    K = HEAD_K_DIM
+    nv = V // BLOCK_V
+    w_union = plgpu.RefUnion(_swizzled((2, 2, CHUNK, K)), plgpu.SMEM((BLOCK_V, K), F32))
+    scratch = (w_union,
+               plgpu.SMEM((CHUNK, BLOCK_V), F32),                    # U
+               _swizzled((2, CHUNK, K)),                             # k e^{G_C - G} halves
+               plgpu.SMEM((K,), F32),                                # e^{G_C}
+               _swizzled((CHUNK, K)),                                # q e^G
+               plgpu.SMEM((CHUNK, CHUNK), aqk.dtype),
+               _swizzled((2, BLOCK_V, K)),                           # S^T halves
+               _swizzled((2, BLOCK_V, CHUNK)),                       # D^T halves
+               plgpu.SMEM((2, CHUNK, BLOCK_V), BF16),                # output staging
+               plgpu.Barrier(num_arrivals=2, num_barriers=2),        # W (two buffers)
+               plgpu.Barrier(),                                      # U
+               plgpu.Barrier(num_arrivals=3),                        # k halves, e^{G_C}
+               plgpu.Barrier(), plgpu.Barrier(),                     # q e^G, aqk
+               plgpu.Barrier(num_barriers=_KDA_SCAN_PUBLISH),        # published
+               plgpu.Barrier(num_barriers=_KDA_SCAN_PUBLISH),        # read
+               plgpu.Barrier())
+    kernel = functools.partial(_kda_scan_kernel, num_v_heads=HV, head_v_dim=V,
+                               has_initial_state=has_initial_state,
+                               warp_specialized=warp_specialized, interpret=interpret)
+    return _launch(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((T, HV, V), BF16),
+                  jax.ShapeDtypeStruct((N, HV, V, K), F32)),
+        scratch=scratch, num_programs=N * HV * nv, name="kda_prefill_mgpu_scan",
+        num_threads=2 if warp_specialized else 1, interpret=interpret,
+    )(cu, order, first, live, decay, qd, kd, w, u, aqk, h0)
 
 
 # --------------------------------------------------------------------------- the chunk prep

@@ -826,6 +826,17 @@ def test_mosaic_scan_lowers_for_hopper():
             jnp.ones((T, HV, 64), kk_dtype), jnp.ones((2, T, HV, K), BF16), y,
             jnp.ones((S, HV, 64)))
         assert "mosaic_gpu" in exported.mlir_module()
+    # KDA's scan (rows by token, starts multiples of 64), aqk fp16 or fp32, with and without
+    # an initial state
+    for aqk_dtype, init in ((F16, True), (F32, False)):
+        f = jax.jit(functools.partial(mgpu.kda_scan, num_v_heads=HV, has_initial_state=init))
+        exported = jax.export.export(f, platforms=["cuda"])(
+            jnp.array([0, 128, T], jnp.int32), jnp.array([0, 1], jnp.int32),
+            jnp.array([0, 2], jnp.int32), jnp.ones((2,), jnp.int32), jnp.ones((S, HV, K)),
+            jnp.ones((T, HV, K), BF16), jnp.ones((2, T, HV, K), BF16),
+            jnp.ones((2, S * 64, HV, K), BF16), jnp.ones((S * 64, HV, V)),
+            jnp.ones((T, HV, 64), aqk_dtype), jnp.ones((2, HV, V, K)))
+        assert "mosaic_gpu" in exported.mlir_module()
 
 
 def test_mosaic_scan_dispatch_rule():
@@ -911,6 +922,105 @@ def test_mosaic_kda_prep_against_float64(mode, lens, HK, HV, gate):
     assert rel_err(hT, rs) <= 5e-4
     assert rel_err(o, outs[False][0]) <= 1e-3
     assert rel_err(hT, outs[False][1]) <= 1e-4
+
+
+# KDA's scan in Mosaic GPU: lens (starts multiples of 64; a partial last chunk, empty and
+# one-token sequences), HK, HV, gate form as above, initial state
+MOSAIC_KDA_SCAN_CASES = [
+    ([64, 0, 64, 100], 2, 4, "softplus", True),
+    pytest.param([128, 70], 1, 2, -5.0, False, marks=FULL),
+    pytest.param([64, 1], 1, 1, None, True, marks=FULL),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lens,HK,HV,gate,init", MOSAIC_KDA_SCAN_CASES)
+def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init):
+    """KDA's state scan in Mosaic GPU (`PrefillBlockSizes.mosaic_kda_scan`, after the Mosaic
+    prep): bf16 inputs against float64, the output within 5e-3 and the final state within 2e-5
+    (bf16 halves on both sides of every product; the Triton scan's k e^{G_C - G} in fp16 and
+    one-pass TF32 leave ~1e-4), and the output within 1e-3 of the Triton scan's call."""
+    K = 128
+    q, k, v, g, b, h0, cu = _kda_inputs(53, lens, HK=HK, HV=HV, K=K, dtype=BF16)
+    kw, beta = {}, b
+    if gate is not None:
+        rng = np.random.default_rng(54)
+        g = jnp.asarray(2 * rng.standard_normal((sum(lens), HV, K)), F32)
+        kw = dict(A_log=jnp.asarray(rng.standard_normal(HV), F32),
+                  dt_bias=jnp.asarray(rng.standard_normal(HV * K), F32))
+        lb = None if gate == "softplus" else gate
+        gates = ref.kda_gate(g, kw["A_log"], kw["dt_bias"].reshape(HV, K), lower_bound=lb)
+        beta = ref.gdn_beta(b)
+    else:
+        lb, gates = None, g
+    assert _aligned(lens)
+    spec = _spec(HK, HV, K, K, has_initial_state=init, per_channel_gate=True, precise=False,
+                 raw_gates=gate is not None, gate_lower_bound=lb, aligned_chunks=True)
+    outs = {}
+    for mosaic in (True, False):
+        block = kern.PrefillBlockSizes(block_v=64, block_k=32, mosaic_kda_prep=True,
+                                       mosaic_kda_scan=mosaic)
+        assert kern.unsupported_reason(spec, block) is None
+        outs[mosaic] = kern.chunk_prefill(q, k, v, g, b, cu, spec=spec, block=block,
+                                          initial_state=h0 if init else None,
+                                          interpret=mode == "interpret", **kw)[:2]
+    o, hT = outs[True]
+    assert o.dtype == BF16 and hT.dtype == F32
+    assert np.all(np.isfinite(np.asarray(o, F32))) and np.all(np.isfinite(np.asarray(hT)))
+    ro, rs = _oracle(q, k, v, gates, beta, h0 if init else None, cu)
+    assert rel_err(o, ro) <= 5e-3
+    assert rel_err(hT, rs) <= 2e-5
+    assert rel_err(o, outs[False][0]) <= 1e-3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mosaic_kda_scan_pool_slots_in_place(mode):
+    """The Mosaic GPU KDA scan with a pool: initial states from the named slots, final states
+    into them; a padding slot (-1) reads and writes nothing and its sequence's outputs are
+    zeros; slots not named keep their bits."""
+    HK, HV, K = 1, 2, 128
+    lens = [64, 64, 40]
+    q, k, v, g, beta, h0, cu = _kda_inputs(55, lens, HK=HK, HV=HV, K=K, dtype=BF16)
+    P = 5
+    pool = np.full((P, HV, K, K), 1e30, np.float32)
+    slots = np.array([3, -1, 0], np.int32)
+    pool[3], pool[0] = h0[0], h0[2]
+    before = pool.copy()
+    spec = _spec(HK, HV, K, K, pooled=True, per_channel_gate=True, precise=False,
+                 aligned_chunks=True)
+    block = kern.PrefillBlockSizes(block_v=64, block_k=32, mosaic_kda_prep=True,
+                                   mosaic_kda_scan=True)
+    assert kern.unsupported_reason(spec, block) is None
+    o, new_pool, _, _ = kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
+                                           pool=jnp.asarray(pool), slots=jnp.asarray(slots),
+                                           interpret=mode == "interpret")
+    o, new_pool = np.asarray(o, F32), np.asarray(new_pool)
+    ro, rs = _oracle(q, k, v, g, beta, before[[3, 3, 0]], cu)
+    for n, slot in enumerate(slots):
+        a, b = int(cu[n]), int(cu[n + 1])
+        if slot >= 0:
+            assert rel_err(o[a:b], ro[a:b]) <= 5e-3
+            assert rel_err(new_pool[slot], rs[n]) <= 2e-5
+        else:
+            assert np.all(o[a:b] == 0)
+    untouched = [s for s in range(P) if s not in (3, 0)]
+    assert np.array_equal(new_pool[untouched], before[untouched])
+
+
+def test_mosaic_kda_scan_dispatch_rule():
+    """The Mosaic GPU KDA scan is opt-in (the default blocks do not take it) and says why it
+    cannot take a call: it needs the Mosaic KDA prep's W and U, and writes no chunk states."""
+    spec = _spec(16, 32, 128, 128, per_channel_gate=True, precise=False, aligned_chunks=True)
+    assert not kern.PrefillBlockSizes.get_default(spec, 8, BF16).mosaic_kda_scan
+    both = kern.PrefillBlockSizes(block_v=64, mosaic_kda_prep=True, mosaic_kda_scan=True)
+    assert kern.unsupported_reason(spec, both) is None
+    for sp, block, word in (
+            (spec, kern.PrefillBlockSizes(block_v=64, mosaic_kda_scan=True), "mosaic_kda_prep"),
+            (_spec(16, 32, 128, 128, per_channel_gate=True, precise=False, aligned_chunks=True,
+                   boundary_states=True), both, "chunk-boundary"),
+            (_spec(16, 32, 128, 128, per_channel_gate=True, precise=False), both,
+             "aligned_chunks")):
+        assert word in kern.unsupported_reason(sp, block)
 
 
 @pytest.mark.parametrize("mode", MODES)
