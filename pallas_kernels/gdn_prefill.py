@@ -331,8 +331,9 @@ def _mosaic_kda_scan_reason(spec: PrefillSpec, block: PrefillBlockSizes) -> str 
         return "the Mosaic GPU KDA scan writes no chunk-boundary states"
     if block.mosaic_scan:
         return "mosaic_scan is GDN's scan; KDA's is mosaic_kda_scan"
-    if block.block_v != mgpu_scan.BLOCK_V:
-        return f"block_v={block.block_v}: the Mosaic GPU KDA scan's programs own {mgpu_scan.BLOCK_V} columns"
+    widths = (mgpu_scan.BLOCK_V, mgpu_scan.BLOCK_V_NARROW)
+    if block.block_v not in widths:
+        return f"block_v={block.block_v} must be one of {widths} (the wide and narrow forms)"
     return None
 
 
@@ -1675,7 +1676,7 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
             in_pool, h0 = pool_rows(pool_in, slots)
             live = in_pool.astype(jnp.int32)
         # the Mosaic scan's wide form holds S^T: the states cross its boundary transposed
-        narrow = block.mosaic_scan and block.block_v == mgpu_scan.BLOCK_V_NARROW
+        narrow = block.block_v == mgpu_scan.BLOCK_V_NARROW
         orient = (lambda x: x) if narrow else (lambda x: jnp.swapaxes(x, -1, -2))
         h0t = (orient(h0).astype(F32) if spec.has_initial_state or spec.pooled
                else jnp.zeros((1, 1, 1, 1), F32))
@@ -1685,7 +1686,7 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
             o, final_t = mgpu_scan.kda_scan(cu, _longest_first(cu), first, live, decay, fq, fk,
                                             w, u, aqk, h0t, num_v_heads=HV,
                                             has_initial_state=spec.has_initial_state
-                                            or spec.pooled,
+                                            or spec.pooled, narrow=narrow,
                                             warp_specialized=not interpret,
                                             interpret=interpret)
         else:

@@ -667,8 +667,11 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
                      u_ref, aqk_ref, h0_ref, o_ref, hT_ref, w_union, u_s, kd_s, decay_s, qd_s,
                      aqk_s, s_pub, d_pub, o_s, w_loaded, u_loaded, kd_loaded, q_loaded,
                      aqk_loaded, published, read, h0_bar, *, num_v_heads: int, head_v_dim: int,
-                     has_initial_state: bool, warp_specialized: bool, interpret: bool):
-    C, K, BV = CHUNK, HEAD_K_DIM, BLOCK_V
+                     has_initial_state: bool, narrow: bool, warp_specialized: bool,
+                     interpret: bool):
+    C, K = CHUNK, HEAD_K_DIM
+    BV = BLOCK_V_NARROW if narrow else BLOCK_V
+    KB = K // 2      # the narrow form's key blocks: S [K, BV] as two accumulators of 64 rows
     nv = head_v_dim // BV
     p = lax.axis_index("p")
     jv, h = p % nv, (p // nv) % num_v_heads
@@ -740,15 +743,23 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
             plgpu.barrier_arrive(published.at[what])
 
     def chain_step(c, S):
-        """The state's walk over chunk c, S^T [BV, K] (one accumulator): D = U - W S, then
-        S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}); publishes S^T and D^T for the output."""
+        """The state's walk over chunk c: D = U - W S, then S^T <- e^{G_C} S^T + D^T (k e^{G_C -
+        G}) (S^T [BV, K], one accumulator) or, narrow, S <- e^{G_C} S + (k e^{G_C - G})^T D
+        (S [K, BV] as two accumulators of KB key rows); publishes S^T and D^T for the
+        output."""
         wbuf = c % 2
         valid = tok_index < eos - chunk_start(c)
         plgpu.barrier_wait(w_loaded.at[wbuf])
         plgpu.barrier_wait(u_loaded)
         # W S takes S from shared memory: S^T's halves published first, then read by both
         wait_read(c, S_PUB)
-        _store_halves(s_pub, split_bf16(S), interpret=interpret)
+        if narrow:
+            for b, Sb in enumerate(S):
+                _store_halves(s_pub.at[:, :, pl.ds(b * KB, KB)], split_bf16(Sb),
+                              interpret=interpret, commit=False, transposed=True)
+            _commit_smem(interpret)
+        else:
+            _store_halves(s_pub, split_bf16(S), interpret=interpret)
         publish(S_PUB)
         # -(U - W S) accumulated from -U: the negations are exact
         neg_u = -_load(u_s, wgmma_layout, interpret)
@@ -768,10 +779,27 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         _store_halves(d_pub, split_bf16(d), interpret=interpret, transposed=True)
         publish(D_PUB)
         plgpu.barrier_wait(kd_loaded)
-        decay = _columns(_load(decay_s, None, interpret), (BV, K), interpret)
-        (S,), _ = _products([[(d_pub.at[hi], kd_s.at[hi]), (d_pub.at[hi], kd_s.at[lo]),
-                              (d_pub.at[lo], kd_s.at[hi])]], (BV, K), [S * decay],
-                            interpret=interpret)
+        if narrow:
+            # (k e^{G_C - G})^T by key blocks, as register operands (a transposed left operand
+            # from shared memory does not lower), against D's halves
+            def kt(part, b):
+                block = kd_s.at[part, :, pl.ds(b * KB, KB)]
+                x = _load(block if interpret else block.transpose((1, 0)), wgmma_layout,
+                          interpret)
+                return x.T if interpret else x
+
+            terms = [[(kt(hi, b), ("T", d_pub.at[hi])), (kt(hi, b), ("T", d_pub.at[lo])),
+                      (kt(lo, b), ("T", d_pub.at[hi]))] for b in range(2)]
+            decays = [_rows(_load(decay_s.at[pl.ds(b * KB, KB)], None, interpret), (KB, BV),
+                            interpret) for b in range(2)]
+            S, _ = _products(terms, (KB, BV), [Sb * d for Sb, d in zip(S, decays)],
+                             interpret=interpret)
+            S = tuple(S)
+        else:
+            decay = _columns(_load(decay_s, None, interpret), (BV, K), interpret)
+            (S,), _ = _products([[(d_pub.at[hi], kd_s.at[hi]), (d_pub.at[hi], kd_s.at[lo]),
+                                  (d_pub.at[lo], kd_s.at[hi])]], (BV, K), [S * decay],
+                                interpret=interpret)
         refill(fetch_kd, c + 1)
         return S
 
@@ -801,21 +829,32 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         _store_output(o_ref, o_s, o.astype(o_ref.dtype), c, chunk_start(c), bos, eos, h, cols,
                       interpret)
 
-    state_gmem, final_gmem = h0_ref.at[n, h, cols, :], hT_ref.at[n, h, cols, :]
+    # the state's slab in gmem: S^T [BV, K] of the transposed states [N, HV, V, K], or S [K, BV]
+    state_gmem = h0_ref.at[n, h, :, cols] if narrow else h0_ref.at[n, h, cols, :]
+    final_gmem = hT_ref.at[n, h, :, cols] if narrow else hT_ref.at[n, h, cols, :]
+    halves_of_k = (pl.ds(0, KB), pl.ds(KB, KB))
 
     def initial_state():
-        """S^T's starting value; before any W is fetched (state_s shares W's buffers)."""
+        """The state's starting value; before any W is fetched (state_s shares W's buffers)."""
         if not has_initial_state:
-            zero = jnp.zeros((BV, K), F32)
-            return zero if interpret else plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
+            zero = jnp.zeros((KB, BV) if narrow else (BV, K), F32)
+            zero = zero if interpret else plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
+            return (zero, zero) if narrow else zero
         plgpu.copy_gmem_to_smem(state_gmem, state_s, h0_bar)
         plgpu.barrier_wait(h0_bar)
-        S = _load(state_s, wgmma_layout, interpret)
+        if narrow:
+            S = tuple(_load(state_s.at[r], wgmma_layout, interpret) for r in halves_of_k)
+        else:
+            S = _load(state_s, wgmma_layout, interpret)
         _commit_smem(interpret)
         return S
 
     def store_final(S):
-        state_s[...] = S
+        if narrow:
+            for r, Sb in zip(halves_of_k, S):
+                state_s[r] = Sb
+        else:
+            state_s[...] = S
         _commit_smem(interpret)
         plgpu.copy_smem_to_gmem(state_s, final_gmem)
         if not interpret:
@@ -875,7 +914,8 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
 
 
 def kda_scan(cu, order, first, live, decay, qd, kd, w, u, aqk, h0, *, num_v_heads: int,
-             has_initial_state: bool, warp_specialized: bool = True, interpret: bool = False):
+             has_initial_state: bool, narrow: bool = False, warp_specialized: bool = True,
+             interpret: bool = False):
     """KDA's state scan over packed sequences that all start at multiples of CHUNK, one program
     per (sequence, value head, BLOCK_V value columns) holding S^T [BV, K] as the tensor cores'
     accumulator: D = U - W S and S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}) on a chain
@@ -887,21 +927,28 @@ def kda_scan(cu, order, first, live, decay, qd, kd, w, u, aqk, h0, *, num_v_head
     qd [T', HV, K] bf16 (q e^G with norm and scale), kd [2, T', HV, K] bf16 (k e^{G_C - G}'s
     halves), w [2, T', HV, K] bf16 (W's halves), u [T', HV, V] fp32, aqk [T', HV, C] fp16 or
     fp32; h0 [N, HV, V, K] (transposed; a placeholder without has_initial_state).
-    Returns (o [T, HV, V] bf16 with T = u's rows, final states [N, HV, V, K] fp32, transposed)."""
+    narrow: programs of BLOCK_V_NARROW value columns holding S [K, BV] as two accumulators of
+    64 key rows (twice the programs, for calls with few (sequence, head) pairs), the update
+    taking (k e^{G_C - G})^T by key blocks as register operands; h0 and the final states then
+    as they are, [N, HV, K, V].
+    Returns (o [T, HV, V] bf16 with T = u's rows, final states [N, HV, V, K] fp32, transposed,
+    or [N, HV, K, V] narrow)."""
     T, HV, V = u.shape
     N = cu.shape[0] - 1
     K = HEAD_K_DIM
-    nv = V // BLOCK_V
-    w_union = plgpu.RefUnion(_swizzled((2, 2, CHUNK, K)), plgpu.SMEM((BLOCK_V, K), F32))
+    BV = BLOCK_V_NARROW if narrow else BLOCK_V
+    nv = V // BV
+    state = (K, BV) if narrow else (BV, K)
+    w_union = plgpu.RefUnion(_swizzled((2, 2, CHUNK, K)), plgpu.SMEM(state, F32))
     scratch = (w_union,
-               plgpu.SMEM((CHUNK, BLOCK_V), F32),                    # U
+               plgpu.SMEM((CHUNK, BV), F32),                         # U
                _swizzled((2, CHUNK, K)),                             # k e^{G_C - G} halves
                plgpu.SMEM((K,), F32),                                # e^{G_C}
                _swizzled((CHUNK, K)),                                # q e^G
                plgpu.SMEM((CHUNK, CHUNK), aqk.dtype),
-               _swizzled((2, BLOCK_V, K)),                           # S^T halves
-               _swizzled((2, BLOCK_V, CHUNK)),                       # D^T halves
-               plgpu.SMEM((2, CHUNK, BLOCK_V), BF16),                # output staging
+               _swizzled((2, BV, K)),                                # S^T halves
+               _swizzled((2, BV, CHUNK)),                            # D^T halves
+               plgpu.SMEM((2, CHUNK, BV), BF16),                     # output staging
                plgpu.Barrier(num_arrivals=2, num_barriers=2),        # W (two buffers)
                plgpu.Barrier(),                                      # U
                plgpu.Barrier(num_arrivals=3),                        # k halves, e^{G_C}
@@ -910,12 +957,12 @@ def kda_scan(cu, order, first, live, decay, qd, kd, w, u, aqk, h0, *, num_v_head
                plgpu.Barrier(num_barriers=_KDA_SCAN_PUBLISH),        # read
                plgpu.Barrier())
     kernel = functools.partial(_kda_scan_kernel, num_v_heads=HV, head_v_dim=V,
-                               has_initial_state=has_initial_state,
+                               has_initial_state=has_initial_state, narrow=narrow,
                                warp_specialized=warp_specialized, interpret=interpret)
     return _launch(
         kernel,
         out_type=(jax.ShapeDtypeStruct((T, HV, V), BF16),
-                  jax.ShapeDtypeStruct((N, HV, V, K), F32)),
+                  jax.ShapeDtypeStruct((N, HV, K, V) if narrow else (N, HV, V, K), F32)),
         scratch=scratch, num_programs=N * HV * nv, name="kda_prefill_mgpu_scan",
         num_threads=2 if warp_specialized else 1, interpret=interpret,
     )(cu, order, first, live, decay, qd, kd, w, u, aqk, h0)

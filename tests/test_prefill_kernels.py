@@ -826,16 +826,17 @@ def test_mosaic_scan_lowers_for_hopper():
             jnp.ones((T, HV, 64), kk_dtype), jnp.ones((2, T, HV, K), BF16), y,
             jnp.ones((S, HV, 64)))
         assert "mosaic_gpu" in exported.mlir_module()
-    # KDA's scan (rows by token, starts multiples of 64), aqk fp16 or fp32, with and without
-    # an initial state
-    for aqk_dtype, init in ((F16, True), (F32, False)):
-        f = jax.jit(functools.partial(mgpu.kda_scan, num_v_heads=HV, has_initial_state=init))
+    # KDA's scan (rows by token, starts multiples of 64), both forms, aqk fp16 or fp32, with
+    # and without an initial state
+    for narrow, aqk_dtype, init in ((False, F16, True), (True, F32, False)):
+        f = jax.jit(functools.partial(mgpu.kda_scan, num_v_heads=HV, has_initial_state=init,
+                                      narrow=narrow))
         exported = jax.export.export(f, platforms=["cuda"])(
             jnp.array([0, 128, T], jnp.int32), jnp.array([0, 1], jnp.int32),
             jnp.array([0, 2], jnp.int32), jnp.ones((2,), jnp.int32), jnp.ones((S, HV, K)),
             jnp.ones((T, HV, K), BF16), jnp.ones((2, T, HV, K), BF16),
             jnp.ones((2, S * 64, HV, K), BF16), jnp.ones((S * 64, HV, V)),
-            jnp.ones((T, HV, 64), aqk_dtype), jnp.ones((2, HV, V, K)))
+            jnp.ones((T, HV, 64), aqk_dtype), jnp.ones((2, HV, V, K)))   # (V = K)
         assert "mosaic_gpu" in exported.mlir_module()
 
 
@@ -925,21 +926,24 @@ def test_mosaic_kda_prep_against_float64(mode, lens, HK, HV, gate):
 
 
 # KDA's scan in Mosaic GPU: lens (starts multiples of 64; a partial last chunk, empty and
-# one-token sequences), HK, HV, gate form as above, initial state
+# one-token sequences), HK, HV, gate form as above, initial state, block_v (64: the wide form,
+# 32: the narrow one; the pool test below takes the wide form)
 MOSAIC_KDA_SCAN_CASES = [
-    ([64, 0, 64, 100], 2, 4, "softplus", True),
-    pytest.param([128, 70], 1, 2, -5.0, False, marks=FULL),
-    pytest.param([64, 1], 1, 1, None, True, marks=FULL),
+    ([64, 0, 64, 100], 2, 4, "softplus", True, 32),
+    pytest.param([128, 70], 1, 2, -5.0, False, 64, marks=FULL),
+    pytest.param([64, 1], 1, 1, None, True, 64, marks=FULL),
+    pytest.param([128, 70], 1, 2, -5.0, True, 32, marks=FULL),
 ]
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("lens,HK,HV,gate,init", MOSAIC_KDA_SCAN_CASES)
-def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init):
+@pytest.mark.parametrize("lens,HK,HV,gate,init,block_v", MOSAIC_KDA_SCAN_CASES)
+def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init, block_v):
     """KDA's state scan in Mosaic GPU (`PrefillBlockSizes.mosaic_kda_scan`, after the Mosaic
-    prep): bf16 inputs against float64, the output within 5e-3 and the final state within 2e-5
-    (bf16 halves on both sides of every product; the Triton scan's k e^{G_C - G} in fp16 and
-    one-pass TF32 leave ~1e-4), and the output within 1e-3 of the Triton scan's call."""
+    prep), both forms: bf16 inputs against float64, the output within 5e-3 and the final
+    state within 2e-5 (bf16 halves on both sides of every product; the Triton scan's
+    k e^{G_C - G} in fp16 and one-pass TF32 leave up to ~2e-4), and the output within 1e-3 of
+    the Triton scan's call."""
     K = 128
     q, k, v, g, b, h0, cu = _kda_inputs(53, lens, HK=HK, HV=HV, K=K, dtype=BF16)
     kw, beta = {}, b
@@ -958,7 +962,7 @@ def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init):
                  raw_gates=gate is not None, gate_lower_bound=lb, aligned_chunks=True)
     outs = {}
     for mosaic in (True, False):
-        block = kern.PrefillBlockSizes(block_v=64, block_k=32, mosaic_kda_prep=True,
+        block = kern.PrefillBlockSizes(block_v=block_v, block_k=32, mosaic_kda_prep=True,
                                        mosaic_kda_scan=mosaic)
         assert kern.unsupported_reason(spec, block) is None
         outs[mosaic] = kern.chunk_prefill(q, k, v, g, b, cu, spec=spec, block=block,
