@@ -890,8 +890,10 @@ def _prep_kernel(start_ref, len_ref, lead_ref, q_ref, k_ref, v_ref, g_ref, beta_
                 def u_columns(c, carry):
                     cols = pl.ds(c * prep_cols, prep_cols)
                     v = plgpu.load(v_ref.at[tok, h, cols], mask=rows2, other=0)
-                    store(u_ref.at[tok, h, cols],
-                          _dot_bf16x2(Tb, v) if bf16 else dot(Tb, v.astype(F32)), rows2)
+                    # (U's bf16 halves where its ref has a leading axis of two: the Mosaic GPU
+                    # KDA scan's, when this pass forms flagged chunks again)
+                    _store_split(u_ref, (tok, h, cols),
+                                 _dot_bf16x2(Tb, v) if bf16 else dot(Tb, v.astype(F32)), rows2)
                     return carry
 
                 lax.fori_loop(0, ek_ref.shape[-1] // prep_cols, w_columns, 0)
@@ -1380,7 +1382,7 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
             if v.dtype != jnp.bfloat16:
                 raise ValueError(f"mosaic_kda_prep takes bf16 inputs, got v of {v.dtype}")
             redo = _mosaic_kda_prep(v, beta, start, length, kk, ek, spec=spec,
-                                    interpret=interpret)
+                                    u_halves=block.mosaic_kda_scan, interpret=interpret)
     else:
         kk = ek = jnp.zeros((1, 1, 1), F32)  # unused placeholders
     # GDN stores T beta and the scan forms the deltas (T beta)(v - (e^G k) S): a [C, C] matrix
@@ -1452,10 +1454,11 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
     return tb, w, u, aqk, fq, fk, fw, decay
 
 
-def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, interpret):
+def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, u_halves=False, interpret):
     """KDA's W and U from `gdn_prefill_mgpu.kda_prep` (spec.aligned_chunks: slot s holds tokens
     64 s .., so its rows by slot are its rows by token), and the chunks to form again:
-    (redo flags [S, HV] int32, W [2, S * C, HV, K] bf16, U [S * C, HV, V] fp32) for `_prep`'s
+    (redo flags [S, HV] int32, W [2, S * C, HV, K] bf16, U [S * C, HV, V] fp32, or with
+    u_halves its bf16 halves [2, S * C, HV, V] for the Mosaic GPU KDA scan) for `_prep`'s
     redo_only pass. kk, ek: the intra kernel's, with v's rows aligned."""
     C = CHUNK
     i = jnp.arange(C, dtype=jnp.int32)
@@ -1471,7 +1474,7 @@ def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, interpret):
                                      _aligned_rows(v), beta_rows, max_a=HALF_INVERSE_MAX_A,
                                      max_t=HALF_INVERSE_MAX_T,
                                      num_programs=mgpu_scan.PREP_PROGRAMS if turns else None,
-                                     interpret=interpret)
+                                     u_halves=u_halves, interpret=interpret)
     redo = ((jnp.max(flags, axis=2) > 0) & (length[:, None] > 0)).astype(jnp.int32)
     return redo, w, u
 

@@ -28,14 +28,18 @@ CHUNK, so that every chunk is one bulk copy of 64 token rows in and out. k k^T a
 a barrier of their own, so the inverse runs while e^G k and v are still being copied in.
 
 `kda_scan`: KDA's state scan, for calls whose sequences all start at multiples of CHUNK (the
-Mosaic KDA prep's), one program per (sequence, value head, BV = 64 value columns) holding S^T
-[BV, K] as the tensor cores' accumulator. Two warpgroups: the chain publishes S^T's halves, forms
--D = W S - U from -U (W's halves against S's from shared memory) and publishes D^T's halves,
-then S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}) (both sides in halves); the output warpgroup forms
-O = (q e^G) S + aqk D from the publications. There is no copy warpgroup: each warpgroup fetches
-its own operands into a buffer as soon as it has read it (W into two buffers, the rest one), so
-the next chunk's rows arrive while the current one is formed. Opt-in until timed
-(`PrefillBlockSizes.mosaic_kda_scan`).
+Mosaic KDA prep's, which then writes U as bf16 halves), one program per (sequence, value head,
+BV value columns) and two warpgroups: the chain walks the state, the output warpgroup forms
+O = (q e^G) S + aqk D from the halves of S and of the deltas D = U - W S the chain publishes.
+The wide form (BV = 64) holds S^T [BV, K] as the tensor cores' accumulator, as `scan` does, and
+keeps every operand of the chain's products in registers but the rows: -D^T = S^T W^T - U^T
+from -U^T (S^T's halves against W's), then S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}) (D^T's
+halves against k e^{G_C - G}'s), publishing S^T and D^T while the products run. The narrow form
+(BV = 32) holds S [K, BV] as two accumulators of 64 key rows: W S takes S from shared memory
+(published first), and the update takes (k e^{G_C - G})^T by key blocks as register operands.
+There is no copy warpgroup: each warpgroup fetches its own operands into a buffer as soon as it
+has read it (W into two buffers, the rest one), so the next chunk's rows arrive while the
+current one is formed. Opt-in until timed (`PrefillBlockSizes.mosaic_kda_scan`).
 
 `scan`: each program owns one (sequence, value head, block of BV = 64 value columns) and keeps
 the transposed state slab S^T [BV, K] in fp32 registers laid out as a wgmma accumulator, so the
@@ -685,7 +689,8 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
     cols = pl.ds(pl.multiple_of(jv * BV, BV), BV)
     w_s, state_s = w_union
     wgmma_layout = None if interpret else plgpu.Layout.WGMMA
-    tok_index = _iota((C, BV), 0, interpret)
+    # the token index of the chain's tiles: D^T's form holds tokens on columns, D's on rows
+    tok_index = _iota((C, BV), 0, interpret) if narrow else _iota((BV, C), 1, interpret)
     S_PUB, D_PUB = range(_KDA_SCAN_PUBLISH)
 
     def chunk_start(c):
@@ -706,7 +711,8 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
                                     w_loaded.at[c % 2])
 
     def fetch_u(c):
-        plgpu.copy_gmem_to_smem(u_ref.at[rows(c), h, cols], u_s, u_loaded)
+        for part in range(2):
+            plgpu.copy_gmem_to_smem(u_ref.at[part, rows(c), h, cols], u_s.at[part], u_loaded)
 
     def fetch_kd(c):
         for part in range(2):
@@ -742,33 +748,73 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         if warp_specialized:
             plgpu.barrier_arrive(published.at[what])
 
-    def chain_step(c, S):
-        """The state's walk over chunk c: D = U - W S, then S^T <- e^{G_C} S^T + D^T (k e^{G_C -
-        G}) (S^T [BV, K], one accumulator) or, narrow, S <- e^{G_C} S + (k e^{G_C - G})^T D
-        (S [K, BV] as two accumulators of KB key rows); publishes S^T and D^T for the
-        output."""
+    def traced_halves(c):
+        """(0, 1) as traced values: a ref indexed by a constant inside a product that updates an
+        accumulator (`_products` with init) becomes an operand of its `run_state`, whose
+        lowering fails to return it."""
+        lo = c - c + 1
+        return lo - 1, lo
+
+    def chain_step_wide(c, S):
+        """Chunk c on S^T [BV, K] (one accumulator), every operand of the chain's products in
+        registers but the rows: -D^T = S^T W^T - U^T from -U^T (S^T's halves against W's), then
+        S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}) (D^T's halves against k's). S^T's halves and
+        D^T's are published while the products run."""
         wbuf = c % 2
+        hi, lo = traced_halves(c)
         valid = tok_index < eos - chunk_start(c)
         plgpu.barrier_wait(w_loaded.at[wbuf])
         plgpu.barrier_wait(u_loaded)
-        # W S takes S from shared memory: S^T's halves published first, then read by both
-        wait_read(c, S_PUB)
-        if narrow:
-            for b, Sb in enumerate(S):
-                _store_halves(s_pub.at[:, :, pl.ds(b * KB, KB)], split_bf16(Sb),
-                              interpret=interpret, commit=False, transposed=True)
-            _commit_smem(interpret)
-        else:
-            _store_halves(s_pub, split_bf16(S), interpret=interpret)
-        publish(S_PUB)
-        # -(U - W S) accumulated from -U: the negations are exact
-        neg_u = -_load(u_s, wgmma_layout, interpret)
+        s_hi, s_lo = split_bf16(S)
+        # U^T from its halves' transposed tiles
+        u_t = [_load(u_s.at[part] if interpret else u_s.at[part].transpose((1, 0)),
+                     wgmma_layout, interpret) for part in range(2)]
+        u_t = [x.T for x in u_t] if interpret else u_t
+        neg_u_t = -(u_t[0].astype(F32) + u_t[1].astype(F32))
         refill(fetch_u, c + 1)
-        # halves by traced indices: a ref indexed by a constant inside a product that updates
-        # an accumulator (`_products` with init) becomes an operand of its `run_state`, whose
-        # lowering fails to return it
-        lo = c - c + 1
-        hi = lo - 1
+        wait_read(c, S_PUB)
+
+        def publish_state():
+            _store_halves(s_pub, (s_hi, s_lo), interpret=interpret)
+            publish(S_PUB)
+
+        w_hi, w_lo = ("T", w_s.at[wbuf, hi]), ("T", w_s.at[wbuf, lo])
+        (neg_d_t,), _ = _products([[(s_hi, w_hi), (s_lo, w_hi), (s_hi, w_lo)]], (BV, C),
+                                  [neg_u_t], interpret=interpret, during=publish_state)
+        refill(fetch_w, c + 2)
+        d_hi, d_lo = split_bf16(jnp.where(valid, -neg_d_t, 0.0))
+        plgpu.barrier_wait(kd_loaded)
+        decay = _columns(_load(decay_s, None, interpret), (BV, K), interpret)
+        wait_read(c, D_PUB)
+
+        def publish_deltas():
+            _store_halves(d_pub, (d_hi, d_lo), interpret=interpret)
+            publish(D_PUB)
+
+        (S,), _ = _products([[(d_hi, kd_s.at[hi]), (d_hi, kd_s.at[lo]), (d_lo, kd_s.at[hi])]],
+                            (BV, K), [S * decay], interpret=interpret, during=publish_deltas)
+        refill(fetch_kd, c + 1)
+        return S
+
+    def chain_step_narrow(c, S):
+        """Chunk c on S [K, BV] as two accumulators of KB key rows: S^T's halves published
+        first (W S takes S from shared memory), -D = W S - U from -U, D^T's halves published,
+        then S <- e^{G_C} S + (k e^{G_C - G})^T D, with (k e^{G_C - G})^T by key blocks as
+        register operands (a transposed left operand from shared memory does not lower)."""
+        wbuf = c % 2
+        hi, lo = traced_halves(c)
+        valid = tok_index < eos - chunk_start(c)
+        plgpu.barrier_wait(w_loaded.at[wbuf])
+        plgpu.barrier_wait(u_loaded)
+        wait_read(c, S_PUB)
+        for b, Sb in enumerate(S):
+            _store_halves(s_pub.at[:, :, pl.ds(b * KB, KB)], split_bf16(Sb),
+                          interpret=interpret, commit=False, transposed=True)
+        _commit_smem(interpret)
+        publish(S_PUB)
+        u = [_load(u_s.at[part], wgmma_layout, interpret) for part in range(2)]
+        neg_u = -(u[0].astype(F32) + u[1].astype(F32))
+        refill(fetch_u, c + 1)
         w_hi, w_lo = w_s.at[wbuf, hi], w_s.at[wbuf, lo]
         (neg_d,), _ = _products([[(w_hi, ("T", s_pub.at[hi])), (w_hi, ("T", s_pub.at[lo])),
                                   (w_lo, ("T", s_pub.at[hi]))]], (C, BV), [neg_u],
@@ -779,29 +825,22 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         _store_halves(d_pub, split_bf16(d), interpret=interpret, transposed=True)
         publish(D_PUB)
         plgpu.barrier_wait(kd_loaded)
-        if narrow:
-            # (k e^{G_C - G})^T by key blocks, as register operands (a transposed left operand
-            # from shared memory does not lower), against D's halves
-            def kt(part, b):
-                block = kd_s.at[part, :, pl.ds(b * KB, KB)]
-                x = _load(block if interpret else block.transpose((1, 0)), wgmma_layout,
-                          interpret)
-                return x.T if interpret else x
 
-            terms = [[(kt(hi, b), ("T", d_pub.at[hi])), (kt(hi, b), ("T", d_pub.at[lo])),
-                      (kt(lo, b), ("T", d_pub.at[hi]))] for b in range(2)]
-            decays = [_rows(_load(decay_s.at[pl.ds(b * KB, KB)], None, interpret), (KB, BV),
-                            interpret) for b in range(2)]
-            S, _ = _products(terms, (KB, BV), [Sb * d for Sb, d in zip(S, decays)],
-                             interpret=interpret)
-            S = tuple(S)
-        else:
-            decay = _columns(_load(decay_s, None, interpret), (BV, K), interpret)
-            (S,), _ = _products([[(d_pub.at[hi], kd_s.at[hi]), (d_pub.at[hi], kd_s.at[lo]),
-                                  (d_pub.at[lo], kd_s.at[hi])]], (BV, K), [S * decay],
-                                interpret=interpret)
+        def kt(part, b):
+            block = kd_s.at[part, :, pl.ds(b * KB, KB)]
+            x = _load(block if interpret else block.transpose((1, 0)), wgmma_layout, interpret)
+            return x.T if interpret else x
+
+        terms = [[(kt(hi, b), ("T", d_pub.at[hi])), (kt(hi, b), ("T", d_pub.at[lo])),
+                  (kt(lo, b), ("T", d_pub.at[hi]))] for b in range(2)]
+        decays = [_rows(_load(decay_s.at[pl.ds(b * KB, KB)], None, interpret), (KB, BV),
+                        interpret) for b in range(2)]
+        S, _ = _products(terms, (KB, BV), [Sb * d for Sb, d in zip(S, decays)],
+                         interpret=interpret)
         refill(fetch_kd, c + 1)
-        return S
+        return tuple(S)
+
+    chain_step = chain_step_narrow if narrow else chain_step_wide
 
     def output_step(c):
         """O = (q e^G) S + aqk D for chunk c, from the published halves."""
@@ -819,8 +858,7 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         refill(fetch_q, c + 1)
         if warp_specialized:
             plgpu.barrier_wait(published.at[D_PUB])
-        lo = c - c + 1   # traced: see chain_step
-        hi = lo - 1
+        hi, lo = traced_halves(c)
         (o,), _ = _products([[(a_hi, ("T", d_pub.at[hi])), (a_hi, ("T", d_pub.at[lo])),
                               (a_lo, ("T", d_pub.at[hi]))]], (C, BV), [qs],
                             interpret=interpret)
@@ -925,7 +963,8 @@ def kda_scan(cu, order, first, live, decay, qd, kd, w, u, aqk, h0, *, num_v_head
     cu [N + 1] (starts multiples of CHUNK), order [N], first [N], live [N] as for `scan`; decay
     [S, HV, K] fp32 (e^{G_C} per chunk slot); by token row (slot s's rows are tokens 64 s ..):
     qd [T', HV, K] bf16 (q e^G with norm and scale), kd [2, T', HV, K] bf16 (k e^{G_C - G}'s
-    halves), w [2, T', HV, K] bf16 (W's halves), u [T', HV, V] fp32, aqk [T', HV, C] fp16 or
+    halves), w [2, T', HV, K] bf16 (W's halves), u [2, T', HV, V] bf16 (U's halves, from
+    `kda_prep(..., u_halves=True)`), aqk [T', HV, C] fp16 or
     fp32; h0 [N, HV, V, K] (transposed; a placeholder without has_initial_state).
     narrow: programs of BLOCK_V_NARROW value columns holding S [K, BV] as two accumulators of
     64 key rows (twice the programs, for calls with few (sequence, head) pairs), the update
@@ -933,7 +972,7 @@ def kda_scan(cu, order, first, live, decay, qd, kd, w, u, aqk, h0, *, num_v_head
     as they are, [N, HV, K, V].
     Returns (o [T, HV, V] bf16 with T = u's rows, final states [N, HV, V, K] fp32, transposed,
     or [N, HV, K, V] narrow)."""
-    T, HV, V = u.shape
+    _, T, HV, V = u.shape
     N = cu.shape[0] - 1
     K = HEAD_K_DIM
     BV = BLOCK_V_NARROW if narrow else BLOCK_V
@@ -941,7 +980,7 @@ def kda_scan(cu, order, first, live, decay, qd, kd, w, u, aqk, h0, *, num_v_head
     state = (K, BV) if narrow else (BV, K)
     w_union = plgpu.RefUnion(_swizzled((2, 2, CHUNK, K)), plgpu.SMEM(state, F32))
     scratch = (w_union,
-               plgpu.SMEM((CHUNK, BV), F32),                         # U
+               _swizzled((2, CHUNK, BV), swizzle=2 * BV),            # U's halves
                _swizzled((2, CHUNK, K)),                             # k e^{G_C - G} halves
                plgpu.SMEM((K,), F32),                                # e^{G_C}
                _swizzled((CHUNK, K)),                                # q e^G
@@ -950,7 +989,7 @@ def kda_scan(cu, order, first, live, decay, qd, kd, w, u, aqk, h0, *, num_v_head
                _swizzled((2, BV, CHUNK)),                            # D^T halves
                plgpu.SMEM((2, CHUNK, BV), BF16),                     # output staging
                plgpu.Barrier(num_arrivals=2, num_barriers=2),        # W (two buffers)
-               plgpu.Barrier(),                                      # U
+               plgpu.Barrier(num_arrivals=2),                        # U's halves
                plgpu.Barrier(num_arrivals=3),                        # k halves, e^{G_C}
                plgpu.Barrier(), plgpu.Barrier(),                     # q e^G, aqk
                plgpu.Barrier(num_barriers=_KDA_SCAN_PUBLISH),        # published
@@ -1215,7 +1254,7 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
 def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref, u_ref, flag_ref,
                      kk_s, union_s, ek_s, v_s, beta_s, flag_o, first_bar, second_bar, *,
                      num_v_heads: int, num_items: int, num_programs: int, max_a: float,
-                     max_t: float, interpret: bool):
+                     max_t: float, u_halves: bool, interpret: bool):
     C = CHUNK
     # with two buffers for k k^T and beta, the next item's are fetched while this one is formed
     num_bufs = kk_s.shape[0]
@@ -1289,12 +1328,18 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref,
                               (C, HEAD_K_DIM), interpret=interpret)
         # W's halves over e^G k's tiles and U over T beta's: the products' reads are done
         _store_halves(ek_s, split_bf16(w), interpret=interpret, commit=False)
-        u_s[...] = u
+        if u_halves:
+            _store_halves(u_s, split_bf16(u), interpret=interpret, commit=False)
+        else:
+            u_s[...] = u
         _commit_smem(interpret)
         rows_out = pl.ds(pl.multiple_of(s * C, C), C)
         for part in range(2):
             plgpu.copy_smem_to_gmem(ek_s.at[part], w_ref.at[part, rows_out, h])
-        plgpu.copy_smem_to_gmem(u_s, u_ref.at[rows_out, h])
+            if u_halves:
+                plgpu.copy_smem_to_gmem(u_s.at[part], u_ref.at[part, rows_out, h])
+        if not u_halves:
+            plgpu.copy_smem_to_gmem(u_s, u_ref.at[rows_out, h])
         plgpu.copy_smem_to_gmem(flag_o, flag_ref.at[s, h])
         return carry
 
@@ -1304,7 +1349,8 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref,
 
 
 def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
-             num_programs: int | None = PREP_PROGRAMS, interpret: bool = False):
+             num_programs: int | None = PREP_PROGRAMS, u_halves: bool = False,
+             interpret: bool = False):
     """KDA's W and U, per (chunk slot, value head) item, one warpgroup an item; num_programs
     programs (None: one an item) take the items in turn, heads fastest. A = beta k k^T
     from the intra-chunk kernel's k k^T, T = (I + A)^-1 by the fp16 doubling of `prep`, then
@@ -1317,6 +1363,7 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
     per-channel decays, zero on and above the diagonal); ek [2, T, HV, 128] bf16 (e^G k's hi
     and lo parts); v [T, HV, 128] bf16; beta [S, HV, CHUNK] fp32 (zero on the rows that are
     not the chunk's).
+    u_halves: U as bf16 halves [2, S * CHUNK, HV, 128] (what `kda_scan` takes).
     Returns (W's halves [2, S * CHUNK, HV, 128] bf16, U [S * CHUNK, HV, 128] fp32, both by
     chunk slot (row s * CHUNK + i of slot s's row i), and flags [S, HV, CHUNK] fp32: 1 on the
     rows where the fp16 inverse may not have held (|A| > max_a or |T| > max_t), whose W and U
@@ -1331,7 +1378,7 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
     # 100 KiB with k k^T in fp16: two programs an SM)
     num_bufs = 2 if num_programs < num_items else 1
     union = plgpu.RefUnion(_swizzled((2, C, C), F16), _swizzled((2, C, C)),
-                           plgpu.SMEM((C, K), F32))
+                           _swizzled((2, C, K)) if u_halves else plgpu.SMEM((C, K), F32))
     scratch = (plgpu.SMEM((num_bufs, C, C), kk.dtype), union, _swizzled((2, C, K)),
                _swizzled((C, K)), plgpu.SMEM((num_bufs, 2, C), F32), plgpu.SMEM((C,), F32),
                plgpu.Barrier(num_arrivals=3, num_barriers=num_bufs),
@@ -1339,9 +1386,10 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
     return _launch(
         functools.partial(_kda_prep_kernel, num_v_heads=HV, num_items=num_items,
                           num_programs=num_programs, max_a=max_a, max_t=max_t,
-                          interpret=interpret),
+                          u_halves=u_halves, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((2, S * C, HV, K), BF16),
-                  jax.ShapeDtypeStruct((S * C, HV, K), F32),
+                  jax.ShapeDtypeStruct((2, S * C, HV, K), BF16) if u_halves
+                  else jax.ShapeDtypeStruct((S * C, HV, K), F32),
                   jax.ShapeDtypeStruct((S, HV, C), F32)),
         scratch=scratch, num_programs=num_programs, name="kda_prefill_mgpu_prep",
         interpret=interpret,

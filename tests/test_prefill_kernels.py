@@ -817,10 +817,11 @@ def test_mosaic_scan_lowers_for_hopper():
             factors)
         assert "mosaic_gpu" in exported.mlir_module()
     # KDA's prep (token rows a multiple of 8, as its launcher gives them), k k^T fp32 or fp16
-    # (one item a program, and programs taking several items in turn)
+    # (one item a program, with U in bf16 halves, and programs taking several items in turn)
     for kk_dtype, num_programs in itertools.product((F32, F16), (None, 3)):
         f = jax.jit(functools.partial(mgpu.kda_prep, max_a=kern.HALF_INVERSE_MAX_A,
-                                      max_t=kern.HALF_INVERSE_MAX_T, num_programs=num_programs))
+                                      max_t=kern.HALF_INVERSE_MAX_T, num_programs=num_programs,
+                                      u_halves=num_programs is None))
         exported = jax.export.export(f, platforms=["cuda"])(
             jnp.zeros((S,), jnp.int32), jnp.full((S,), 64, jnp.int32),
             jnp.ones((T, HV, 64), kk_dtype), jnp.ones((2, T, HV, K), BF16), y,
@@ -835,7 +836,7 @@ def test_mosaic_scan_lowers_for_hopper():
             jnp.array([0, 128, T], jnp.int32), jnp.array([0, 1], jnp.int32),
             jnp.array([0, 2], jnp.int32), jnp.ones((2,), jnp.int32), jnp.ones((S, HV, K)),
             jnp.ones((T, HV, K), BF16), jnp.ones((2, T, HV, K), BF16),
-            jnp.ones((2, S * 64, HV, K), BF16), jnp.ones((S * 64, HV, V)),
+            jnp.ones((2, S * 64, HV, K), BF16), jnp.ones((2, S * 64, HV, V), BF16),
             jnp.ones((T, HV, 64), aqk_dtype), jnp.ones((2, HV, V, K)))   # (V = K)
         assert "mosaic_gpu" in exported.mlir_module()
 
@@ -1066,6 +1067,35 @@ def test_mosaic_kda_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
                                             interpret=mode == "interpret")[0])
     used = np.asarray(length) > 0
     assert np.all(redo[used, 0] == 1) and np.all(redo[:, 1] == 0) and np.all(redo[~used] == 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mosaic_kda_prep_u_halves_through_the_redo_pass(mode):
+    """For the Mosaic GPU KDA scan the prep writes U as bf16 halves, and so does the Triton
+    pass that forms the flagged chunks again (value head 0 of the repeated-key inputs above):
+    the halves are the bf16 split of the fp32 U the prep writes otherwise, bit for bit, redone
+    chunks included."""
+    from pallas_kernels import gdn_prefill_mgpu as mgpu
+    lens, HK, HV, K = [64, 100], 1, 2, 128
+    T_total = sum(lens)
+    q, k, v, g1, beta, cu = _repeated_key_inputs(lens, K)
+    g = np.repeat(np.asarray(g1)[:, :, None], K, axis=2) / K
+    g, beta = jnp.asarray(g, F32), jnp.asarray(beta, F32)
+    spec = _spec(HK, HV, K, K, use_qk_l2norm=False, precise=False, per_channel_gate=True,
+                 aligned_chunks=True)
+    start, length, _, lead = kern.chunk_table(cu, T_total)
+    zeros = jnp.zeros((HV * K,), F32)
+    u = {}
+    for halves in (True, False):
+        block = kern.PrefillBlockSizes(block_v=64, block_k=32, mosaic_kda_prep=True,
+                                       mosaic_kda_scan=halves)
+        u[halves] = np.asarray(kern._prep(q, k, v, g, beta, start, length, lead,
+                                          jnp.zeros((HV,), F32), zeros, spec=spec, block=block,
+                                          interpret=mode == "interpret")[2].astype(F32))
+    rows = np.arange(T_total)
+    want = np.stack([np.asarray(x.astype(F32)) for x in mgpu.split_bf16(jnp.asarray(u[False]))])
+    assert np.array_equal(u[True][:, rows], want[:, rows])
+    assert np.abs(u[False][:64, 0]).max() > 2.0 ** 20     # head 0 was redone (no fp16 range)
 
 
 @pytest.mark.parametrize("mode", MODES)
