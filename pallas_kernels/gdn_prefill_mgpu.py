@@ -306,6 +306,62 @@ def _store_output(o_ref, o_s, o, c, t0, bos, eos, h, cols, interpret):
             size //= 2
 
 
+class _StateSlab:
+    """A program's slab of the state in global memory, through its staging buffer state_s:
+    S^T [BV, K] of the transposed states [N, HV, V, K] (wide), or S [K, BV] held as two
+    accumulators of K // 2 key rows (narrow)."""
+
+    def __init__(self, h0_ref, hT_ref, state_s, h0_bar, n, h, cols, *, narrow, interpret):
+        at = (n, h, slice(None), cols) if narrow else (n, h, cols, slice(None))
+        self.initial_gmem, self.final_gmem = h0_ref.at[at], hT_ref.at[at]
+        self.state_s, self.h0_bar, self.narrow, self.interpret = state_s, h0_bar, narrow, interpret
+        K = HEAD_K_DIM
+        self.halves_of_k = (pl.ds(0, K // 2), pl.ds(K // 2, K // 2))
+        self.shape = (K // 2, cols.size) if narrow else (cols.size, K)
+
+    def initial(self, has_initial_state: bool, then_commit: bool = False):
+        """The state's starting value (zeros without has_initial_state); then_commit: its
+        reads of state_s committed before the caller's bulk copies overwrite it."""
+        interpret, layout = self.interpret, None if self.interpret else plgpu.Layout.WGMMA
+        if not has_initial_state:
+            zero = jnp.zeros(self.shape, F32)
+            zero = zero if interpret else plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
+            return (zero, zero) if self.narrow else zero
+        plgpu.copy_gmem_to_smem(self.initial_gmem, self.state_s, self.h0_bar)
+        plgpu.barrier_wait(self.h0_bar)
+        if self.narrow:
+            S = tuple(_load(self.state_s.at[r], layout, interpret) for r in self.halves_of_k)
+        else:
+            S = _load(self.state_s, layout, interpret)
+        if then_commit:
+            _commit_smem(interpret)
+        return S
+
+    def store_final(self, S):
+        if self.narrow:
+            for r, Sb in zip(self.halves_of_k, S):
+                self.state_s[r] = Sb
+        else:
+            self.state_s[...] = S
+        _commit_smem(self.interpret)
+        plgpu.copy_smem_to_gmem(self.state_s, self.final_gmem)
+        if not self.interpret:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _store_zero_outputs(store_output, num_chunks, shape, dtype, interpret):
+    """store_output(c, zeros) for chunks 0 .. num_chunks - 1 (a sequence nobody walks)."""
+    zeros = jnp.zeros(shape, dtype)
+    if not interpret:
+        zeros = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+
+    def step(c, carry):
+        store_output(c, zeros)
+        return carry
+
+    lax.fori_loop(0, num_chunks, step, 0)
+
+
 def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_ref, kt_ref,
             tamed_ref, v_ref, tb_ref, aqk_ref, fac_ref, h0_ref, o_ref, hT_ref, q_s, k_s, v_s,
             tb_s, aqk_s, fac_s, aqk_h, pub, o_s, loaded, consumed, published, out_done, h0_bar,
@@ -501,44 +557,13 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
     def store_output(c, o):
         _store_output(o_ref, o_s, o, c, chunk_start(c), bos, eos, h, cols, interpret)
 
-    # the state's slab in gmem: S^T [BV, K] of the transposed states [N, HV, V, K], or S [K, BV]
-    state_gmem = (h0_ref.at[n, h, :, cols] if narrow else h0_ref.at[n, h, cols, :])
-    final_gmem = (hT_ref.at[n, h, :, cols] if narrow else hT_ref.at[n, h, cols, :])
-    halves_of_k = (pl.ds(0, K // 2), pl.ds(K // 2, K // 2))
-
-    def initial_state():
-        if not has_initial_state:
-            shape = (K // 2, BV) if narrow else (BV, K)
-            zero = jnp.zeros(shape, F32)
-            zero = zero if interpret else plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
-            return (zero, zero) if narrow else zero
-        plgpu.copy_gmem_to_smem(state_gmem, state_s, h0_bar)
-        plgpu.barrier_wait(h0_bar)
-        if narrow:
-            return tuple(_load(state_s.at[r], wgmma_layout, interpret) for r in halves_of_k)
-        return _load(state_s, wgmma_layout, interpret)
-
-    def store_final(S):
-        if narrow:
-            for r, Sb in zip(halves_of_k, S):
-                state_s[r] = Sb
-        else:
-            state_s[...] = S
-        _commit_smem(interpret)
-        plgpu.copy_smem_to_gmem(state_s, final_gmem)
-        if not interpret:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    slab = _StateSlab(h0_ref, hT_ref, state_s, h0_bar, n, h, cols, narrow=narrow,
+                      interpret=interpret)
+    initial_state = functools.partial(slab.initial, has_initial_state)
+    store_final = slab.store_final
 
     def store_zeros():
-        zeros = jnp.zeros((C, BV), o_ref.dtype)
-        if not interpret:
-            zeros = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
-
-        def step(c, carry):
-            store_output(c, zeros)
-            return carry
-
-        lax.fori_loop(0, zero_chunks, step, 0)
+        _store_zero_outputs(store_output, zero_chunks, (C, BV), o_ref.dtype, interpret)
 
     if not warp_specialized:
         def step(c, S):
@@ -867,47 +892,17 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         _store_output(o_ref, o_s, o.astype(o_ref.dtype), c, chunk_start(c), bos, eos, h, cols,
                       interpret)
 
-    # the state's slab in gmem: S^T [BV, K] of the transposed states [N, HV, V, K], or S [K, BV]
-    state_gmem = h0_ref.at[n, h, :, cols] if narrow else h0_ref.at[n, h, cols, :]
-    final_gmem = hT_ref.at[n, h, :, cols] if narrow else hT_ref.at[n, h, cols, :]
-    halves_of_k = (pl.ds(0, KB), pl.ds(KB, KB))
-
-    def initial_state():
-        """The state's starting value; before any W is fetched (state_s shares W's buffers)."""
-        if not has_initial_state:
-            zero = jnp.zeros((KB, BV) if narrow else (BV, K), F32)
-            zero = zero if interpret else plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
-            return (zero, zero) if narrow else zero
-        plgpu.copy_gmem_to_smem(state_gmem, state_s, h0_bar)
-        plgpu.barrier_wait(h0_bar)
-        if narrow:
-            S = tuple(_load(state_s.at[r], wgmma_layout, interpret) for r in halves_of_k)
-        else:
-            S = _load(state_s, wgmma_layout, interpret)
-        _commit_smem(interpret)
-        return S
-
-    def store_final(S):
-        if narrow:
-            for r, Sb in zip(halves_of_k, S):
-                state_s[r] = Sb
-        else:
-            state_s[...] = S
-        _commit_smem(interpret)
-        plgpu.copy_smem_to_gmem(state_s, final_gmem)
-        if not interpret:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    slab = _StateSlab(h0_ref, hT_ref, state_s, h0_bar, n, h, cols, narrow=narrow,
+                      interpret=interpret)
+    # the starting value read before any W is fetched, and committed: state_s shares W's buffers
+    initial_state = functools.partial(slab.initial, has_initial_state, then_commit=True)
+    store_final = slab.store_final
 
     def store_zeros():
-        zeros = jnp.zeros((C, BV), o_ref.dtype)
-        if not interpret:
-            zeros = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
-
-        def step(c, carry):
-            _store_output(o_ref, o_s, zeros, c, chunk_start(c), bos, eos, h, cols, interpret)
-            return carry
-
-        lax.fori_loop(0, zero_chunks, step, 0)
+        _store_zero_outputs(
+            lambda c, o: _store_output(o_ref, o_s, o, c, chunk_start(c), bos, eos, h, cols,
+                                       interpret),
+            zero_chunks, (C, BV), o_ref.dtype, interpret)
 
     if not warp_specialized:
         def step(c, S):
