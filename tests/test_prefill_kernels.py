@@ -878,6 +878,24 @@ def _aligned(lens) -> bool:
     return all(int(x) % kern.CHUNK == 0 for x in np.cumsum([0] + list(lens))[:-1])
 
 
+def _aligned_kda_inputs(seed, lens, HK, HV, gate, K=128):
+    """KDA bf16 inputs for calls whose sequences start at multiples of 64: (q, k, v, g, b, h0,
+    cu) as `_kda_inputs` gives them, then the raw gate's keywords (A_log, dt_bias; none for g
+    given), its lower bound, and the gates and beta the float64 oracle takes. gate: None (g
+    given), "softplus" or a lower bound (g and b then hold raw projections)."""
+    q, k, v, g, b, h0, cu = _kda_inputs(seed, lens, HK=HK, HV=HV, K=K, dtype=BF16)
+    assert _aligned(lens)
+    if gate is None:
+        return q, k, v, g, b, h0, cu, {}, None, g, b
+    rng = np.random.default_rng(seed + 1)
+    g = jnp.asarray(2 * rng.standard_normal((sum(lens), HV, K)), F32)
+    kw = dict(A_log=jnp.asarray(rng.standard_normal(HV), F32),
+              dt_bias=jnp.asarray(rng.standard_normal(HV * K), F32))
+    lb = None if gate == "softplus" else gate
+    gates = ref.kda_gate(g, kw["A_log"], kw["dt_bias"].reshape(HV, K), lower_bound=lb)
+    return q, k, v, g, b, h0, cu, kw, lb, gates, ref.gdn_beta(b)
+
+
 # KDA's prep in Mosaic GPU: lens (every start a multiple of 64: a last chunk short of the
 # arrays' rows, an empty sequence), HK, HV, gate form (None: g given; "softplus" or a lower
 # bound: raw projections)
@@ -895,19 +913,7 @@ def test_mosaic_kda_prep_against_float64(mode, lens, HK, HV, gate):
     inputs against float64 within 5e-3, and within 1e-3 (output) of the Triton prep's call,
     for g given and for both raw gate forms, GVA, an initial state."""
     K = 128
-    q, k, v, g, b, h0, cu = _kda_inputs(51, lens, HK=HK, HV=HV, K=K, dtype=BF16)
-    kw, beta = {}, b
-    if gate is not None:
-        rng = np.random.default_rng(52)
-        g = jnp.asarray(2 * rng.standard_normal((sum(lens), HV, K)), F32)
-        kw = dict(A_log=jnp.asarray(rng.standard_normal(HV), F32),
-                  dt_bias=jnp.asarray(rng.standard_normal(HV * K), F32))
-        lb = None if gate == "softplus" else gate
-        gates = ref.kda_gate(g, kw["A_log"], kw["dt_bias"].reshape(HV, K), lower_bound=lb)
-        beta = ref.gdn_beta(b)
-    else:
-        lb, gates = None, g
-    assert _aligned(lens)
+    q, k, v, g, b, h0, cu, kw, lb, gates, beta = _aligned_kda_inputs(51, lens, HK, HV, gate)
     spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True, precise=False,
                  raw_gates=gate is not None, gate_lower_bound=lb, aligned_chunks=True)
     outs = {}
@@ -946,19 +952,7 @@ def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init, block_v
     k e^{G_C - G} in fp16 and one-pass TF32 leave up to ~2e-4), and the output within 1e-3 of
     the Triton scan's call."""
     K = 128
-    q, k, v, g, b, h0, cu = _kda_inputs(53, lens, HK=HK, HV=HV, K=K, dtype=BF16)
-    kw, beta = {}, b
-    if gate is not None:
-        rng = np.random.default_rng(54)
-        g = jnp.asarray(2 * rng.standard_normal((sum(lens), HV, K)), F32)
-        kw = dict(A_log=jnp.asarray(rng.standard_normal(HV), F32),
-                  dt_bias=jnp.asarray(rng.standard_normal(HV * K), F32))
-        lb = None if gate == "softplus" else gate
-        gates = ref.kda_gate(g, kw["A_log"], kw["dt_bias"].reshape(HV, K), lower_bound=lb)
-        beta = ref.gdn_beta(b)
-    else:
-        lb, gates = None, g
-    assert _aligned(lens)
+    q, k, v, g, b, h0, cu, kw, lb, gates, beta = _aligned_kda_inputs(53, lens, HK, HV, gate)
     spec = _spec(HK, HV, K, K, has_initial_state=init, per_channel_gate=True, precise=False,
                  raw_gates=gate is not None, gate_lower_bound=lb, aligned_chunks=True)
     outs = {}
@@ -1028,6 +1022,20 @@ def test_mosaic_kda_scan_dispatch_rule():
         assert word in kern.unsupported_reason(sp, block)
 
 
+def _kda_redo_inputs():
+    """KDA per-channel inputs whose value head 0 overflows the fp16 inverse (a key repeated
+    with beta |k|^2 = 3 and no decay) and head 1 does not (`_repeated_key_inputs`), sequences
+    of 64 and 100 tokens: (q, k, v, g, beta, cu, spec, (start, length, lead), T)."""
+    lens, HK, HV, K = [64, 100], 1, 2, 128
+    q, k, v, g1, beta, cu = _repeated_key_inputs(lens, K)
+    g = np.repeat(np.asarray(g1)[:, :, None], K, axis=2) / K    # per channel; head 0: no decay
+    spec = _spec(HK, HV, K, K, use_qk_l2norm=False, precise=False, per_channel_gate=True,
+                 aligned_chunks=True)
+    start, length, _, lead = kern.chunk_table(cu, sum(lens))
+    return (q, k, v, jnp.asarray(g, F32), jnp.asarray(beta, F32), cu, spec,
+            (start, length, lead), sum(lens))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_mosaic_kda_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
     """The Mosaic GPU KDA prep flags the chunks where its fp16 inverse may not have held and
@@ -1035,14 +1043,8 @@ def test_mosaic_kda_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
     with beta |k|^2 = 3 and no decay ((I + A)^-1 holds (-2)^(i - j), beyond fp16), value head 1
     the same key with typical gates and beta below 1/4. Head 0's W and U are the Triton prep's
     bit for bit, head 1's (the fp16 inverse's) close to them."""
-    lens, HK, HV, K = [64, 100], 1, 2, 128
-    T_total = sum(lens)
-    q, k, v, g1, beta, cu = _repeated_key_inputs(lens, K)
-    g = np.repeat(np.asarray(g1)[:, :, None], K, axis=2) / K    # per channel; head 0: no decay
-    g, beta = jnp.asarray(g, F32), jnp.asarray(beta, F32)
-    spec = _spec(HK, HV, K, K, use_qk_l2norm=False, precise=False, per_channel_gate=True,
-                 aligned_chunks=True)
-    start, length, _, lead = kern.chunk_table(cu, T_total)
+    HV, K = 2, 128
+    q, k, v, g, beta, cu, spec, (start, length, lead), T_total = _kda_redo_inputs()
     zeros = jnp.zeros((HV * K,), F32)
     got = {}
     for mosaic in (True, False):
@@ -1076,14 +1078,8 @@ def test_mosaic_kda_prep_u_halves_through_the_redo_pass(mode):
     the halves are the bf16 split of the fp32 U the prep writes otherwise, bit for bit, redone
     chunks included."""
     from pallas_kernels import gdn_prefill_mgpu as mgpu
-    lens, HK, HV, K = [64, 100], 1, 2, 128
-    T_total = sum(lens)
-    q, k, v, g1, beta, cu = _repeated_key_inputs(lens, K)
-    g = np.repeat(np.asarray(g1)[:, :, None], K, axis=2) / K
-    g, beta = jnp.asarray(g, F32), jnp.asarray(beta, F32)
-    spec = _spec(HK, HV, K, K, use_qk_l2norm=False, precise=False, per_channel_gate=True,
-                 aligned_chunks=True)
-    start, length, _, lead = kern.chunk_table(cu, T_total)
+    HV, K = 2, 128
+    q, k, v, g, beta, cu, spec, (start, length, lead), T_total = _kda_redo_inputs()
     zeros = jnp.zeros((HV * K,), F32)
     u = {}
     for halves in (True, False):
