@@ -578,18 +578,16 @@ def _tamed_l2_factor(s, s_probe, m):
 LOG2E = 1.4426950408889634
 
 
-def _operand_exp(x, interpret: bool, log2: bool = False):
-    """e^x for the decay factors of tensor-core operands that round to 11 bits (fp16, one-pass
-    TF32): compiled, one `ex2.approx` of x log2(e), where libdevice's expf takes several
-    instructions (the KDA intra kernel runs at its instruction rate); its relative error, about
-    2^-22 plus |x| 2^-24 from the product, is far below the operands' rounding (2^-11). Results
-    below fp32's normal range flush to zero (terms below 1e-38 of the unit diagonal); an
-    exponent of +inf gives +inf as before. Interpret mode: `jnp.exp`. log2: x is in units of
-    log 2 (2^x, no product)."""
-    if interpret:
-        return jnp.exp2(x) if log2 else jnp.exp(x)
-    [y] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;",
-                                       args=[x if log2 else x * LOG2E],
+def _operand_exp2(x, *, approx: bool):
+    """2^x for the decay factors of tensor-core operands that round to 11 bits (fp16, one-pass
+    TF32; approx): one `ex2.approx`, where a precise exponential takes several instructions (the
+    KDA intra kernel runs at its instruction rate). Its relative error, about 2^-22, is far below
+    the operands' rounding (2^-11); results below fp32's normal range flush to zero (terms below
+    1e-38 of the unit diagonal), an exponent of +inf gives +inf. Without approx (interpret mode,
+    and fp32 inputs, whose products keep fp32's accuracy): `jnp.exp2`."""
+    if not approx:
+        return jnp.exp2(x)
+    [y] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x],
                                        constraints="=f,f", pack=1,
                                        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, F32)])
     return y
@@ -600,32 +598,35 @@ def _softplus(x):
                      jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
 
 
-def split_gate(g):
-    """A log decay clamped at GATE_FLOOR, as (hi, lo): hi a multiple of 1 / GATE_QUANTUM, lo the
-    small rest. Running sums of hi are exact in fp32; see the module docstring."""
-    g = jnp.maximum(g, GATE_FLOOR)
+def split_gate(g, floor: float = GATE_FLOOR):
+    """A log decay clamped at floor (GATE_FLOOR; in log2 units, GATE_FLOOR * LOG2E), as (hi, lo):
+    hi a multiple of 1 / GATE_QUANTUM, lo the small rest. Running sums of hi are exact in fp32;
+    see the module docstring."""
+    g = jnp.maximum(g, floor)
     hi = jnp.floor(g * GATE_QUANTUM + 0.5) * (1.0 / GATE_QUANTUM)
     return hi, g - hi
 
 
-def _split_cumsum(g, one_scan: bool = False):
+def _split_cumsum(g, one_scan: bool = False, floor: float = GATE_FLOOR):
     """In-chunk cumulative log decay as (hi, lo) sums along axis 0. one_scan (a [C, n] tile):
     both parts go through one running sum, side by side in a last axis of two, which pays the
     sum's exchanges across lanes and warps once (`_one_scan_gates` says where that is faster)."""
-    hi, lo = split_gate(g)
+    hi, lo = split_gate(g, floor)
     if not one_scan:
         return jnp.cumsum(hi, axis=0), jnp.cumsum(lo, axis=0)
     return lax.unstack(jnp.cumsum(jnp.stack((hi, lo), axis=-1), axis=0), axis=-1)
 
 
-def _kda_gate_sums(g, spec: PrefillSpec):
-    """KDA's in-chunk cumulative log decays for the intra kernel, as a tuple of parts whose sum
-    is G: one plain fp32 running sum where the gate bounds the chunk's sums
-    (`_one_part_gate_sums`; then in log2 units, g given so), else the (hi, lo) parts of
-    `_split_cumsum`."""
+def _kda_gate_sums(g2, spec: PrefillSpec):
+    """KDA's in-chunk cumulative decays for the intra kernel, in log2 units from gates g2 in log2
+    units (clamped at GATE_FLOOR * LOG2E, the same clamp), as a tuple of parts whose sum is G:
+    one plain fp32 running sum where the gate bounds the chunk's sums (`_one_part_gate_sums`),
+    else the (hi, lo) parts of `_split_cumsum` (|g2| <= 88 log2 e < 128: the hi sums stay
+    exact)."""
+    floor = GATE_FLOOR * LOG2E
     if _one_part_gate_sums(spec):
-        return (jnp.cumsum(jnp.maximum(g, GATE_FLOOR * LOG2E), axis=0),)
-    return _split_cumsum(g, _one_scan_gates(spec))
+        return (jnp.cumsum(jnp.maximum(g2, floor), axis=0),)
+    return _split_cumsum(g2, _one_scan_gates(spec), floor)
 
 
 def _one_part_gate_sums(spec: PrefillSpec) -> bool:
@@ -788,11 +789,10 @@ def _factored_diagonal_always_safe(spec: PrefillSpec) -> bool:
 
 def _raw_log_decay(x, A_log, dt, spec: PrefillSpec, unit: float = 1.0):
     """The log decay from the raw gate projection x (fp32): -e^A_log softplus(x + dt), or with a
-    lower bound lb * sigmoid(e^A_log (x + dt)); unit: in units of 1 / unit (the lower-bound
-    form only: LOG2E gives log2 decays, the bound folded into one constant)."""
+    lower bound lb * sigmoid(e^A_log (x + dt)); times unit (LOG2E: in log2 units), folded into
+    the per-head factor or the bound (the same bits with unit 1)."""
     if spec.gate_lower_bound is None:
-        assert unit == 1.0
-        return -jnp.exp(A_log) * _softplus(x + dt)
+        return -(jnp.exp(A_log) * unit) * _softplus(x + dt)
     return jnp.float32(spec.gate_lower_bound * unit) * jax.nn.sigmoid(jnp.exp(A_log) * (x + dt))
 
 
@@ -1116,11 +1116,10 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         # reach e^40, beyond fp16: those stay TF32.
         bounded = lambda x: x.astype(_bounded_dtype(spec))
         factored_always = _factored_diagonal_always_safe(spec)
-        # The one-part sums (the lower-bound gate) run in log2 units: every decay is then one
-        # ex2 (no product by log2 e before it), and the bound takes the unit in its constant
-        log2 = _one_part_gate_sums(spec)
-        exp = jnp.exp2 if log2 else jnp.exp
-        operand_exp = functools.partial(_operand_exp, interpret=interpret, log2=log2)
+        # The gates and their sums run in log2 units: every decay is then one exp2 (the
+        # products' operand decays one ex2.approx with 16-bit inputs), with no product by
+        # log2 e before it; the raw gates take the unit into a constant they have anyway
+        operand_exp = functools.partial(_operand_exp2, approx=not interpret and not spec.precise)
         # G_x - G_y from the sums' parts (hi, lo; or the one part, `_kda_gate_sums`)
         rel = lambda x, y: functools.reduce(operator.add, [a - b for a, b in zip(x, y)])
         exchange = _BlockRowExchange(rows_ref, (s, h), block_k, interpret)
@@ -1129,10 +1128,10 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             """The chunk's log decays in the channels cols, [C, block_k] (0 past the chunk)."""
             g = load(g_ref.at[tok, h, cols])
             if not spec.raw_gates:
-                return g
+                return g * LOG2E
             dt = dt_ref[pl.ds(h * K + cols.start, cols.size)][None, :].astype(F32)
             return jnp.where(live, _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec,
-                                                  unit=LOG2E if log2 else 1.0), 0.0)
+                                                  unit=LOG2E), 0.0)
 
         if spec.use_qk_l2norm:
             # The only kernel that reads KDA's raw q and k rows (the launcher tames no rows for
@@ -1177,12 +1176,12 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             lasts = [tuple(exchange.row(buf, LAST[p], a) for p in parts) for a in range(nb)]
             # The decayed rows first: their tiles are done with before the products' operands
             # and results are formed, so fewer registers spill (ptxas; BENCHMARKS.md)
-            eG = exp(sum(G[1:], G[0]))
+            eG = jnp.exp2(sum(G[1:], G[0]))
             put(fq_ref, qn * eG)
             _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
-            _store_split(fk_ref, (tok, h, cols), kn * exp(rel(lasts[-1], G)), live)
+            _store_split(fk_ref, (tok, h, cols), kn * jnp.exp2(rel(lasts[-1], G)), live)
             # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
-            decay_ref[s, h, cols] = exp(sum(lasts[-1][1:], lasts[-1][0]))[0]
+            decay_ref[s, h, cols] = jnp.exp2(sum(lasts[-1][1:], lasts[-1][0]))[0]
             kt = kn * operand_exp(rel(tuple(exchange.spread(buf, LAST[p]) for p in parts), G))  # <= 1
             for b in range(nb - 1):
                 # exp of a positive exponent above block b's end may be inf: selected away
@@ -1200,7 +1199,8 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
                 kk_d, qk_d = factored()
             else:
                 exact = functools.partial(_exact_diagonal_blocks, kn, qn, G, exchange, 1 - buf)
-                kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT, factored, exact)
+                kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= DIAG_EXP_LIMIT * LOG2E, factored,
+                                      exact)
             kk = jnp.where(same_block, kk + kk_d, kk)
             qk = jnp.where(same_block, qk + qk_d, qk)
             return kk, qk
@@ -1262,8 +1262,8 @@ class _BlockRowExchange:
 
 def _exact_diagonal_blocks(kn, qn, G, exchange, buf):
     """The diagonal SUB x SUB blocks of k k^T and q k^T for a whole chunk, kn, qn, G (hi, lo)
-    [C, n], with every decay e^{G_ic - G_jc} (j <= i) formed exactly: step r forms column r of
-    every block at once, from row r of every block (spread over the block by `exchange`,
+    [C, n] in log2 units, with every decay 2^{G_ic - G_jc} (j <= i) formed exactly: step r
+    forms column r of every block at once, from row r of every block (spread over the block by `exchange`,
     _BlockRowExchange, starting in buffer buf and alternating: SUB is even, so the next user
     finds the buffers alternating still). Entries outside the blocks are zero."""
     C = kn.shape[0]
@@ -1276,7 +1276,7 @@ def _exact_diagonal_blocks(kn, qn, G, exchange, buf):
         b = lax.rem(buf + r, 2)
         exchange.share(b, [(G[0], ((r, 0),)), (G[1], ((r, 1),)), (kn, ((r, 2),))])
         g_hi, g_lo, k_r = (exchange.spread(b, slot) for slot in range(3))
-        e = jnp.exp(jnp.where(in_block >= r, (G[0] - g_hi) + (G[1] - g_lo), -jnp.inf))
+        e = jnp.exp2(jnp.where(in_block >= r, (G[0] - g_hi) + (G[1] - g_lo), -jnp.inf))
         kc = k_r * e
         at = col == block * SUB + r
         return (jnp.where(at, jnp.sum(kn * kc, axis=1, keepdims=True), kk),
