@@ -581,6 +581,15 @@ def _tamed_l2_factor(s, s_probe, m):
 LOG2E = 1.4426950408889634
 
 
+def _approx_op(op: str, x):
+    """One PTX `<op>.approx.ftz.f32` a fp32 element (op: ex2, lg2 or rcp), by inline assembly:
+    relative error about 2^-22, subnormal inputs and results flushed to zero."""
+    [y] = plgpu.elementwise_inline_asm(f"{op}.approx.ftz.f32 $0, $1;", args=[x],
+                                       constraints="=f,f", pack=1,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, F32)])
+    return y
+
+
 def _operand_exp2(x, *, approx: bool):
     """2^x for the decay factors of tensor-core operands that round to 11 bits (fp16, one-pass
     TF32; approx): one `ex2.approx`, where a precise exponential takes several instructions (the
@@ -588,12 +597,7 @@ def _operand_exp2(x, *, approx: bool):
     the operands' rounding (2^-11); results below fp32's normal range flush to zero (terms below
     1e-38 of the unit diagonal), an exponent of +inf gives +inf. Without approx (interpret mode,
     and fp32 inputs, whose products keep fp32's accuracy): `jnp.exp2`."""
-    if not approx:
-        return jnp.exp2(x)
-    [y] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x],
-                                       constraints="=f,f", pack=1,
-                                       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, F32)])
-    return y
+    return _approx_op("ex2", x) if approx else jnp.exp2(x)
 
 
 def _softplus(x):
@@ -806,13 +810,31 @@ def _factored_diagonal_always_safe(spec: PrefillSpec) -> bool:
             and -spec.gate_lower_bound * (SUB // 2) <= _diag_exp_limit(spec))
 
 
-def _raw_log_decay(x, A_log, dt, spec: PrefillSpec, unit: float = 1.0):
+def _raw_log_decay(x, A_log, dt, spec: PrefillSpec, unit: float = 1.0, approx: bool = False):
     """The log decay from the raw gate projection x (fp32): -e^A_log softplus(x + dt), or with a
     lower bound lb * sigmoid(e^A_log (x + dt)); times unit (LOG2E: in log2 units), folded into
-    the per-head factor or the bound (the same bits with unit 1)."""
+    the per-head factor or the bound (the same bits with unit 1).
+
+    approx (unit LOG2E only; the KDA intra kernel with 16-bit inputs): the sigmoid as
+    1 / (1 + 2^(-z log2 e)) and the softplus in log2 units as log2(1 + 2^(y log2 e)), each step
+    one PTX approximation (`_approx_op`) where libdevice's exp, log1p and division take a dozen
+    instructions or more: an error of at most a few 2^-22 of |lb| (or of e^A_log) a token in the
+    log decay, whose sum over a chunk (2e-4 at lb = -5) stays below the products' 2^-11
+    rounding. Below y = -17 the softplus's 2^y vanishes beside 1 and the gate becomes 0 (a
+    decay off by under e^A_log 2^-24 a token)."""
+    y = x + dt
+    if approx:
+        assert unit == LOG2E, unit
+        if spec.gate_lower_bound is None:
+            y_cut = jnp.minimum(y, SOFTPLUS_THRESHOLD)
+            soft = _approx_op("lg2", 1.0 + _approx_op("ex2", y_cut * LOG2E))
+            return -jnp.exp(A_log) * jnp.where(y > SOFTPLUS_THRESHOLD, y * LOG2E, soft)
+        z = jnp.exp(A_log) * y
+        sigmoid = _approx_op("rcp", 1.0 + _approx_op("ex2", z * -LOG2E))
+        return jnp.float32(spec.gate_lower_bound * unit) * sigmoid
     if spec.gate_lower_bound is None:
-        return -(jnp.exp(A_log) * unit) * _softplus(x + dt)
-    return jnp.float32(spec.gate_lower_bound * unit) * jax.nn.sigmoid(jnp.exp(A_log) * (x + dt))
+        return -(jnp.exp(A_log) * unit) * _softplus(y)
+    return jnp.float32(spec.gate_lower_bound * unit) * jax.nn.sigmoid(jnp.exp(A_log) * y)
 
 
 # --------------------------------------------------------------------------- kernel 1: chunk prep
@@ -1135,7 +1157,8 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         # The gates and their sums run in log2 units: every decay is then one exp2 (the
         # products' operand decays one ex2.approx with 16-bit inputs), with no product by
         # log2 e before it; the raw gates take the unit into a constant they have anyway
-        operand_exp = functools.partial(_operand_exp2, approx=not interpret and not spec.precise)
+        approx_math = not interpret and not spec.precise
+        operand_exp = functools.partial(_operand_exp2, approx=approx_math)
         # G_x - G_y from the sums' parts (hi, lo; or the one part, `_kda_gate_sums`)
         rel = lambda x, y: functools.reduce(operator.add, [a - b for a, b in zip(x, y)])
         exchange = _BlockRowExchange(rows_ref, (s, h), block_k, interpret)
@@ -1147,7 +1170,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
                 return g * LOG2E
             dt = dt_ref[pl.ds(h * K + cols.start, cols.size)][None, :].astype(F32)
             return jnp.where(live, _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec,
-                                                  unit=LOG2E), 0.0)
+                                                  unit=LOG2E, approx=approx_math), 0.0)
 
         if spec.use_qk_l2norm:
             # The only kernel that reads KDA's raw q and k rows (the launcher tames no rows for

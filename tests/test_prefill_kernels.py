@@ -1545,6 +1545,38 @@ def test_operand_exp2_against_float64(mode):
     assert got[0, 0] == 1.0 and got[0, 1] == 0.0 and got[0, 2] == np.inf
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_approx_raw_gates_against_float64(mode, lower_bound):
+    """The KDA intra kernel's raw gates in log2 units with 16-bit inputs (`_raw_log_decay`,
+    approx: PTX ex2, lg2 and rcp approximations compiled; the precise formula in interpret
+    mode) within 2^-20 (1 + |g|) of float64 a token: Kimi Linear's softplus form over the
+    softplus threshold and far below it, GLM-5.3-Flash's lower bound at both ends of the
+    sigmoid."""
+    from jax.experimental import pallas as pl
+    rng = np.random.default_rng(43)
+    x = rng.uniform(-60.0, 40.0, (64, 32)).astype(np.float32)
+    x[0, :6] = [0.0, -1e-3, 20.0, 20.5, -17.0, -88.0]
+    dt = rng.uniform(-2.0, 2.0, (1, 32)).astype(np.float32)
+    A_log = np.float32(0.7)
+    spec = _spec(1, 1, 32, 32, per_channel_gate=True, raw_gates=True,
+                 gate_lower_bound=lower_bound, precise=False)
+
+    def kernel(x_ref, dt_ref, o_ref):
+        o_ref[...] = kern._raw_log_decay(x_ref[...], A_log, dt_ref[...], spec, unit=kern.LOG2E,
+                                         approx=mode != "interpret")
+
+    got = np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, F32),
+                                    interpret=mode == "interpret")(x, dt), np.float64)
+    y = x.astype(np.float64) + dt
+    if lower_bound is None:
+        want = -np.exp(np.float64(A_log)) * np.logaddexp(0.0, y) / np.log(2.0)
+    else:
+        want = lower_bound / np.log(2.0) / (1.0 + np.exp(-np.exp(np.float64(A_log)) * y))
+    assert np.all(np.isfinite(got))
+    assert np.all(np.abs(got - want) <= 2.0 ** -20 * (1.0 + np.abs(want)))
+
+
 def _diag_spans(g, cu):
     """Largest |G_ic - G_mc| per (chunk, head) between a row and the middle row m of its
     SUB-row block (float64, gates clamped as the kernel does): the kernel forms all of a chunk's
