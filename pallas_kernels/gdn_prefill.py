@@ -79,8 +79,8 @@ clamped decay is still a full reset) so every cumulative sum is finite and a -in
 produce -inf - (-inf). The cumulative decay is kept as two sums, of hi = g rounded to a multiple
 of 1/16 and lo = g - hi: the hi sums are exact in fp32 (|sum| <= 64 * 88 * 16 < 2^24), so the
 pairwise differences G_i - G_j lose no precision however negative the gates before j were.
-KDA's raw lower-bound gate with 16-bit inputs takes one plain sum instead
-(`_one_part_gate_sums`): the gate bounds a chunk's sums by 64 |lb| (320 at lb = -5).
+KDA's intra kernel with 16-bit inputs takes one plain sum instead (`_one_part_gate_sums`):
+its decays enter products that round to 11 bits anyway.
 
 Dots: fp32 inputs use three-pass TF32 (fp32 accuracy on tensor cores). With bf16 inputs every
 product with a bf16 row operand (raw q and k, v; KDA's stored decayed q, e^G k and W) takes
@@ -133,6 +133,7 @@ HALF_INVERSE_MAX_A = 4.0     # the fp16 inverse is kept when max |A| and max |T|
 HALF_INVERSE_MAX_T = 128.0   # every fp16 operand then stays below C * 4 * 128 = 32768 < 65504
 REDO_SLOTS = 16          # GDN's TF32 redo pass: chunk slots per program
 GATE_FLOOR = -88.0
+ONE_PART_GATE_FLOOR = -32.0   # KDA's one-part gate sums: their floor, log2 units
 GATE_QUANTUM = 16.0      # hi parts of the gates are multiples of 1 / GATE_QUANTUM
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
@@ -626,25 +627,30 @@ def _split_cumsum(g, one_scan: bool = False, floor: float = GATE_FLOOR):
 
 def _kda_gate_sums(g2, spec: PrefillSpec):
     """KDA's in-chunk cumulative decays for the intra kernel, in log2 units from gates g2 in log2
-    units (clamped at GATE_FLOOR * LOG2E, the same clamp), as a tuple of parts whose sum is G:
-    one plain fp32 running sum where the gate bounds the chunk's sums (`_one_part_gate_sums`),
-    else the (hi, lo) parts of `_split_cumsum` (|g2| <= 88 log2 e < 128: the hi sums stay
-    exact)."""
+    units, as a tuple of parts whose sum is G: one plain fp32 running sum with 16-bit inputs
+    (`_one_part_gate_sums`), of the gates clamped at ONE_PART_GATE_FLOOR (a decay of 2^-32 a
+    token: a reset still leaves at most 2^-32 of the state it erases, below fp32's own rounding
+    of that state, and the sums stay within 64 * 32 = 2048, whose rounding is 2^-12), else the
+    (hi, lo) parts of `_split_cumsum` of the gates clamped at GATE_FLOOR * LOG2E (the same clamp
+    as GDN's; |g2| <= 88 log2 e < 128: the hi sums stay exact)."""
     floor = GATE_FLOOR * LOG2E
     if _one_part_gate_sums(spec):
-        return (jnp.cumsum(jnp.maximum(g2, floor), axis=0),)
+        return (jnp.cumsum(jnp.maximum(g2, ONE_PART_GATE_FLOOR), axis=0),)
     return _split_cumsum(g2, _one_scan_gates(spec), floor)
 
 
 def _one_part_gate_sums(spec: PrefillSpec) -> bool:
-    """Whether KDA's intra kernel sums its gates in one plain fp32 part: the raw lower-bound
-    gate (lb >= -5) keeps every in-chunk sum within CHUNK * |lb| <= 320, where fp32 rounds each
-    partial sum by at most 2^-24 * 320 (2e-5 in an exponent, far below the fp16 and TF32
-    roundings of the products the decays enter with 16-bit inputs); fp32 inputs keep the exact
-    hi and lo parts. Measured against float64 with the split sums: the same errors
-    (BENCHMARKS.md, KDA prefill)."""
-    return (spec.raw_gates and spec.gate_lower_bound is not None
-            and -spec.gate_lower_bound * CHUNK <= 320.0 and not spec.precise)
+    """Whether KDA's intra kernel sums its gates in one plain fp32 part: with 16-bit inputs,
+    every gate form; fp32 inputs keep the exact hi and lo parts. A running sum carries an error
+    of a few units in the last place of its magnitude. With the raw lower-bound gate (lb >= -5)
+    every in-chunk sum stays within CHUNK * |lb| <= 320: 2e-5 at most in an exponent. Other
+    gates can take a chunk's sums to -2048 (log2 units, gates at ONE_PART_GATE_FLOOR,
+    `_kda_gate_sums`), and a decay that matters there (a difference of two such sums, a short
+    stretch of mild gates after strong ones) is off by a few 2^-12 relative: below the fp16 and
+    one-pass TF32 roundings of the products that decay enters, in the few chunks whose gates
+    sit near the floor. Measured against float64 on such gates and on bounded ones: the same
+    errors as with the split sums (BENCHMARKS.md, KDA prefill)."""
+    return not spec.precise
 
 
 def _one_scan_gates(spec: PrefillSpec) -> bool:
@@ -1305,8 +1311,9 @@ class _BlockRowExchange:
 
 
 def _exact_diagonal_blocks(kn, qn, G, exchange, buf):
-    """The diagonal SUB x SUB blocks of k k^T and q k^T for a whole chunk, kn, qn, G (hi, lo)
-    [C, n] in log2 units, with every decay 2^{G_ic - G_jc} (j <= i) formed exactly: step r
+    """The diagonal SUB x SUB blocks of k k^T and q k^T for a whole chunk, kn, qn, G (its parts,
+    `_kda_gate_sums`) [C, n] in log2 units, with every decay 2^{G_ic - G_jc} (j <= i) formed
+    exactly: step r
     forms column r of every block at once, from row r of every block (spread over the block by `exchange`,
     _BlockRowExchange, starting in buffer buf and alternating: SUB is even, so the next user
     finds the buffers alternating still). Entries outside the blocks are zero."""
@@ -1318,9 +1325,11 @@ def _exact_diagonal_blocks(kn, qn, G, exchange, buf):
     def column(r, mats):
         kk, qk = mats
         b = lax.rem(buf + r, 2)
-        exchange.share(b, [(G[0], ((r, 0),)), (G[1], ((r, 1),)), (kn, ((r, 2),))])
-        g_hi, g_lo, k_r = (exchange.spread(b, slot) for slot in range(3))
-        e = jnp.exp2(jnp.where(in_block >= r, (G[0] - g_hi) + (G[1] - g_lo), -jnp.inf))
+        parts = len(G)
+        exchange.share(b, [(x, ((r, slot),)) for slot, x in enumerate((*G, kn))])
+        *g_r, k_r = (exchange.spread(b, slot) for slot in range(parts + 1))
+        rel = functools.reduce(operator.add, [x - y for x, y in zip(G, g_r)])
+        e = jnp.exp2(jnp.where(in_block >= r, rel, -jnp.inf))
         kc = k_r * e
         at = col == block * SUB + r
         return (jnp.where(at, jnp.sum(kn * kc, axis=1, keepdims=True), kk),

@@ -1481,35 +1481,52 @@ def test_kda_intra_gate_sums_in_one_scan_keep_the_bits(mode, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_kda_one_part_gate_sums_against_float64(mode, monkeypatch):
-    """The raw lower-bound gate with bf16 inputs sums its gates in one plain fp32 part
+@pytest.mark.parametrize("form", ["lower bound", "given", pytest.param("softplus", marks=FULL)])
+def test_kda_one_part_gate_sums_against_float64(mode, form, monkeypatch):
+    """With bf16 inputs KDA's intra kernel sums its gates in one plain fp32 part
     (`_one_part_gate_sums`): against a float64 token loop its outputs and final states are as
-    close as with the exact hi and lo parts, on gates that put the chunks' sums near their bound
-    (-5 for 40 tokens, then ~0: decays that matter, late in chunks whose sums are large) and on
-    random ones, with an initial state."""
+    close as with the exact hi and lo parts, with an initial state. The raw lower-bound gate:
+    gates that put the chunks' sums near their bound (-5 for 40 tokens, then ~0: decays that
+    matter, late in chunks whose sums are large) and random ones; given gates: 30 tokens at the
+    floor (-88) then mild ones (sums in the thousands before decays near 1), and gates from 1e-7
+    to 1e3 with resets; the raw softplus gate: random projections, some channels decaying
+    hard."""
     lens, HK, HV, K = [256, 130], 1, 2, 64
-    q, k, v, _, b, h0, cu = _kda_inputs(61, lens, HK=HK, HV=HV, K=K, dtype=BF16)
+    q, k, v, g_spread, b, h0, cu = _kda_inputs(61, lens, HK=HK, HV=HV, K=K, dtype=BF16,
+                                                spread=True)
     rng = np.random.default_rng(62)
     T = sum(lens)
     pos = (np.arange(T) % kern.CHUNK)[:, None, None]
-    cases = {"strong then weak": (np.where(pos < 40, 8.0, -8.0)
-                                  + 0.3 * rng.standard_normal((T, HV, K)), np.zeros(HV)),
-             "random": (2 * rng.standard_normal((T, HV, K)), 0.5 * rng.standard_normal(HV))}
-    spec = _spec(HK, HV, K, K, per_channel_gate=True, raw_gates=True, gate_lower_bound=-5.0,
-                 precise=False, has_initial_state=True)
+    dt_bias = jnp.asarray(rng.standard_normal(HV * K), F32)
+    raw = dict(raw_gates=True, gate_lower_bound=-5.0 if form == "lower bound" else None)
+    if form == "lower bound":
+        cases = {"strong then weak": (np.where(pos < 40, 8.0, -8.0)
+                                      + 0.3 * rng.standard_normal((T, HV, K)), np.zeros(HV)),
+                 "random": (2 * rng.standard_normal((T, HV, K)), 0.5 * rng.standard_normal(HV))}
+    elif form == "softplus":
+        cases = {"random": (2 * rng.standard_normal((T, HV, K)), np.asarray([0.5, 2.5]))}
+    else:
+        raw = {}
+        cases = {"floor then mild": np.where(pos < 30, -200.0, -0.01 * rng.random((T, HV, K))),
+                 "spread": np.asarray(g_spread)}
+    spec = _spec(HK, HV, K, K, per_channel_gate=True, precise=False, has_initial_state=True,
+                 **raw)
     assert kern._one_part_gate_sums(spec)
     assert not kern._one_part_gate_sums(dataclasses.replace(spec, precise=True))
-    dt_bias = jnp.asarray(rng.standard_normal(HV * K), F32)
-    for name, (a, A_log) in cases.items():
-        a, A_log = jnp.asarray(a, F32), jnp.asarray(A_log, F32)
-        g = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=-5.0)
-        ro, rs = _oracle(q, k, v, g, jax.nn.sigmoid(b), h0, cu)
+    for name, case in cases.items():
+        if raw:
+            a, A_log = (jnp.asarray(x, F32) for x in case)
+            g = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K), lower_bound=raw["gate_lower_bound"])
+            beta, extra = jax.nn.sigmoid(b), dict(A_log=A_log, dt_bias=dt_bias)
+        else:
+            a = g = jnp.asarray(case, F32)
+            beta, extra = b, {}
+        ro, rs = _oracle(q, k, v, g, beta, h0, cu)
         got = {}
         for one_part in (True, False):
             monkeypatch.setattr(kern, "_one_part_gate_sums", lambda spec, one=one_part: one)
             jax.clear_caches()   # the traced calls do not see the patched rule otherwise
-            got[one_part] = _run(mode, q, k, v, a, b, cu, spec, initial_state=h0, A_log=A_log,
-                                 dt_bias=dt_bias)[:2]
+            got[one_part] = _run(mode, q, k, v, a, b, cu, spec, initial_state=h0, **extra)[:2]
         (o1, s1), (o2, s2) = got[True], got[False]
         assert not np.array_equal(np.asarray(s1), np.asarray(s2)), name   # the forms differ
         assert rel_err(o1, ro) <= 5e-3 and rel_err(s1, rs) <= 1e-3, name
