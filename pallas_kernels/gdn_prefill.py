@@ -655,10 +655,11 @@ def _one_part_gate_sums(spec: PrefillSpec) -> bool:
 
 def _one_scan_gates(spec: PrefillSpec) -> bool:
     """Whether KDA's intra kernel sums its gates' two parts in one running sum (`_split_cumsum`;
-    the same bits either way). Measured on the H200: the intra kernel 5% faster with Kimi
-    Linear's raw softplus gate, 3-5% slower with GLM-5.3-Flash's raw lower-bound gate (why the
-    two differ was not worked out); not measured with given gates, which keep two sums
-    (BENCHMARKS.md, KDA prefill)."""
+    the same bits either way), where it sums two parts: fp32 inputs (16-bit ones take one part,
+    `_one_part_gate_sums`). Measured on the H200 with 16-bit inputs and two parts: the intra
+    kernel 5% faster with Kimi Linear's raw softplus gate, 3-5% slower with GLM-5.3-Flash's raw
+    lower-bound gate (why the two differ was not worked out); not measured with given gates,
+    which keep two sums (BENCHMARKS.md, KDA prefill)."""
     return spec.raw_gates and spec.gate_lower_bound is None
 
 

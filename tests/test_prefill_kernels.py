@@ -1451,9 +1451,8 @@ def test_kda_intra_gate_sums_in_one_scan_keep_the_bits(mode, monkeypatch):
     """KDA's intra kernel sums its gates' hi and lo parts in one running sum of twice the width
     for some gate forms (`_one_scan_gates`) and in two sums for the others: both ways give the
     same bits, for the raw softplus gate that takes one scan by default and the lower-bound gate
-    that takes two (each with the other form forced), gates spanning -88 to ~0. (The lower-bound
-    gate with 16-bit inputs sums in one plain part by default, `_one_part_gate_sums`: the split
-    parts are forced here.)"""
+    that takes two (each with the other form forced), gates spanning -88 to ~0. (16-bit inputs sum
+    in one plain part by default, `_one_part_gate_sums`: the split parts are forced here.)"""
     monkeypatch.setattr(kern, "_one_part_gate_sums", lambda spec: False)
     lens, HK, HV, K = [100, 30], 1, 2, 32
     q, k, _, _, _, _, cu = _kda_inputs(26, lens, HK=HK, HV=HV, K=K, dtype=BF16)
