@@ -52,10 +52,9 @@ the diagonal blocks are one tensor-core product, of rows decayed towards and fro
 block's last row (no exponent above 0); the diagonal blocks are one more product through their
 middle rows when the gates allow it (exponents within +-`_diag_exp_limit`), else formed exactly,
 column by column (the reference rows go through a small per-program scratch in memory,
-`_BlockRowExchange`). The
-same program writes the decayed q e^G and k e^{G_C - G} (the scan takes them instead of row
-factors), e^G k (for W), the masked k k^T and q k^T (k k^T without beta) and the chunk's total
-decay per channel. The prep then loads k k^T, forms A and T beta and stores W = (T beta) (e^G k)
+`_BlockRowExchange`). The same program writes the decayed q e^G and k e^{G_C - G} (the scan
+takes them instead of row factors), e^G k (for W), the masked k k^T and q k^T (k k^T without
+beta) and the chunk's total decay per channel. The prep then loads k k^T, forms A and T beta and stores W = (T beta) (e^G k)
 and U = (T beta) v, and the scan takes the deltas as U - W S: with T beta in the scan instead,
 KDA's scan would load the e^G k rows besides its decayed q and k rows, and lost more time than
 its prep saved (BENCHMARKS.md). With bf16 inputs at K = V = 128 and every sequence starting at a
@@ -1314,10 +1313,10 @@ class _BlockRowExchange:
 def _exact_diagonal_blocks(kn, qn, G, exchange, buf):
     """The diagonal SUB x SUB blocks of k k^T and q k^T for a whole chunk, kn, qn, G (its parts,
     `_kda_gate_sums`) [C, n] in log2 units, with every decay 2^{G_ic - G_jc} (j <= i) formed
-    exactly: step r
-    forms column r of every block at once, from row r of every block (spread over the block by `exchange`,
-    _BlockRowExchange, starting in buffer buf and alternating: SUB is even, so the next user
-    finds the buffers alternating still). Entries outside the blocks are zero."""
+    exactly: step r forms column r of every block at once, from row r of every block (spread
+    over the block by `exchange`, _BlockRowExchange, starting in buffer buf and alternating: SUB
+    is even, so the next user finds the buffers alternating still). Entries outside the blocks
+    are zero."""
     C = kn.shape[0]
     block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) // SUB
     in_block = lax.broadcasted_iota(jnp.int32, (C, 1), 0) % SUB
