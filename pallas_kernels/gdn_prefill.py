@@ -1675,11 +1675,13 @@ def _mosaic_prep_rows(g, beta, start, length, lead, A_log, dt_bias, *, spec, int
     )(start, length, lead, g, beta, A_log, dt_bias)
 
 
-def _aligned_rows(x):
-    """x with its leading (token) axis padded to a multiple of the Mosaic GPU kernels' ALIGN:
+def _aligned_rows(x, axis: int = 0):
+    """x with its token axis (axis) padded to a multiple of the Mosaic GPU kernels' ALIGN:
     their bulk copies take token axes in whole 8-row tiles."""
-    pad = (-x.shape[0]) % mgpu_scan.ALIGN
-    return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) if pad else x
+    pad = (-x.shape[axis]) % mgpu_scan.ALIGN
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths) if pad else x
 
 
 def pool_rows(pool, slots):
@@ -1793,8 +1795,10 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
         if block.mosaic_kda_scan:
             # KDA: the decayed q rows, k e^{G_C - G}'s halves (the intra kernel's), W's halves
             # and U (the Mosaic prep's), by token row (slot rows are token rows: aligned chunks)
-            o, final_t = mgpu_scan.kda_scan(cu, _longest_first(cu), first, live, decay, fq, fk,
-                                            w, u, aqk, h0t, num_v_heads=HV,
+            # (the intra kernel's rows padded to whole 8-row tiles, as the prep's W and U are)
+            o, final_t = mgpu_scan.kda_scan(cu, _longest_first(cu), first, live, decay,
+                                            _aligned_rows(fq), _aligned_rows(fk, axis=1), w, u,
+                                            _aligned_rows(aqk), h0t, num_v_heads=HV,
                                             has_initial_state=spec.has_initial_state
                                             or spec.pooled, narrow=narrow,
                                             warp_specialized=not interpret,
