@@ -210,7 +210,8 @@ class PrefillBlockSizes:
     mosaic_kda_prep: bool = False
     # KDA, with mosaic_kda_prep: the state scan in Mosaic GPU (`gdn_prefill_mgpu.kda_scan`: the
     # state as the tensor cores' accumulator, bf16 halves on both sides of every product), the
-    # intra kernel then writing k e^{G_C - G} as bf16 halves. Opt-in: not yet timed
+    # intra kernel then writing k e^{G_C - G} as bf16 halves. The default blocks take it with
+    # the Mosaic KDA prep (faster than the Triton scan in both forms; BENCHMARKS.md, KDA)
     mosaic_kda_scan: bool = False
 
     def blocked_inverse_for(self, spec: PrefillSpec) -> bool:
@@ -236,9 +237,11 @@ class PrefillBlockSizes:
         block_k = min(32, spec.head_k_dim)
         mosaic = mosaic_scan_default(spec, dtype)
         kda_prep = mosaic_kda_prep_default(spec, dtype)
+        # KDA's Mosaic scan wherever its prep is Mosaic and the call needs no chunk states
+        kda_scan = kda_prep and not spec.boundary_states
         few = num_sequences * spec.num_v_heads < 128
         block_v = min(32 if few else 64, spec.head_v_dim)
-        if mosaic:
+        if mosaic or kda_scan:
             # the Mosaic scan's wide form (S^T, 64 columns a program) where it has programs
             # enough for the GPU, else the narrow one (S, 32 columns: twice the programs) where
             # it takes the call, else the Triton scan
@@ -249,16 +252,17 @@ class PrefillBlockSizes:
             elif _narrow_reason(spec) is None:
                 block_v = mgpu_scan.BLOCK_V_NARROW
             else:
-                mosaic = False
+                mosaic = kda_scan = False
         if few:
             return PrefillBlockSizes(block_v=block_v,
                                      num_stages_scan=1 if one_stage else 3, block_k=block_k,
                                      paired_halves=not spec.per_channel_gate, pair_group=1,
                                      heads_fastest=spec.per_channel_gate, mosaic_scan=mosaic,
-                                     mosaic_kda_prep=kda_prep)
+                                     mosaic_kda_prep=kda_prep, mosaic_kda_scan=kda_scan)
         return PrefillBlockSizes(block_v=block_v, num_stages_scan=1,
                                  block_k=block_k, paired_halves=not spec.per_channel_gate,
-                                 mosaic_scan=mosaic, mosaic_kda_prep=kda_prep)
+                                 mosaic_scan=mosaic, mosaic_kda_prep=kda_prep,
+                                 mosaic_kda_scan=kda_scan)
 
 
 # the Mosaic scan's wide form from this many of its programs (an H200 has 132 SMs; measured:
@@ -309,7 +313,7 @@ def _mosaic_kda_prep_reason(spec: PrefillSpec) -> str | None:
 
 def _narrow_reason(spec: PrefillSpec) -> str | None:
     """Why the Mosaic scan's narrow form cannot take the call (None: it can)."""
-    if not spec.even_starts:
+    if not (spec.even_starts or spec.aligned_chunks):  # (starts at multiples of 64 are even)
         return ("the narrow form needs every sequence to start at an even token "
                 "(spec.even_starts): its output copies read 64-byte rows at 128-byte aligned "
                 "addresses")

@@ -39,7 +39,8 @@ halves against k e^{G_C - G}'s), publishing S^T and D^T while the products run. 
 (published first), and the update takes (k e^{G_C - G})^T by key blocks as register operands.
 There is no copy warpgroup: each warpgroup fetches its own operands into a buffer as soon as it
 has read it (W into two buffers, the rest one), so the next chunk's rows arrive while the
-current one is formed. Opt-in until timed (`PrefillBlockSizes.mosaic_kda_scan`).
+current one is formed (`PrefillBlockSizes.mosaic_kda_scan`, the default with the Mosaic KDA
+prep).
 
 `scan`: each program owns one (sequence, value head, block of BV = 64 value columns) and keeps
 the transposed state slab S^T [BV, K] in fp32 registers laid out as a wgmma accumulator, so the

@@ -949,7 +949,8 @@ MOSAIC_KDA_SCAN_CASES = [
 def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init, block_v):
     """KDA's state scan in Mosaic GPU (`PrefillBlockSizes.mosaic_kda_scan`, after the Mosaic
     prep), both forms: bf16 inputs against float64, the output within 5e-3 and the final
-    state within 2e-5 (bf16 halves on both sides of every product; the Triton scan's
+    state within 5e-5 (bf16 halves on both sides of every product; compiled on the H200 it
+    came within 1.4e-5 to 2.2e-5, interpret mode within 6e-6; the Triton scan's
     k e^{G_C - G} in fp16 and one-pass TF32 leave up to ~2e-4), and the output within 1e-3 of
     the Triton scan's call."""
     K = 128
@@ -969,7 +970,7 @@ def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init, block_v
     assert np.all(np.isfinite(np.asarray(o, F32))) and np.all(np.isfinite(np.asarray(hT)))
     ro, rs = _oracle(q, k, v, gates, beta, h0 if init else None, cu)
     assert rel_err(o, ro) <= 5e-3
-    assert rel_err(hT, rs) <= 2e-5
+    assert rel_err(hT, rs) <= 5e-5
     assert rel_err(o, outs[False][0]) <= 1e-3
 
 
@@ -977,7 +978,8 @@ def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init, block_v
 def test_mosaic_kda_scan_pool_slots_in_place(mode):
     """The Mosaic GPU KDA scan with a pool: initial states from the named slots, final states
     into them; a padding slot (-1) reads and writes nothing and its sequence's outputs are
-    zeros; slots not named keep their bits."""
+    zeros; slots not named keep their bits. Final states within 5e-5 of float64, as in the
+    test above."""
     HK, HV, K = 1, 2, 128
     lens = [64, 64, 40]
     q, k, v, g, beta, h0, cu = _kda_inputs(55, lens, HK=HK, HV=HV, K=K, dtype=BF16)
@@ -1000,7 +1002,7 @@ def test_mosaic_kda_scan_pool_slots_in_place(mode):
         a, b = int(cu[n]), int(cu[n + 1])
         if slot >= 0:
             assert rel_err(o[a:b], ro[a:b]) <= 5e-3
-            assert rel_err(new_pool[slot], rs[n]) <= 2e-5
+            assert rel_err(new_pool[slot], rs[n]) <= 5e-5
         else:
             assert np.all(o[a:b] == 0)
     untouched = [s for s in range(P) if s not in (3, 0)]
@@ -1008,10 +1010,22 @@ def test_mosaic_kda_scan_pool_slots_in_place(mode):
 
 
 def test_mosaic_kda_scan_dispatch_rule():
-    """The Mosaic GPU KDA scan is opt-in (the default blocks do not take it) and says why it
-    cannot take a call: it needs the Mosaic KDA prep's W and U, and writes no chunk states."""
+    """The default blocks take the Mosaic GPU KDA scan with the Mosaic KDA prep (bf16 inputs,
+    chunks aligned), wide from 128 programs and narrow below, and the Triton scan for chunk
+    states or fp32 inputs; it says why it cannot take a call: it needs the Mosaic KDA prep's W
+    and U, and writes no chunk states."""
     spec = _spec(16, 32, 128, 128, per_channel_gate=True, precise=False, aligned_chunks=True)
-    assert not kern.PrefillBlockSizes.get_default(spec, 8, BF16).mosaic_kda_scan
+    for n, block_v in ((8, 64), (2, 64), (1, 32)):
+        block = kern.PrefillBlockSizes.get_default(spec, n, BF16)
+        assert block.mosaic_kda_prep and block.mosaic_kda_scan and not block.mosaic_scan
+        assert block.block_v == block_v and kern.unsupported_reason(spec, block) is None
+    for sp, dtype in ((_spec(16, 32, 128, 128, per_channel_gate=True, precise=False,
+                             aligned_chunks=True, boundary_states=True), BF16),
+                      (_spec(16, 32, 128, 128, per_channel_gate=True, aligned_chunks=True),
+                       F32),
+                      (_spec(16, 32, 128, 128, per_channel_gate=True, precise=False), BF16)):
+        block = kern.PrefillBlockSizes.get_default(sp, 8, dtype)
+        assert not block.mosaic_kda_scan and kern.unsupported_reason(sp, block) is None
     both = kern.PrefillBlockSizes(block_v=64, mosaic_kda_prep=True, mosaic_kda_scan=True)
     assert kern.unsupported_reason(spec, both) is None
     for sp, block, word in (
