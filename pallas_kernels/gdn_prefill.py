@@ -209,6 +209,11 @@ class PrefillBlockSizes:
     # (`gdn_prefill_mgpu.kda_prep`: the fp16 doubling inverse and the products on the tensor
     # cores), the chunks whose fp16 inverse may not have held formed again by the Triton prep
     mosaic_kda_prep: bool = False
+    # KDA, with mosaic_kda_prep: the state scan in Mosaic GPU (`gdn_prefill_mgpu.kda_scan`: the
+    # state as the tensor cores' accumulator, bf16 halves on both sides of every product), the
+    # intra kernel then writing k e^{G_C - G} as bf16 halves. The default blocks take it with
+    # the Mosaic KDA prep (faster than the Triton scan in both forms; BENCHMARKS.md, KDA)
+    mosaic_kda_scan: bool = False
 
     def blocked_inverse_for(self, spec: PrefillSpec) -> bool:
         # Measured on the H200: the blocked inverse makes KDA's prep 7-8% faster and GDN's
@@ -233,9 +238,11 @@ class PrefillBlockSizes:
         block_k = min(32, spec.head_k_dim)
         mosaic = mosaic_scan_default(spec, dtype)
         kda_prep = mosaic_kda_prep_default(spec, dtype)
+        # KDA's Mosaic scan wherever its prep is Mosaic and the call needs no chunk states
+        kda_scan = kda_prep and not spec.boundary_states
         few = num_sequences * spec.num_v_heads < 128
         block_v = min(32 if few else 64, spec.head_v_dim)
-        if mosaic:
+        if mosaic or kda_scan:
             # the Mosaic scan's wide form (S^T, 64 columns a program) where it has programs
             # enough for the GPU, else the narrow one (S, 32 columns: twice the programs) where
             # it takes the call, else the Triton scan
@@ -246,16 +253,17 @@ class PrefillBlockSizes:
             elif _narrow_reason(spec) is None:
                 block_v = mgpu_scan.BLOCK_V_NARROW
             else:
-                mosaic = False
+                mosaic = kda_scan = False
         if few:
             return PrefillBlockSizes(block_v=block_v,
                                      num_stages_scan=1 if one_stage else 3, block_k=block_k,
                                      paired_halves=not spec.per_channel_gate, pair_group=1,
                                      heads_fastest=spec.per_channel_gate, mosaic_scan=mosaic,
-                                     mosaic_kda_prep=kda_prep)
+                                     mosaic_kda_prep=kda_prep, mosaic_kda_scan=kda_scan)
         return PrefillBlockSizes(block_v=block_v, num_stages_scan=1,
                                  block_k=block_k, paired_halves=not spec.per_channel_gate,
-                                 mosaic_scan=mosaic, mosaic_kda_prep=kda_prep)
+                                 mosaic_scan=mosaic, mosaic_kda_prep=kda_prep,
+                                 mosaic_kda_scan=kda_scan)
 
 
 # the Mosaic scan's wide form from this many of its programs (an H200 has 132 SMs; measured:
@@ -306,7 +314,7 @@ def _mosaic_kda_prep_reason(spec: PrefillSpec) -> str | None:
 
 def _narrow_reason(spec: PrefillSpec) -> str | None:
     """Why the Mosaic scan's narrow form cannot take the call (None: it can)."""
-    if not spec.even_starts:
+    if not (spec.even_starts or spec.aligned_chunks):  # (starts at multiples of 64 are even)
         return ("the narrow form needs every sequence to start at an even token "
                 "(spec.even_starts): its output copies read 64-byte rows at 128-byte aligned "
                 "addresses")
@@ -321,6 +329,22 @@ def _mosaic_scan_reason(spec: PrefillSpec) -> str | None:
         return "the Mosaic GPU scan is GDN's (KDA's per-channel decays are not in it)"
     if spec.boundary_states:
         return "the Mosaic GPU scan writes no chunk-boundary states"
+    return None
+
+
+def _mosaic_kda_scan_reason(spec: PrefillSpec, block: PrefillBlockSizes) -> str | None:
+    if not block.mosaic_kda_prep:
+        return "the Mosaic GPU KDA scan takes the Mosaic GPU KDA prep's W and U (mosaic_kda_prep)"
+    why = _mosaic_kda_prep_reason(spec)
+    if why:
+        return why
+    if spec.boundary_states:
+        return "the Mosaic GPU KDA scan writes no chunk-boundary states"
+    if block.mosaic_scan:
+        return "mosaic_scan is GDN's scan; KDA's is mosaic_kda_scan"
+    widths = (mgpu_scan.BLOCK_V, mgpu_scan.BLOCK_V_NARROW)
+    if block.block_v not in widths:
+        return f"block_v={block.block_v} must be one of {widths} (the wide and narrow forms)"
     return None
 
 
@@ -356,6 +380,10 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
             why = _mosaic_kda_prep_reason(spec)
             if why:
                 return f"mosaic_kda_prep: {why}"
+        if block.mosaic_kda_scan:
+            why = _mosaic_kda_scan_reason(spec, block)
+            if why:
+                return f"mosaic_kda_scan: {why}"
         if block.pair_group not in (1, PAIR_GROUP):
             return f"pair_group={block.pair_group} must be 1 or {PAIR_GROUP}"
         if spec.per_channel_gate and block.paired_halves:
@@ -489,8 +517,9 @@ def _store_parts(ref, at, x, mask):
 
 
 def _store_split(ref, at, x, mask):
-    """x into ref[at] [T, HV, C], or, where ref has a leading axis of halves (T beta for the
-    Mosaic GPU scan, [2, S * C, HV, C] bf16), its bf16 hi and lo halves (`_store_parts`)."""
+    """x into ref[at], or, where ref has a leading axis of halves (T beta for the Mosaic GPU
+    scan, [2, S * C, HV, C] bf16; KDA's k e^{G_C - G} for the Mosaic GPU KDA scan), its bf16
+    hi and lo halves (`_store_parts`)."""
     if ref.ndim == 4:
         _store_parts(ref, at, x, mask)
     else:
@@ -963,8 +992,10 @@ def _prep_kernel(start_ref, len_ref, lead_ref, q_ref, k_ref, v_ref, g_ref, beta_
                 def u_columns(c, carry):
                     cols = pl.ds(c * prep_cols, prep_cols)
                     v = plgpu.load(v_ref.at[tok, h, cols], mask=rows2, other=0)
-                    store(u_ref.at[tok, h, cols],
-                          _dot_bf16x2(Tb, v) if bf16 else dot(Tb, v.astype(F32)), rows2)
+                    # (U's bf16 halves where its ref has a leading axis of two: the Mosaic GPU
+                    # KDA scan's, when this pass forms flagged chunks again)
+                    _store_split(u_ref, (tok, h, cols),
+                                 _dot_bf16x2(Tb, v) if bf16 else dot(Tb, v.astype(F32)), rows2)
                     return carry
 
                 lax.fori_loop(0, ek_ref.shape[-1] // prep_cols, w_columns, 0)
@@ -1203,7 +1234,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             eG = jnp.exp2(sum(G[1:], G[0]))
             put(fq_ref, qn * eG)
             _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
-            put(fk_ref, kn * jnp.exp2(_gate_diff(chunk_last, G)))
+            _store_split(fk_ref, (tok, h, cols), kn * jnp.exp2(_gate_diff(chunk_last, G)), live)
             # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
             decay_ref[s, h, cols] = jnp.exp2(sum(chunk_last[1:], chunk_last[0]))[0]
             # Below the diagonal blocks, through the first block's last row: its rows decay
@@ -1428,7 +1459,9 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
                    # q k^T e^{G_i - G_j}, j <= i
                    jax.ShapeDtypeStruct((T_total, HV, CHUNK), bounded_dtype),
                    jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
-                   jax.ShapeDtypeStruct(rows, bounded_dtype),        # k: norm * e^{G_C - G}
+                   # k: norm * e^{G_C - G} (bf16 halves for the Mosaic GPU KDA scan)
+                   jax.ShapeDtypeStruct((2,) + rows, jnp.bfloat16) if block.mosaic_kda_scan
+                   else jax.ShapeDtypeStruct(rows, bounded_dtype),
                    # e^G k: norm * e^G, in parts (`_kda_parts`)
                    jax.ShapeDtypeStruct((parts, prep_rows, HV, K), rows_dtype),
                    jax.ShapeDtypeStruct((num_slots, HV, K), F32),    # e^{G_C}
@@ -1463,7 +1496,7 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
             if v.dtype != jnp.bfloat16:
                 raise ValueError(f"mosaic_kda_prep takes bf16 inputs, got v of {v.dtype}")
             redo = _mosaic_kda_prep(v, beta, start, length, kk, ek, spec=spec,
-                                    interpret=interpret)
+                                    u_halves=block.mosaic_kda_scan, interpret=interpret)
     else:
         kk = ek = jnp.zeros((1, 1, 1), F32)  # unused placeholders
     # GDN stores T beta and the scan forms the deltas (T beta)(v - (e^G k) S): a [C, C] matrix
@@ -1535,10 +1568,11 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
     return tb, w, u, aqk, fq, fk, fw, decay
 
 
-def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, interpret):
+def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, u_halves=False, interpret):
     """KDA's W and U from `gdn_prefill_mgpu.kda_prep` (spec.aligned_chunks: slot s holds tokens
     64 s .., so its rows by slot are its rows by token), and the chunks to form again:
-    (redo flags [S, HV] int32, W [2, S * C, HV, K] bf16, U [S * C, HV, V] fp32) for `_prep`'s
+    (redo flags [S, HV] int32, W [2, S * C, HV, K] bf16, U [S * C, HV, V] fp32, or with
+    u_halves its bf16 halves [2, S * C, HV, V] for the Mosaic GPU KDA scan) for `_prep`'s
     redo_only pass. kk, ek: the intra kernel's, with v's rows aligned."""
     C = CHUNK
     i = jnp.arange(C, dtype=jnp.int32)
@@ -1554,7 +1588,7 @@ def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, interpret):
                                      _aligned_rows(v), beta_rows, max_a=HALF_INVERSE_MAX_A,
                                      max_t=HALF_INVERSE_MAX_T,
                                      num_programs=mgpu_scan.PREP_PROGRAMS if turns else None,
-                                     interpret=interpret)
+                                     u_halves=u_halves, interpret=interpret)
     redo = ((jnp.max(flags, axis=2) > 0) & (length[:, None] > 0)).astype(jnp.int32)
     return redo, w, u
 
@@ -1648,11 +1682,13 @@ def _mosaic_prep_rows(g, beta, start, length, lead, A_log, dt_bias, *, spec, int
     )(start, length, lead, g, beta, A_log, dt_bias)
 
 
-def _aligned_rows(x):
-    """x with its leading (token) axis padded to a multiple of the Mosaic GPU kernels' ALIGN:
+def _aligned_rows(x, axis: int = 0):
+    """x with its token axis (axis) padded to a multiple of the Mosaic GPU kernels' ALIGN:
     their bulk copies take token axes in whole 8-row tiles."""
-    pad = (-x.shape[0]) % mgpu_scan.ALIGN
-    return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) if pad else x
+    pad = (-x.shape[axis]) % mgpu_scan.ALIGN
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths) if pad else x
 
 
 def pool_rows(pool, slots):
@@ -1748,10 +1784,10 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
     T_total, HV, V = v.shape
     K = q.shape[2]
     N = cu.shape[0] - 1
-    if block.mosaic_scan:
+    if block.mosaic_scan or block.mosaic_kda_scan:
         pool_in = h0
         if v.dtype != jnp.bfloat16:
-            raise ValueError(f"mosaic_scan takes bf16 inputs, got v of {v.dtype}")
+            raise ValueError(f"the Mosaic GPU scans take bf16 inputs, got v of {v.dtype}")
         live = jnp.ones((N,), jnp.int32)
         if spec.pooled:
             # the named slots' states read here and written back below (a padding slot: zeros
@@ -1763,13 +1799,26 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
         orient = (lambda x: x) if narrow else (lambda x: jnp.swapaxes(x, -1, -2))
         h0t = (orient(h0).astype(F32) if spec.has_initial_state or spec.pooled
                else jnp.zeros((1, 1, 1, 1), F32))
-        # (q and k come with their rows aligned, as the Mosaic prep took them)
-        o, final_t = mgpu_scan.scan(cu, _longest_first(cu), first, live, decay, q, k,
-                                    _aligned_rows(v), tb, aqk, fq, h0t, num_v_heads=HV,
-                                    num_k_heads=q.shape[1],
-                                    has_initial_state=spec.has_initial_state or spec.pooled,
-                                    narrow=narrow, tamed=tamed, warp_specialized=not interpret,
-                                    interpret=interpret)
+        if block.mosaic_kda_scan:
+            # KDA: the decayed q rows, k e^{G_C - G}'s halves (the intra kernel's), W's halves
+            # and U (the Mosaic prep's), by token row (slot rows are token rows: aligned chunks)
+            # (the intra kernel's rows padded to whole 8-row tiles, as the prep's W and U are)
+            o, final_t = mgpu_scan.kda_scan(cu, _longest_first(cu), first, live, decay,
+                                            _aligned_rows(fq), _aligned_rows(fk, axis=1), w, u,
+                                            _aligned_rows(aqk), h0t, num_v_heads=HV,
+                                            has_initial_state=spec.has_initial_state
+                                            or spec.pooled, narrow=narrow,
+                                            warp_specialized=not interpret,
+                                            interpret=interpret)
+        else:
+            # (q and k come with their rows aligned, as the Mosaic prep took them)
+            o, final_t = mgpu_scan.scan(cu, _longest_first(cu), first, live, decay, q, k,
+                                        _aligned_rows(v), tb, aqk, fq, h0t, num_v_heads=HV,
+                                        num_k_heads=q.shape[1],
+                                        has_initial_state=spec.has_initial_state
+                                        or spec.pooled,
+                                        narrow=narrow, tamed=tamed,
+                                        warp_specialized=not interpret, interpret=interpret)
         o = o[:T_total]
         final = orient(final_t)
         if spec.pooled:

@@ -27,6 +27,21 @@ then the two products on the tensor cores; for calls whose sequences all start a
 CHUNK, so that every chunk is one bulk copy of 64 token rows in and out. k k^T and beta arrive on
 a barrier of their own, so the inverse runs while e^G k and v are still being copied in.
 
+`kda_scan`: KDA's state scan, for calls whose sequences all start at multiples of CHUNK (the
+Mosaic KDA prep's, which then writes U as bf16 halves), one program per (sequence, value head,
+BV value columns) and two warpgroups: the chain walks the state, the output warpgroup forms
+O = (q e^G) S + aqk D from the halves of S and of the deltas D = U - W S the chain publishes.
+The wide form (BV = 64) holds S^T [BV, K] as the tensor cores' accumulator, as `scan` does, and
+keeps every operand of the chain's products in registers but the rows: -D^T = S^T W^T - U^T
+from -U^T (S^T's halves against W's), then S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}) (D^T's
+halves against k e^{G_C - G}'s), publishing S^T and D^T while the products run. The narrow form
+(BV = 32) holds S [K, BV] as two accumulators of 64 key rows: W S takes S from shared memory
+(published first), and the update takes (k e^{G_C - G})^T by key blocks as register operands.
+There is no copy warpgroup: each warpgroup fetches its own operands into a buffer as soon as it
+has read it (W into two buffers, the rest one), so the next chunk's rows arrive while the
+current one is formed (`PrefillBlockSizes.mosaic_kda_scan`, the default with the Mosaic KDA
+prep).
+
 `scan`: each program owns one (sequence, value head, block of BV = 64 value columns) and keeps
 the transposed state slab S^T [BV, K] in fp32 registers laid out as a wgmma accumulator, so the
 chunk's update `e^{G_C} S + k^T (fk D)` accumulates into it on the tensor cores.
@@ -99,7 +114,7 @@ FQ, FK, FW = range(NUM_FACTORS)
 _COPIES = 6              # bulk copies a chunk: q, k, v, T beta, aqk, factors
 
 __all__ = ["CHUNK", "HEAD_K_DIM", "BLOCK_V", "ALIGN", "NUM_ROW_VECTORS", "unsupported_reason",
-           "scan", "prep", "kda_prep"]
+           "scan", "prep", "kda_prep", "kda_scan"]
 
 
 def unsupported_reason(*, head_k_dim: int, head_v_dim: int, dtype) -> str | None:
@@ -258,6 +273,94 @@ def _launch(kernel, *, out_type, scratch, num_programs: int, name: str, interpre
                         grid_names=("p",), num_threads=num_threads, thread_name="wg",
                         kernel_name=name, compiler_params=plgpu.CompilerParams(approx_math=False),
                         **extra)
+
+
+def _store_output(o_ref, o_s, o, c, t0, bos, eos, h, cols, interpret):
+    """o [C, BV] into the output rows of chunk c (from token t0) that are its sequence's
+    [bos, eos), through o_s [2, C, BV], buffer c % 2."""
+    C, buf = CHUNK, c % 2
+    if not interpret:
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this buffer's last store read
+    o_s[buf] = o
+    _commit_smem(interpret)
+    lo, hi = jnp.maximum(bos - t0, 0), jnp.minimum(eos - t0, C)
+    num_rows = hi - lo
+
+    @pl.when(num_rows == C)
+    def _():
+        plgpu.copy_smem_to_gmem(o_s.at[buf], o_ref.at[pl.ds(t0, C), h, cols])
+
+    @pl.when(num_rows < C)
+    def _():
+        # the sequence's own rows only, in pieces of 32, 16, ..., 1 rows (a copy's size is
+        # static): the rows before and after them are other sequences'. A bulk copy reads
+        # shared memory at 128-byte aligned addresses: the narrow form's rows are 64 bytes,
+        # so it takes sequences that start at even rows only (then every piece does)
+        done = lo
+        size = C // 2
+        while size:
+            @pl.when(num_rows & size != 0)
+            def _(done=done, size=size):
+                plgpu.copy_smem_to_gmem(o_s.at[buf, pl.ds(done, size)],
+                                        o_ref.at[pl.ds(t0 + done, size), h, cols])
+            done = done + (num_rows & size)
+            size //= 2
+
+
+class _StateSlab:
+    """A program's slab of the state in global memory, through its staging buffer state_s:
+    S^T [BV, K] of the transposed states [N, HV, V, K] (wide), or S [K, BV] held as two
+    accumulators of K // 2 key rows (narrow)."""
+
+    def __init__(self, h0_ref, hT_ref, state_s, h0_bar, n, h, cols, *, narrow, interpret):
+        at = (n, h, slice(None), cols) if narrow else (n, h, cols, slice(None))
+        self.initial_gmem, self.final_gmem = h0_ref.at[at], hT_ref.at[at]
+        self.state_s, self.h0_bar, self.narrow, self.interpret = state_s, h0_bar, narrow, interpret
+        K = HEAD_K_DIM
+        self.halves_of_k = (pl.ds(0, K // 2), pl.ds(K // 2, K // 2))
+        self.shape = (K // 2, cols.size) if narrow else (cols.size, K)
+
+    def initial(self, has_initial_state: bool, then_commit: bool = False):
+        """The state's starting value (zeros without has_initial_state); then_commit: its
+        reads of state_s committed before the caller's bulk copies overwrite it."""
+        interpret, layout = self.interpret, None if self.interpret else plgpu.Layout.WGMMA
+        if not has_initial_state:
+            zero = jnp.zeros(self.shape, F32)
+            zero = zero if interpret else plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
+            return (zero, zero) if self.narrow else zero
+        plgpu.copy_gmem_to_smem(self.initial_gmem, self.state_s, self.h0_bar)
+        plgpu.barrier_wait(self.h0_bar)
+        if self.narrow:
+            S = tuple(_load(self.state_s.at[r], layout, interpret) for r in self.halves_of_k)
+        else:
+            S = _load(self.state_s, layout, interpret)
+        if then_commit:
+            _commit_smem(interpret)
+        return S
+
+    def store_final(self, S):
+        if self.narrow:
+            for r, Sb in zip(self.halves_of_k, S):
+                self.state_s[r] = Sb
+        else:
+            self.state_s[...] = S
+        _commit_smem(self.interpret)
+        plgpu.copy_smem_to_gmem(self.state_s, self.final_gmem)
+        if not self.interpret:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _store_zero_outputs(store_output, num_chunks, shape, dtype, interpret):
+    """store_output(c, zeros) for chunks 0 .. num_chunks - 1 (a sequence nobody walks)."""
+    zeros = jnp.zeros(shape, dtype)
+    if not interpret:
+        zeros = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+
+    def step(c, carry):
+        store_output(c, zeros)
+        return carry
+
+    lax.fori_loop(0, num_chunks, step, 0)
 
 
 def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_ref, kt_ref,
@@ -453,73 +556,15 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         store_output(c, (qs * fq + ad).astype(o_ref.dtype))
 
     def store_output(c, o):
-        """o [C, BV] into the output rows of chunk c that are its sequence's."""
-        t0, buf = chunk_start(c), c % 2
-        if not interpret:
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this buffer's last store read
-        o_s[buf] = o
-        _commit_smem(interpret)
-        lo, hi = jnp.maximum(bos - t0, 0), jnp.minimum(eos - t0, C)
-        num_rows = hi - lo
+        _store_output(o_ref, o_s, o, c, chunk_start(c), bos, eos, h, cols, interpret)
 
-        @pl.when(num_rows == C)
-        def _():
-            plgpu.copy_smem_to_gmem(o_s.at[buf], o_ref.at[pl.ds(t0, C), h, cols])
-
-        @pl.when(num_rows < C)
-        def _():
-            # the sequence's own rows only, in pieces of 32, 16, ..., 1 rows (a copy's size is
-            # static): the rows before and after them are other sequences'. A bulk copy reads
-            # shared memory at 128-byte aligned addresses: the narrow form's rows are 64 bytes,
-            # so it takes sequences that start at even rows only (then every piece does)
-            done = lo
-            size = C // 2
-            while size:
-                @pl.when(num_rows & size != 0)
-                def _(done=done, size=size):
-                    plgpu.copy_smem_to_gmem(o_s.at[buf, pl.ds(done, size)],
-                                            o_ref.at[pl.ds(t0 + done, size), h, cols])
-                done = done + (num_rows & size)
-                size //= 2
-
-    # the state's slab in gmem: S^T [BV, K] of the transposed states [N, HV, V, K], or S [K, BV]
-    state_gmem = (h0_ref.at[n, h, :, cols] if narrow else h0_ref.at[n, h, cols, :])
-    final_gmem = (hT_ref.at[n, h, :, cols] if narrow else hT_ref.at[n, h, cols, :])
-    halves_of_k = (pl.ds(0, K // 2), pl.ds(K // 2, K // 2))
-
-    def initial_state():
-        if not has_initial_state:
-            shape = (K // 2, BV) if narrow else (BV, K)
-            zero = jnp.zeros(shape, F32)
-            zero = zero if interpret else plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
-            return (zero, zero) if narrow else zero
-        plgpu.copy_gmem_to_smem(state_gmem, state_s, h0_bar)
-        plgpu.barrier_wait(h0_bar)
-        if narrow:
-            return tuple(_load(state_s.at[r], wgmma_layout, interpret) for r in halves_of_k)
-        return _load(state_s, wgmma_layout, interpret)
-
-    def store_final(S):
-        if narrow:
-            for r, Sb in zip(halves_of_k, S):
-                state_s[r] = Sb
-        else:
-            state_s[...] = S
-        _commit_smem(interpret)
-        plgpu.copy_smem_to_gmem(state_s, final_gmem)
-        if not interpret:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    slab = _StateSlab(h0_ref, hT_ref, state_s, h0_bar, n, h, cols, narrow=narrow,
+                      interpret=interpret)
+    initial_state = functools.partial(slab.initial, has_initial_state)
+    store_final = slab.store_final
 
     def store_zeros():
-        zeros = jnp.zeros((C, BV), o_ref.dtype)
-        if not interpret:
-            zeros = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
-
-        def step(c, carry):
-            store_output(c, zeros)
-            return carry
-
-        lax.fori_loop(0, zero_chunks, step, 0)
+        _store_zero_outputs(store_output, zero_chunks, (C, BV), o_ref.dtype, interpret)
 
     if not warp_specialized:
         def step(c, S):
@@ -641,6 +686,321 @@ def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_
         num_threads=3 if warp_specialized else 1, interpret=interpret,
     )(cu, order, first, live, decay, q, k, *_tamed_or_given(q, k, tamed), v, tb, aqk, factors,
       h0)
+
+
+# --------------------------------------------------------------------------- KDA's state scan
+
+_KDA_SCAN_PUBLISH = 2    # the chain's publications a chunk: S^T's halves, then D^T's
+
+
+def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, kd_ref, w_ref,
+                     u_ref, aqk_ref, h0_ref, o_ref, hT_ref, w_union, u_s, kd_s, decay_s, qd_s,
+                     aqk_s, s_pub, d_pub, o_s, w_loaded, u_loaded, kd_loaded, q_loaded,
+                     aqk_loaded, published, read, h0_bar, *, num_v_heads: int, head_v_dim: int,
+                     has_initial_state: bool, narrow: bool, warp_specialized: bool,
+                     interpret: bool):
+    C, K = CHUNK, HEAD_K_DIM
+    BV = BLOCK_V_NARROW if narrow else BLOCK_V
+    KB = K // 2      # the narrow form's key blocks: S [K, BV] as two accumulators of 64 rows
+    nv = head_v_dim // BV
+    p = lax.axis_index("p")
+    jv, h = p % nv, (p // nv) % num_v_heads
+    n = order_ref[p // (nv * num_v_heads)]
+    bos, eos = cu_ref[n], cu_ref[n + 1]
+    span_chunks = jnp.where(eos > bos, (eos - bos + C - 1) // C, 0)
+    live = live_ref[n] != 0
+    num_chunks = jnp.where(live, span_chunks, 0)
+    zero_chunks = span_chunks - num_chunks
+    first = first_ref[n]
+    cols = pl.ds(pl.multiple_of(jv * BV, BV), BV)
+    w_s, state_s = w_union
+    wgmma_layout = None if interpret else plgpu.Layout.WGMMA
+    # the token index of the chain's tiles: D^T's form holds tokens on columns, D's on rows
+    tok_index = _iota((C, BV), 0, interpret) if narrow else _iota((BV, C), 1, interpret)
+    S_PUB, D_PUB = range(_KDA_SCAN_PUBLISH)
+
+    def chunk_start(c):
+        # every sequence starts at a multiple of CHUNK (the launcher's condition)
+        return pl.multiple_of(bos + c * C, C)
+
+    def rows(c):
+        return pl.ds(chunk_start(c), C)
+
+    # Each warpgroup fetches its own operands, into buffers it has finished reading: the chain
+    # W (two buffers: the next chunk's arrives while this one is formed), U, the decayed k
+    # rows' halves and e^{G_C}; the output warpgroup the decayed q rows and the intra-chunk
+    # matrix.
+    # (one copy a half: a bulk copy takes at most 5 strided dims)
+    def fetch_w(c):
+        for part in range(2):
+            plgpu.copy_gmem_to_smem(w_ref.at[part, rows(c), h, :], w_s.at[c % 2, part],
+                                    w_loaded.at[c % 2])
+
+    def fetch_u(c):
+        for part in range(2):
+            plgpu.copy_gmem_to_smem(u_ref.at[part, rows(c), h, cols], u_s.at[part], u_loaded)
+
+    def fetch_kd(c):
+        for part in range(2):
+            plgpu.copy_gmem_to_smem(kd_ref.at[part, rows(c), h, :], kd_s.at[part], kd_loaded)
+        plgpu.copy_gmem_to_smem(decay_ref.at[first + c, h], decay_s, kd_loaded)
+
+    def fetch_q(c):
+        plgpu.copy_gmem_to_smem(qd_ref.at[rows(c), h, :], qd_s, q_loaded)
+
+    def fetch_aqk(c):
+        plgpu.copy_gmem_to_smem(aqk_ref.at[rows(c), h, :], aqk_s, aqk_loaded)
+
+    def refill(fetch, c):
+        """fetch(c) if chunk c exists, after this warpgroup's reads of the buffer (committed:
+        ordered before the bulk copy that overwrites it)."""
+        if not warp_specialized:
+            return
+        _commit_smem(interpret)
+
+        @pl.when(c < num_chunks)
+        def _():
+            fetch(c)
+
+    def wait_read(c, what):
+        """Before the chain publishes what for chunk c: the output warpgroup is done with it
+        for chunk c - 1."""
+        if warp_specialized:
+            @pl.when(c >= 1)
+            def _():
+                plgpu.barrier_wait(read.at[what])
+
+    def publish(what):
+        if warp_specialized:
+            plgpu.barrier_arrive(published.at[what])
+
+    def traced_halves(c):
+        """(0, 1) as traced values: a ref indexed by a constant inside a product that updates an
+        accumulator (`_products` with init) becomes an operand of its `run_state`, whose
+        lowering fails to return it."""
+        lo = c - c + 1
+        return lo - 1, lo
+
+    def chain_step_wide(c, S):
+        """Chunk c on S^T [BV, K] (one accumulator), every operand of the chain's products in
+        registers but the rows: -D^T = S^T W^T - U^T from -U^T (S^T's halves against W's), then
+        S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}) (D^T's halves against k's). S^T's halves and
+        D^T's are published while the products run."""
+        wbuf = c % 2
+        hi, lo = traced_halves(c)
+        valid = tok_index < eos - chunk_start(c)
+        plgpu.barrier_wait(w_loaded.at[wbuf])
+        plgpu.barrier_wait(u_loaded)
+        s_hi, s_lo = split_bf16(S)
+        # U^T from its halves' transposed tiles
+        u_t = [_load(u_s.at[part] if interpret else u_s.at[part].transpose((1, 0)),
+                     wgmma_layout, interpret) for part in range(2)]
+        u_t = [x.T for x in u_t] if interpret else u_t
+        neg_u_t = -(u_t[0].astype(F32) + u_t[1].astype(F32))
+        refill(fetch_u, c + 1)
+        wait_read(c, S_PUB)
+
+        def publish_state():
+            _store_halves(s_pub, (s_hi, s_lo), interpret=interpret)
+            publish(S_PUB)
+
+        w_hi, w_lo = ("T", w_s.at[wbuf, hi]), ("T", w_s.at[wbuf, lo])
+        (neg_d_t,), _ = _products([[(s_hi, w_hi), (s_lo, w_hi), (s_hi, w_lo)]], (BV, C),
+                                  [neg_u_t], interpret=interpret, during=publish_state)
+        refill(fetch_w, c + 2)
+        d_hi, d_lo = split_bf16(jnp.where(valid, -neg_d_t, 0.0))
+        plgpu.barrier_wait(kd_loaded)
+        decay = _columns(_load(decay_s, None, interpret), (BV, K), interpret)
+        wait_read(c, D_PUB)
+
+        def publish_deltas():
+            _store_halves(d_pub, (d_hi, d_lo), interpret=interpret)
+            publish(D_PUB)
+
+        (S,), _ = _products([[(d_hi, kd_s.at[hi]), (d_hi, kd_s.at[lo]), (d_lo, kd_s.at[hi])]],
+                            (BV, K), [S * decay], interpret=interpret, during=publish_deltas)
+        refill(fetch_kd, c + 1)
+        return S
+
+    def chain_step_narrow(c, S):
+        """Chunk c on S [K, BV] as two accumulators of KB key rows: S^T's halves published
+        first (W S takes S from shared memory), -D = W S - U from -U, D^T's halves published,
+        then S <- e^{G_C} S + (k e^{G_C - G})^T D, with (k e^{G_C - G})^T by key blocks as
+        register operands (a transposed left operand from shared memory does not lower)."""
+        wbuf = c % 2
+        hi, lo = traced_halves(c)
+        valid = tok_index < eos - chunk_start(c)
+        plgpu.barrier_wait(w_loaded.at[wbuf])
+        plgpu.barrier_wait(u_loaded)
+        wait_read(c, S_PUB)
+        for b, Sb in enumerate(S):
+            _store_halves(s_pub.at[:, :, pl.ds(b * KB, KB)], split_bf16(Sb),
+                          interpret=interpret, commit=False, transposed=True)
+        _commit_smem(interpret)
+        publish(S_PUB)
+        u = [_load(u_s.at[part], wgmma_layout, interpret) for part in range(2)]
+        neg_u = -(u[0].astype(F32) + u[1].astype(F32))
+        refill(fetch_u, c + 1)
+        w_hi, w_lo = w_s.at[wbuf, hi], w_s.at[wbuf, lo]
+        (neg_d,), _ = _products([[(w_hi, ("T", s_pub.at[hi])), (w_hi, ("T", s_pub.at[lo])),
+                                  (w_lo, ("T", s_pub.at[hi]))]], (C, BV), [neg_u],
+                                interpret=interpret)
+        refill(fetch_w, c + 2)
+        d = jnp.where(valid, -neg_d, 0.0)
+        wait_read(c, D_PUB)
+        _store_halves(d_pub, split_bf16(d), interpret=interpret, transposed=True)
+        publish(D_PUB)
+        plgpu.barrier_wait(kd_loaded)
+
+        def kt(part, b):
+            block = kd_s.at[part, :, pl.ds(b * KB, KB)]
+            x = _load(block if interpret else block.transpose((1, 0)), wgmma_layout, interpret)
+            return x.T if interpret else x
+
+        terms = [[(kt(hi, b), ("T", d_pub.at[hi])), (kt(hi, b), ("T", d_pub.at[lo])),
+                  (kt(lo, b), ("T", d_pub.at[hi]))] for b in range(2)]
+        decays = [_rows(_load(decay_s.at[pl.ds(b * KB, KB)], None, interpret), (KB, BV),
+                        interpret) for b in range(2)]
+        S, _ = _products(terms, (KB, BV), [Sb * d for Sb, d in zip(S, decays)],
+                         interpret=interpret)
+        refill(fetch_kd, c + 1)
+        return tuple(S)
+
+    chain_step = chain_step_narrow if narrow else chain_step_wide
+
+    def output_step(c):
+        """O = (q e^G) S + aqk D for chunk c, from the published halves."""
+        plgpu.barrier_wait(q_loaded)
+        plgpu.barrier_wait(aqk_loaded)
+        # the intra-chunk matrix's halves, register operands
+        a_hi, a_lo = split_bf16(_load(aqk_s, wgmma_layout, interpret).astype(F32))
+        refill(fetch_aqk, c + 1)
+        if warp_specialized:
+            plgpu.barrier_wait(published.at[S_PUB])
+        (qs,), _ = _products([[(qd_s, ("T", s_pub.at[0])), (qd_s, ("T", s_pub.at[1]))]],
+                             (C, BV), interpret=interpret)
+        if warp_specialized:
+            plgpu.barrier_arrive(read.at[S_PUB])
+        refill(fetch_q, c + 1)
+        if warp_specialized:
+            plgpu.barrier_wait(published.at[D_PUB])
+        hi, lo = traced_halves(c)
+        (o,), _ = _products([[(a_hi, ("T", d_pub.at[hi])), (a_hi, ("T", d_pub.at[lo])),
+                              (a_lo, ("T", d_pub.at[hi]))]], (C, BV), [qs],
+                            interpret=interpret)
+        if warp_specialized:
+            plgpu.barrier_arrive(read.at[D_PUB])
+        _store_output(o_ref, o_s, o.astype(o_ref.dtype), c, chunk_start(c), bos, eos, h, cols,
+                      interpret)
+
+    slab = _StateSlab(h0_ref, hT_ref, state_s, h0_bar, n, h, cols, narrow=narrow,
+                      interpret=interpret)
+    # the starting value read before any W is fetched, and committed: state_s shares W's buffers
+    initial_state = functools.partial(slab.initial, has_initial_state, then_commit=True)
+    store_final = slab.store_final
+
+    def store_zeros():
+        _store_zero_outputs(
+            lambda c, o: _store_output(o_ref, o_s, o, c, chunk_start(c), bos, eos, h, cols,
+                                       interpret),
+            zero_chunks, (C, BV), o_ref.dtype, interpret)
+
+    if not warp_specialized:
+        def step(c, S):
+            for fetch in (fetch_w, fetch_u, fetch_kd, fetch_q, fetch_aqk):
+                fetch(c)
+            S = chain_step(c, S)
+            output_step(c)
+            return S
+
+        S = lax.fori_loop(0, num_chunks, step, initial_state())
+        store_zeros()
+        store_final(S)
+        return
+
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 0)
+    def _chain():
+        S = initial_state()
+        for c, fetch in ((0, fetch_w), (1, fetch_w), (0, fetch_u), (0, fetch_kd)):
+            @pl.when(c < num_chunks)
+            def _(c=c, fetch=fetch):
+                fetch(c)
+
+        S = lax.fori_loop(0, num_chunks, chain_step, S)
+        store_final(S)
+
+    @pl.when(wg == 1)
+    def _output():
+        @pl.when(num_chunks > 0)
+        def _():
+            fetch_q(0)
+            fetch_aqk(0)
+
+        def step(c, carry):
+            output_step(c)
+            return carry
+
+        lax.fori_loop(0, num_chunks, step, 0)
+        store_zeros()
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def kda_scan(cu, order, first, live, decay, qd, kd, w, u, aqk, h0, *, num_v_heads: int,
+             has_initial_state: bool, narrow: bool = False, warp_specialized: bool = True,
+             interpret: bool = False):
+    """KDA's state scan over packed sequences that all start at multiples of CHUNK, one program
+    per (sequence, value head, BLOCK_V value columns) holding S^T [BV, K] as the tensor cores'
+    accumulator: D = U - W S and S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}) on a chain
+    warpgroup, O = (q e^G) S + aqk D on an output warpgroup from the halves the chain
+    publishes. Every product takes both fp32 sides as bf16 halves (hi x hi + hi x lo + lo x hi).
+
+    cu [N + 1] (starts multiples of CHUNK), order [N], first [N], live [N] as for `scan`; decay
+    [S, HV, K] fp32 (e^{G_C} per chunk slot); by token row (slot s's rows are tokens 64 s ..):
+    qd [T', HV, K] bf16 (q e^G with norm and scale), kd [2, T', HV, K] bf16 (k e^{G_C - G}'s
+    halves), w [2, T', HV, K] bf16 (W's halves), u [2, T', HV, V] bf16 (U's halves, from
+    `kda_prep(..., u_halves=True)`), aqk [T', HV, C] fp16 or
+    fp32; h0 [N, HV, V, K] (transposed; a placeholder without has_initial_state).
+    narrow: programs of BLOCK_V_NARROW value columns holding S [K, BV] as two accumulators of
+    64 key rows (twice the programs, for calls with few (sequence, head) pairs), the update
+    taking (k e^{G_C - G})^T by key blocks as register operands; h0 and the final states then
+    as they are, [N, HV, K, V].
+    Returns (o [T, HV, V] bf16 with T = u's rows, final states [N, HV, V, K] fp32, transposed,
+    or [N, HV, K, V] narrow)."""
+    _, T, HV, V = u.shape
+    N = cu.shape[0] - 1
+    K = HEAD_K_DIM
+    BV = BLOCK_V_NARROW if narrow else BLOCK_V
+    nv = V // BV
+    state = (K, BV) if narrow else (BV, K)
+    w_union = plgpu.RefUnion(_swizzled((2, 2, CHUNK, K)), plgpu.SMEM(state, F32))
+    scratch = (w_union,
+               _swizzled((2, CHUNK, BV), swizzle=2 * BV),            # U's halves
+               _swizzled((2, CHUNK, K)),                             # k e^{G_C - G} halves
+               plgpu.SMEM((K,), F32),                                # e^{G_C}
+               _swizzled((CHUNK, K)),                                # q e^G
+               plgpu.SMEM((CHUNK, CHUNK), aqk.dtype),
+               _swizzled((2, BV, K)),                                # S^T halves
+               _swizzled((2, BV, CHUNK)),                            # D^T halves
+               plgpu.SMEM((2, CHUNK, BV), BF16),                     # output staging
+               plgpu.Barrier(num_arrivals=2, num_barriers=2),        # W (two buffers)
+               plgpu.Barrier(num_arrivals=2),                        # U's halves
+               plgpu.Barrier(num_arrivals=3),                        # k halves, e^{G_C}
+               plgpu.Barrier(), plgpu.Barrier(),                     # q e^G, aqk
+               plgpu.Barrier(num_barriers=_KDA_SCAN_PUBLISH),        # published
+               plgpu.Barrier(num_barriers=_KDA_SCAN_PUBLISH),        # read
+               plgpu.Barrier())
+    kernel = functools.partial(_kda_scan_kernel, num_v_heads=HV, head_v_dim=V,
+                               has_initial_state=has_initial_state, narrow=narrow,
+                               warp_specialized=warp_specialized, interpret=interpret)
+    return _launch(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((T, HV, V), BF16),
+                  jax.ShapeDtypeStruct((N, HV, K, V) if narrow else (N, HV, V, K), F32)),
+        scratch=scratch, num_programs=N * HV * nv, name="kda_prefill_mgpu_scan",
+        num_threads=2 if warp_specialized else 1, interpret=interpret,
+    )(cu, order, first, live, decay, qd, kd, w, u, aqk, h0)
 
 
 # --------------------------------------------------------------------------- the chunk prep
@@ -890,7 +1250,7 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
 def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref, u_ref, flag_ref,
                      kk_s, union_s, ek_s, v_s, beta_s, flag_o, first_bar, second_bar, *,
                      num_v_heads: int, num_items: int, num_programs: int, max_a: float,
-                     max_t: float, interpret: bool):
+                     max_t: float, u_halves: bool, interpret: bool):
     C = CHUNK
     # with two buffers for k k^T and beta, the next item's are fetched while this one is formed
     num_bufs = kk_s.shape[0]
@@ -964,12 +1324,18 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref,
                               (C, HEAD_K_DIM), interpret=interpret)
         # W's halves over e^G k's tiles and U over T beta's: the products' reads are done
         _store_halves(ek_s, split_bf16(w), interpret=interpret, commit=False)
-        u_s[...] = u
+        if u_halves:
+            _store_halves(u_s, split_bf16(u), interpret=interpret, commit=False)
+        else:
+            u_s[...] = u
         _commit_smem(interpret)
         rows_out = pl.ds(pl.multiple_of(s * C, C), C)
         for part in range(2):
             plgpu.copy_smem_to_gmem(ek_s.at[part], w_ref.at[part, rows_out, h])
-        plgpu.copy_smem_to_gmem(u_s, u_ref.at[rows_out, h])
+            if u_halves:
+                plgpu.copy_smem_to_gmem(u_s.at[part], u_ref.at[part, rows_out, h])
+        if not u_halves:
+            plgpu.copy_smem_to_gmem(u_s, u_ref.at[rows_out, h])
         plgpu.copy_smem_to_gmem(flag_o, flag_ref.at[s, h])
         return carry
 
@@ -979,7 +1345,8 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref,
 
 
 def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
-             num_programs: int | None = PREP_PROGRAMS, interpret: bool = False):
+             num_programs: int | None = PREP_PROGRAMS, u_halves: bool = False,
+             interpret: bool = False):
     """KDA's W and U, per (chunk slot, value head) item, one warpgroup an item; num_programs
     programs (None: one an item) take the items in turn, heads fastest. A = beta k k^T
     from the intra-chunk kernel's k k^T, T = (I + A)^-1 by the fp16 doubling of `prep`, then
@@ -992,6 +1359,7 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
     per-channel decays, zero on and above the diagonal); ek [2, T, HV, 128] bf16 (e^G k's hi
     and lo parts); v [T, HV, 128] bf16; beta [S, HV, CHUNK] fp32 (zero on the rows that are
     not the chunk's).
+    u_halves: U as bf16 halves [2, S * CHUNK, HV, 128] (what `kda_scan` takes).
     Returns (W's halves [2, S * CHUNK, HV, 128] bf16, U [S * CHUNK, HV, 128] fp32, both by
     chunk slot (row s * CHUNK + i of slot s's row i), and flags [S, HV, CHUNK] fp32: 1 on the
     rows where the fp16 inverse may not have held (|A| > max_a or |T| > max_t), whose W and U
@@ -1006,7 +1374,7 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
     # 100 KiB with k k^T in fp16: two programs an SM)
     num_bufs = 2 if num_programs < num_items else 1
     union = plgpu.RefUnion(_swizzled((2, C, C), F16), _swizzled((2, C, C)),
-                           plgpu.SMEM((C, K), F32))
+                           _swizzled((2, C, K)) if u_halves else plgpu.SMEM((C, K), F32))
     scratch = (plgpu.SMEM((num_bufs, C, C), kk.dtype), union, _swizzled((2, C, K)),
                _swizzled((C, K)), plgpu.SMEM((num_bufs, 2, C), F32), plgpu.SMEM((C,), F32),
                plgpu.Barrier(num_arrivals=3, num_barriers=num_bufs),
@@ -1014,9 +1382,10 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
     return _launch(
         functools.partial(_kda_prep_kernel, num_v_heads=HV, num_items=num_items,
                           num_programs=num_programs, max_a=max_a, max_t=max_t,
-                          interpret=interpret),
+                          u_halves=u_halves, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((2, S * C, HV, K), BF16),
-                  jax.ShapeDtypeStruct((S * C, HV, K), F32),
+                  jax.ShapeDtypeStruct((2, S * C, HV, K), BF16) if u_halves
+                  else jax.ShapeDtypeStruct((S * C, HV, K), F32),
                   jax.ShapeDtypeStruct((S, HV, C), F32)),
         scratch=scratch, num_programs=num_programs, name="kda_prefill_mgpu_prep",
         interpret=interpret,

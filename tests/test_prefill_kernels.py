@@ -818,14 +818,27 @@ def test_mosaic_scan_lowers_for_hopper():
             factors)
         assert "mosaic_gpu" in exported.mlir_module()
     # KDA's prep (token rows a multiple of 8, as its launcher gives them), k k^T fp32 or fp16
-    # (one item a program, and programs taking several items in turn)
+    # (one item a program, with U in bf16 halves, and programs taking several items in turn)
     for kk_dtype, num_programs in itertools.product((F32, F16), (None, 3)):
         f = jax.jit(functools.partial(mgpu.kda_prep, max_a=kern.HALF_INVERSE_MAX_A,
-                                      max_t=kern.HALF_INVERSE_MAX_T, num_programs=num_programs))
+                                      max_t=kern.HALF_INVERSE_MAX_T, num_programs=num_programs,
+                                      u_halves=num_programs is None))
         exported = jax.export.export(f, platforms=["cuda"])(
             jnp.zeros((S,), jnp.int32), jnp.full((S,), 64, jnp.int32),
             jnp.ones((T, HV, 64), kk_dtype), jnp.ones((2, T, HV, K), BF16), y,
             jnp.ones((S, HV, 64)))
+        assert "mosaic_gpu" in exported.mlir_module()
+    # KDA's scan (rows by token, starts multiples of 64), both forms, aqk fp16 or fp32, with
+    # and without an initial state
+    for narrow, aqk_dtype, init in ((False, F16, True), (True, F32, False)):
+        f = jax.jit(functools.partial(mgpu.kda_scan, num_v_heads=HV, has_initial_state=init,
+                                      narrow=narrow))
+        exported = jax.export.export(f, platforms=["cuda"])(
+            jnp.array([0, 128, T], jnp.int32), jnp.array([0, 1], jnp.int32),
+            jnp.array([0, 2], jnp.int32), jnp.ones((2,), jnp.int32), jnp.ones((S, HV, K)),
+            jnp.ones((T, HV, K), BF16), jnp.ones((2, T, HV, K), BF16),
+            jnp.ones((2, S * 64, HV, K), BF16), jnp.ones((2, S * 64, HV, V), BF16),
+            jnp.ones((T, HV, 64), aqk_dtype), jnp.ones((2, HV, V, K)))   # (V = K)
         assert "mosaic_gpu" in exported.mlir_module()
 
 
@@ -866,6 +879,24 @@ def _aligned(lens) -> bool:
     return all(int(x) % kern.CHUNK == 0 for x in np.cumsum([0] + list(lens))[:-1])
 
 
+def _aligned_kda_inputs(seed, lens, HK, HV, gate, K=128):
+    """KDA bf16 inputs for calls whose sequences start at multiples of 64: (q, k, v, g, b, h0,
+    cu) as `_kda_inputs` gives them, then the raw gate's keywords (A_log, dt_bias; none for g
+    given), its lower bound, and the gates and beta the float64 oracle takes. gate: None (g
+    given), "softplus" or a lower bound (g and b then hold raw projections)."""
+    q, k, v, g, b, h0, cu = _kda_inputs(seed, lens, HK=HK, HV=HV, K=K, dtype=BF16)
+    assert _aligned(lens)
+    if gate is None:
+        return q, k, v, g, b, h0, cu, {}, None, g, b
+    rng = np.random.default_rng(seed + 1)
+    g = jnp.asarray(2 * rng.standard_normal((sum(lens), HV, K)), F32)
+    kw = dict(A_log=jnp.asarray(rng.standard_normal(HV), F32),
+              dt_bias=jnp.asarray(rng.standard_normal(HV * K), F32))
+    lb = None if gate == "softplus" else gate
+    gates = ref.kda_gate(g, kw["A_log"], kw["dt_bias"].reshape(HV, K), lower_bound=lb)
+    return q, k, v, g, b, h0, cu, kw, lb, gates, ref.gdn_beta(b)
+
+
 # KDA's prep in Mosaic GPU: lens (every start a multiple of 64: a last chunk short of the
 # arrays' rows, an empty sequence), HK, HV, gate form (None: g given; "softplus" or a lower
 # bound: raw projections)
@@ -883,19 +914,7 @@ def test_mosaic_kda_prep_against_float64(mode, lens, HK, HV, gate):
     inputs against float64 within 5e-3, and within 1e-3 (output) of the Triton prep's call,
     for g given and for both raw gate forms, GVA, an initial state."""
     K = 128
-    q, k, v, g, b, h0, cu = _kda_inputs(51, lens, HK=HK, HV=HV, K=K, dtype=BF16)
-    kw, beta = {}, b
-    if gate is not None:
-        rng = np.random.default_rng(52)
-        g = jnp.asarray(2 * rng.standard_normal((sum(lens), HV, K)), F32)
-        kw = dict(A_log=jnp.asarray(rng.standard_normal(HV), F32),
-                  dt_bias=jnp.asarray(rng.standard_normal(HV * K), F32))
-        lb = None if gate == "softplus" else gate
-        gates = ref.kda_gate(g, kw["A_log"], kw["dt_bias"].reshape(HV, K), lower_bound=lb)
-        beta = ref.gdn_beta(b)
-    else:
-        lb, gates = None, g
-    assert _aligned(lens)
+    q, k, v, g, b, h0, cu, kw, lb, gates, beta = _aligned_kda_inputs(51, lens, HK, HV, gate)
     spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True, precise=False,
                  raw_gates=gate is not None, gate_lower_bound=lb, aligned_chunks=True)
     outs = {}
@@ -914,6 +933,124 @@ def test_mosaic_kda_prep_against_float64(mode, lens, HK, HV, gate):
     assert rel_err(hT, outs[False][1]) <= 1e-4
 
 
+# KDA's scan in Mosaic GPU: lens (starts multiples of 64; a partial last chunk, empty and
+# one-token sequences), HK, HV, gate form as above, initial state, block_v (64: the wide form,
+# 32: the narrow one; the pool test below takes the wide form)
+MOSAIC_KDA_SCAN_CASES = [
+    ([64, 0, 64, 100], 2, 4, "softplus", True, 32),
+    pytest.param([128, 70], 1, 2, -5.0, False, 64, marks=FULL),
+    pytest.param([64, 1], 1, 1, None, True, 64, marks=FULL),
+    pytest.param([128, 70], 1, 2, -5.0, True, 32, marks=FULL),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lens,HK,HV,gate,init,block_v", MOSAIC_KDA_SCAN_CASES)
+def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init, block_v):
+    """KDA's state scan in Mosaic GPU (`PrefillBlockSizes.mosaic_kda_scan`, after the Mosaic
+    prep), both forms: bf16 inputs against float64, the output within 5e-3 and the final
+    state within 5e-5 (bf16 halves on both sides of every product; compiled on the H200 it
+    came within 1.4e-5 to 2.2e-5, interpret mode within 6e-6; the Triton scan's
+    k e^{G_C - G} in fp16 and one-pass TF32 leave up to ~2e-4), and the output within 1e-3 of
+    the Triton scan's call."""
+    K = 128
+    q, k, v, g, b, h0, cu, kw, lb, gates, beta = _aligned_kda_inputs(53, lens, HK, HV, gate)
+    spec = _spec(HK, HV, K, K, has_initial_state=init, per_channel_gate=True, precise=False,
+                 raw_gates=gate is not None, gate_lower_bound=lb, aligned_chunks=True)
+    outs = {}
+    for mosaic in (True, False):
+        block = kern.PrefillBlockSizes(block_v=block_v, block_k=32, mosaic_kda_prep=True,
+                                       mosaic_kda_scan=mosaic)
+        assert kern.unsupported_reason(spec, block) is None
+        outs[mosaic] = kern.chunk_prefill(q, k, v, g, b, cu, spec=spec, block=block,
+                                          initial_state=h0 if init else None,
+                                          interpret=mode == "interpret", **kw)[:2]
+    o, hT = outs[True]
+    assert o.dtype == BF16 and hT.dtype == F32
+    assert np.all(np.isfinite(np.asarray(o, F32))) and np.all(np.isfinite(np.asarray(hT)))
+    ro, rs = _oracle(q, k, v, gates, beta, h0 if init else None, cu)
+    assert rel_err(o, ro) <= 5e-3
+    assert rel_err(hT, rs) <= 5e-5
+    assert rel_err(o, outs[False][0]) <= 1e-3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mosaic_kda_scan_pool_slots_in_place(mode):
+    """The Mosaic GPU KDA scan with a pool: initial states from the named slots, final states
+    into them; a padding slot (-1) reads and writes nothing and its sequence's outputs are
+    zeros; slots not named keep their bits. Final states within 5e-5 of float64, as in the
+    test above."""
+    HK, HV, K = 1, 2, 128
+    lens = [64, 64, 40]
+    q, k, v, g, beta, h0, cu = _kda_inputs(55, lens, HK=HK, HV=HV, K=K, dtype=BF16)
+    P = 5
+    pool = np.full((P, HV, K, K), 1e30, np.float32)
+    slots = np.array([3, -1, 0], np.int32)
+    pool[3], pool[0] = h0[0], h0[2]
+    before = pool.copy()
+    spec = _spec(HK, HV, K, K, pooled=True, per_channel_gate=True, precise=False,
+                 aligned_chunks=True)
+    block = kern.PrefillBlockSizes(block_v=64, block_k=32, mosaic_kda_prep=True,
+                                   mosaic_kda_scan=True)
+    assert kern.unsupported_reason(spec, block) is None
+    o, new_pool, _, _ = kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
+                                           pool=jnp.asarray(pool), slots=jnp.asarray(slots),
+                                           interpret=mode == "interpret")
+    o, new_pool = np.asarray(o, F32), np.asarray(new_pool)
+    ro, rs = _oracle(q, k, v, g, beta, before[[3, 3, 0]], cu)
+    for n, slot in enumerate(slots):
+        a, b = int(cu[n]), int(cu[n + 1])
+        if slot >= 0:
+            assert rel_err(o[a:b], ro[a:b]) <= 5e-3
+            assert rel_err(new_pool[slot], rs[n]) <= 5e-5
+        else:
+            assert np.all(o[a:b] == 0)
+    untouched = [s for s in range(P) if s not in (3, 0)]
+    assert np.array_equal(new_pool[untouched], before[untouched])
+
+
+def test_mosaic_kda_scan_dispatch_rule():
+    """The default blocks take the Mosaic GPU KDA scan with the Mosaic KDA prep (bf16 inputs,
+    chunks aligned), wide from 128 programs and narrow below, and the Triton scan for chunk
+    states or fp32 inputs; it says why it cannot take a call: it needs the Mosaic KDA prep's W
+    and U, and writes no chunk states."""
+    spec = _spec(16, 32, 128, 128, per_channel_gate=True, precise=False, aligned_chunks=True)
+    for n, block_v in ((8, 64), (2, 64), (1, 32)):
+        block = kern.PrefillBlockSizes.get_default(spec, n, BF16)
+        assert block.mosaic_kda_prep and block.mosaic_kda_scan and not block.mosaic_scan
+        assert block.block_v == block_v and kern.unsupported_reason(spec, block) is None
+    for sp, dtype in ((_spec(16, 32, 128, 128, per_channel_gate=True, precise=False,
+                             aligned_chunks=True, boundary_states=True), BF16),
+                      (_spec(16, 32, 128, 128, per_channel_gate=True, aligned_chunks=True),
+                       F32),
+                      (_spec(16, 32, 128, 128, per_channel_gate=True, precise=False), BF16)):
+        block = kern.PrefillBlockSizes.get_default(sp, 8, dtype)
+        assert not block.mosaic_kda_scan and kern.unsupported_reason(sp, block) is None
+    both = kern.PrefillBlockSizes(block_v=64, mosaic_kda_prep=True, mosaic_kda_scan=True)
+    assert kern.unsupported_reason(spec, both) is None
+    for sp, block, word in (
+            (spec, kern.PrefillBlockSizes(block_v=64, mosaic_kda_scan=True), "mosaic_kda_prep"),
+            (_spec(16, 32, 128, 128, per_channel_gate=True, precise=False, aligned_chunks=True,
+                   boundary_states=True), both, "chunk-boundary"),
+            (_spec(16, 32, 128, 128, per_channel_gate=True, precise=False), both,
+             "aligned_chunks")):
+        assert word in kern.unsupported_reason(sp, block)
+
+
+def _kda_redo_inputs():
+    """KDA per-channel inputs whose value head 0 overflows the fp16 inverse (a key repeated
+    with beta |k|^2 = 3 and no decay) and head 1 does not (`_repeated_key_inputs`), sequences
+    of 64 and 100 tokens: (q, k, v, g, beta, cu, spec, (start, length, lead), T)."""
+    lens, HK, HV, K = [64, 100], 1, 2, 128
+    q, k, v, g1, beta, cu = _repeated_key_inputs(lens, K)
+    g = np.repeat(np.asarray(g1)[:, :, None], K, axis=2) / K    # per channel; head 0: no decay
+    spec = _spec(HK, HV, K, K, use_qk_l2norm=False, precise=False, per_channel_gate=True,
+                 aligned_chunks=True)
+    start, length, _, lead = kern.chunk_table(cu, sum(lens))
+    return (q, k, v, jnp.asarray(g, F32), jnp.asarray(beta, F32), cu, spec,
+            (start, length, lead), sum(lens))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_mosaic_kda_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
     """The Mosaic GPU KDA prep flags the chunks where its fp16 inverse may not have held and
@@ -921,14 +1058,8 @@ def test_mosaic_kda_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
     with beta |k|^2 = 3 and no decay ((I + A)^-1 holds (-2)^(i - j), beyond fp16), value head 1
     the same key with typical gates and beta below 1/4. Head 0's W and U are the Triton prep's
     bit for bit, head 1's (the fp16 inverse's) close to them."""
-    lens, HK, HV, K = [64, 100], 1, 2, 128
-    T_total = sum(lens)
-    q, k, v, g1, beta, cu = _repeated_key_inputs(lens, K)
-    g = np.repeat(np.asarray(g1)[:, :, None], K, axis=2) / K    # per channel; head 0: no decay
-    g, beta = jnp.asarray(g, F32), jnp.asarray(beta, F32)
-    spec = _spec(HK, HV, K, K, use_qk_l2norm=False, precise=False, per_channel_gate=True,
-                 aligned_chunks=True)
-    start, length, _, lead = kern.chunk_table(cu, T_total)
+    HV, K = 2, 128
+    q, k, v, g, beta, cu, spec, (start, length, lead), T_total = _kda_redo_inputs()
     zeros = jnp.zeros((HV * K,), F32)
     got = {}
     for mosaic in (True, False):
@@ -953,6 +1084,29 @@ def test_mosaic_kda_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
                                             interpret=mode == "interpret")[0])
     used = np.asarray(length) > 0
     assert np.all(redo[used, 0] == 1) and np.all(redo[:, 1] == 0) and np.all(redo[~used] == 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mosaic_kda_prep_u_halves_through_the_redo_pass(mode):
+    """For the Mosaic GPU KDA scan the prep writes U as bf16 halves, and so does the Triton
+    pass that forms the flagged chunks again (value head 0 of the repeated-key inputs above):
+    the halves are the bf16 split of the fp32 U the prep writes otherwise, bit for bit, redone
+    chunks included."""
+    from pallas_kernels import gdn_prefill_mgpu as mgpu
+    HV, K = 2, 128
+    q, k, v, g, beta, cu, spec, (start, length, lead), T_total = _kda_redo_inputs()
+    zeros = jnp.zeros((HV * K,), F32)
+    u = {}
+    for halves in (True, False):
+        block = kern.PrefillBlockSizes(block_v=64, block_k=32, mosaic_kda_prep=True,
+                                       mosaic_kda_scan=halves)
+        u[halves] = np.asarray(kern._prep(q, k, v, g, beta, start, length, lead,
+                                          jnp.zeros((HV,), F32), zeros, spec=spec, block=block,
+                                          interpret=mode == "interpret")[2].astype(F32))
+    rows = np.arange(T_total)
+    want = np.stack([np.asarray(x.astype(F32)) for x in mgpu.split_bf16(jnp.asarray(u[False]))])
+    assert np.array_equal(u[True][:, rows], want[:, rows])
+    assert np.abs(u[False][:64, 0]).max() > 2.0 ** 20     # head 0 was redone (no fp16 range)
 
 
 @pytest.mark.parametrize("mode", MODES)
