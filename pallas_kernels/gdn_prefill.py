@@ -1123,7 +1123,7 @@ def _prep_redo_kernel(start_ref, len_ref, lead_ref, k_ref, g_ref, beta_ref, A_lo
 
 def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, kk_ref,
                       aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, rows_ref, *, spec: PrefillSpec,
-                      block_k: int, heads_fastest: bool, interpret: bool):
+                      block_k: int, heads_fastest: bool, zero_tail: bool, interpret: bool):
     """KDA's per-channel work for chunk slot s, value head h, on whole-chunk [C, block_k] tiles.
 
     Writes kk_ij = sum_c kn_ic kn_jc e^{G_ic - G_jc} (j < i, zero elsewhere, without beta) and
@@ -1152,7 +1152,12 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
     of G at the rows that matter, one barrier, then loads of single rows, selected per block
     (and in the exact form, gathers: a row index per tile row). Picking a row out of a register
     tile instead takes a reduction across the tile's rows, which crosses warps (shared memory
-    and a barrier each)."""
+    and a barrier each).
+
+    zero_tail (the Mosaic GPU KDA scan's calls, whose sequences all start at multiples of C):
+    aqk, fq and fk have their rows rounded up to whole 8-row tiles, and a chunk cut short by the
+    end of the tokens also writes its rows past the tokens, as zeros (the rows are zero there:
+    no other sequence's rows follow), so that the scan's bulk copies read no unwritten rows."""
     s, h = _slot_and_head(heads_fastest)
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
@@ -1160,7 +1165,10 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
 
     @pl.when(n > 0)
     def _():
-        live = (lax.broadcasted_iota(jnp.int32, (C,), 0) < n)[:, None]
+        row = lax.broadcasted_iota(jnp.int32, (C,), 0)
+        live = (row < n)[:, None]
+        # the rows the scan's arrays take from this chunk (`zero_tail`)
+        out_live = (row < fq_ref.shape[0] - t0)[:, None] if zero_tail else live
         tok = pl.ds(t0, C)
         load = lambda ref: plgpu.load(ref, mask=live, other=0).astype(F32)
         dot = functools.partial(_dot, precise=spec.precise, interpret=interpret, trans_b=True)
@@ -1213,7 +1221,6 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         def channels(c, acc):
             kk, qk = acc
             cols = pl.ds(c * block_k, block_k)
-            put = lambda ref, x: plgpu.store(ref.at[tok, h, cols], x.astype(ref.dtype), mask=live)
             G = _kda_gate_sums(gate(cols), spec)                           # rows past n add 0
             kn = load(k_ref.at[tok, hk, cols]) * tk[:, None] * rk[:, None]
             qn = load(q_ref.at[tok, hk, cols]) * tq[:, None] * rq[:, None]
@@ -1232,9 +1239,10 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             # The decayed rows first: their tiles are done with before the products' operands
             # and results are formed, so fewer registers spill (ptxas; BENCHMARKS.md)
             eG = jnp.exp2(sum(G[1:], G[0]))
-            put(fq_ref, qn * eG)
+            plgpu.store(fq_ref.at[tok, h, cols], (qn * eG).astype(fq_ref.dtype), mask=out_live)
             _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
-            _store_split(fk_ref, (tok, h, cols), kn * jnp.exp2(_gate_diff(chunk_last, G)), live)
+            _store_split(fk_ref, (tok, h, cols), kn * jnp.exp2(_gate_diff(chunk_last, G)),
+                         out_live)
             # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
             decay_ref[s, h, cols] = jnp.exp2(sum(chunk_last[1:], chunk_last[0]))[0]
             # Below the diagonal blocks, through the first block's last row: its rows decay
@@ -1268,7 +1276,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         plgpu.store(kk_ref.at[tok, h, :], jnp.where(j < i, kk, 0.0).astype(kk_ref.dtype),
                     mask=live)
         plgpu.store(aqk_ref.at[tok, h, :], jnp.where(j <= i, qk, 0.0).astype(aqk_ref.dtype),
-                    mask=live)
+                    mask=out_live)
 
 
 class _BlockRowExchange:
@@ -1433,7 +1441,9 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
     """KDA's intra-chunk products and decayed rows: (kk, aqk, fq, fk, ek, decay). With
     prep_rows (for the Mosaic GPU prep), kk and ek, which only the prep reads, have that many
     rows (the rows past the tokens are left unwritten), and kk is stored in fp16 where bounded
-    by one (the prep's fp16 inverse rounds A to fp16 anyway); else one row a token, kk fp32."""
+    by one (the prep's fp16 inverse rounds A to fp16 anyway); else one row a token, kk fp32.
+    With block.mosaic_kda_scan, aqk, fq and fk have prep_rows rows too, those past the tokens
+    zeros (`_kda_intra_kernel`'s zero_tail), as the Mosaic GPU KDA scan's bulk copies take them."""
     T_total, HV, K = g.shape
     kk_dtype = F32 if prep_rows is None else _bounded_dtype(spec)
     prep_rows = T_total if prep_rows is None else prep_rows
@@ -1448,16 +1458,20 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
     q_rows_dtype = rows_dtype if rows_dtype == jnp.bfloat16 else F32
     parts = _kda_parts(rows_dtype)
     bounded_dtype = _bounded_dtype(spec)
-    rows = (T_total, HV, K)
+    # the scan's rows: for the Mosaic GPU KDA scan (whose calls take the Mosaic prep, so
+    # prep_rows is aligned) in whole 8-row tiles, the rows past the tokens written as zeros
+    zero_tail = block.mosaic_kda_scan
+    scan_rows = prep_rows if zero_tail else T_total
+    rows = (scan_rows, HV, K)
     num_slots = start.shape[0]
     *outputs, _ = pl.pallas_call(
         functools.partial(_kda_intra_kernel, spec=spec, block_k=block.block_k,
-                          heads_fastest=block.heads_fastest,
+                          heads_fastest=block.heads_fastest, zero_tail=zero_tail,
                           interpret=interpret),
         # k k^T e^{G_i - G_j}, j < i
         out_shape=(jax.ShapeDtypeStruct((prep_rows, HV, CHUNK), kk_dtype),
                    # q k^T e^{G_i - G_j}, j <= i
-                   jax.ShapeDtypeStruct((T_total, HV, CHUNK), bounded_dtype),
+                   jax.ShapeDtypeStruct((scan_rows, HV, CHUNK), bounded_dtype),
                    jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
                    # k: norm * e^{G_C - G} (bf16 halves for the Mosaic GPU KDA scan)
                    jax.ShapeDtypeStruct((2,) + rows, jnp.bfloat16) if block.mosaic_kda_scan
@@ -1682,13 +1696,11 @@ def _mosaic_prep_rows(g, beta, start, length, lead, A_log, dt_bias, *, spec, int
     )(start, length, lead, g, beta, A_log, dt_bias)
 
 
-def _aligned_rows(x, axis: int = 0):
-    """x with its token axis (axis) padded to a multiple of the Mosaic GPU kernels' ALIGN:
+def _aligned_rows(x):
+    """x with its leading (token) axis padded to a multiple of the Mosaic GPU kernels' ALIGN:
     their bulk copies take token axes in whole 8-row tiles."""
-    pad = (-x.shape[axis]) % mgpu_scan.ALIGN
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths) if pad else x
+    pad = (-x.shape[0]) % mgpu_scan.ALIGN
+    return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) if pad else x
 
 
 def pool_rows(pool, slots):
@@ -1802,10 +1814,9 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
         if block.mosaic_kda_scan:
             # KDA: the decayed q rows, k e^{G_C - G}'s halves (the intra kernel's), W's halves
             # and U (the Mosaic prep's), by token row (slot rows are token rows: aligned chunks)
-            # (the intra kernel's rows padded to whole 8-row tiles, as the prep's W and U are)
+            # (the intra kernel's rows come in whole 8-row tiles, as the prep's W and U do)
             o, final_t = mgpu_scan.kda_scan(cu, _longest_first(cu), first, live, decay,
-                                            _aligned_rows(fq), _aligned_rows(fk, axis=1), w, u,
-                                            _aligned_rows(aqk), h0t, num_v_heads=HV,
+                                            fq, fk, w, u, aqk, h0t, num_v_heads=HV,
                                             has_initial_state=spec.has_initial_state
                                             or spec.pooled, narrow=narrow,
                                             warp_specialized=not interpret,

@@ -1087,6 +1087,37 @@ def test_mosaic_kda_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_kda_intra_rows_for_the_mosaic_scan_end_in_zeros(mode):
+    """For the Mosaic GPU KDA scan the intra kernel gives q k^T and the decayed q and k rows in
+    whole 8-row tiles (what the scan's bulk copies take, so they are not padded by a copy):
+    198 tokens come as 200 rows, the last two zeros (written: on a GPU unwritten rows hold
+    whatever the buffer held), the others those of the call for the Triton scan (bit for bit
+    but the decayed k rows, there one fp16 row, here bf16 halves)."""
+    lens, HK, HV, K = [128, 70], 1, 2, 128
+    q, k, v, g, b, h0, cu, kw, lb, gates, beta = _aligned_kda_inputs(57, lens, HK, HV, None)
+    spec = _spec(HK, HV, K, K, per_channel_gate=True, precise=False, aligned_chunks=True)
+    T_total = sum(lens)
+    start, length, _, _ = kern.chunk_table(cu, T_total)
+    prep_rows = kern._aligned_rows(v).shape[0]
+    assert prep_rows == 200
+    got = {}
+    for scan in (True, False):
+        block = kern.PrefillBlockSizes(block_k=32, mosaic_kda_prep=True, mosaic_kda_scan=scan)
+        _, aqk, fq, fk, _, _ = kern._kda_intra(q, k, g, start, length, None, None,
+                                               rows_dtype=BF16, spec=spec, block=block,
+                                               interpret=mode == "interpret",
+                                               prep_rows=prep_rows)
+        got[scan] = [np.asarray(x, F32) for x in (aqk, fq, fk)]
+    (aqk, fq, fk), (aqk0, fq0, fk0) = got[True], got[False]
+    fk = fk[0] + fk[1]      # its bf16 halves (the Triton scan's: one fp16 row, bounded by one)
+    for a, b in ((aqk, aqk0), (fq, fq0), (fk, fk0)):
+        assert a.shape[0] == prep_rows and b.shape[0] == T_total
+        assert np.all(a[T_total:] == 0) and np.all(np.isfinite(a))
+    assert np.array_equal(aqk[:T_total], aqk0) and np.array_equal(fq[:T_total], fq0)
+    assert rel_err(fk[:T_total], fk0) <= 1e-3
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_mosaic_kda_prep_u_halves_through_the_redo_pass(mode):
     """For the Mosaic GPU KDA scan the prep writes U as bf16 halves, and so does the Triton
     pass that forms the flagged chunks again (value head 0 of the repeated-key inputs above):
