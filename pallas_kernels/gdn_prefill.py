@@ -234,8 +234,9 @@ class PrefillBlockSizes:
         # not bounded by one, 272 KiB), leave room for one stage only on an H200.
         one_stage = spec.head_k_dim > 128 or (spec.per_channel_gate
                                               and (spec.precise or not _bounded_by_one(spec)))
-        # KDA's intra kernel: 32 key channels per step (BENCHMARKS.md, KDA launch sweep).
-        block_k = min(32, spec.head_k_dim)
+        # KDA's intra kernel: 64 key channels a step with 16-bit inputs, 32 with fp32 ones,
+        # whose gate sums come in two parts (BENCHMARKS.md, KDA launch sweeps).
+        block_k = min(32 if spec.precise else 64, spec.head_k_dim)
         mosaic = mosaic_scan_default(spec, dtype)
         kda_prep = mosaic_kda_prep_default(spec, dtype)
         # KDA's Mosaic scan wherever its prep is Mosaic and the call needs no chunk states

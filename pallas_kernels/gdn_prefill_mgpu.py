@@ -957,18 +957,22 @@ def kda_scan(cu, order, first, live, decay, qd, kd, w, u, aqk, h0, *, num_v_head
     publishes. Every product takes both fp32 sides as bf16 halves (hi x hi + hi x lo + lo x hi).
 
     cu [N + 1] (starts multiples of CHUNK), order [N], first [N], live [N] as for `scan`; decay
-    [S, HV, K] fp32 (e^{G_C} per chunk slot); by token row (slot s's rows are tokens 64 s ..):
+    [S, HV, K] fp32 (e^{G_C} per chunk slot); by token row, T' rows (a multiple of ALIGN):
     qd [T', HV, K] bf16 (q e^G with norm and scale), kd [2, T', HV, K] bf16 (k e^{G_C - G}'s
-    halves), w [2, T', HV, K] bf16 (W's halves), u [2, T', HV, V] bf16 (U's halves, from
-    `kda_prep(..., u_halves=True)`), aqk [T', HV, C] fp16 or
-    fp32; h0 [N, HV, V, K] (transposed; a placeholder without has_initial_state).
+    halves), aqk [T', HV, C] fp16 or fp32; by chunk slot (slot s's rows 64 s .. are its
+    tokens' rows: the chunks are aligned), S * C rows: w [2, S * C, HV, K] bf16 (W's halves),
+    u [2, S * C, HV, V] bf16 (U's halves, from `kda_prep(..., u_halves=True)`);
+    h0 [N, HV, V, K] (transposed; a placeholder without has_initial_state).
     narrow: programs of BLOCK_V_NARROW value columns holding S [K, BV] as two accumulators of
     64 key rows (twice the programs, for calls with few (sequence, head) pairs), the update
     taking (k e^{G_C - G})^T by key blocks as register operands; h0 and the final states then
     as they are, [N, HV, K, V].
-    Returns (o [T, HV, V] bf16 with T = u's rows, final states [N, HV, V, K] fp32, transposed,
-    or [N, HV, K, V] narrow)."""
-    _, T, HV, V = u.shape
+    Returns (o [T', HV, V] bf16, final states [N, HV, V, K] fp32, transposed, or [N, HV, K, V]
+    narrow)."""
+    # o by token row, as qd (more slots than chunks would give u more rows, and an output of
+    # u's rows would cost the caller a copy of its first T' rows)
+    T = qd.shape[0]
+    HV, V = u.shape[2:]
     N = cu.shape[0] - 1
     K = HEAD_K_DIM
     BV = BLOCK_V_NARROW if narrow else BLOCK_V
