@@ -776,7 +776,9 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
 
     def refill(fetch, c):
         """fetch(c) if chunk c exists, after this warpgroup's reads of the buffer (committed:
-        ordered before the bulk copy that overwrites it)."""
+        ordered before the bulk copy that overwrites it). The chain refills while a later
+        product runs (`_products`' during), off its path: a commit is a fence and a warpgroup
+        barrier."""
         if not warp_specialized:
             return
         _commit_smem(interpret)
@@ -827,25 +829,23 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
             # U^T from its halves' transposed tiles
             u_t = [transposed_tile(u_s.at[part]) for part in range(2)]
             neg_u_t = -(u_t[0].astype(F32) + u_t[1].astype(F32))
-        refill(fetch_u, c + 1)
         wait_read(c, S_PUB)
 
         def publish_state():
             _store_halves(s_pub, (s_hi, s_lo), interpret=interpret)
             publish(S_PUB)
+            refill(fetch_u, c + 1)
 
         w_hi, w_lo = ("T", w_s.at[wbuf, hi]), ("T", w_s.at[wbuf, lo])
         (acc,), _ = _products([[(s_hi, w_hi), (s_lo, w_hi), (s_hi, w_lo)]], (BV, C),
                               [neg_u_t], interpret=interpret, during=publish_state)
-        refill(fetch_w, c + 2)
         d_t = -acc
         if t_beta:
             x_hi, x_lo = split_bf16(jnp.where(valid, d_t, 0.0))
             plgpu.barrier_wait(tb_loaded)
             tb_hi, tb_lo = ("T", tb_s.at[0]), ("T", tb_s.at[1])
             (d_t,), _ = _products([[(x_hi, tb_hi), (x_hi, tb_lo), (x_lo, tb_hi)]], (BV, C),
-                                  interpret=interpret)
-            refill(fetch_tb, c + 1)
+                                  interpret=interpret, during=lambda: refill(fetch_w, c + 2))
         d_hi, d_lo = split_bf16(jnp.where(valid, d_t, 0.0))
         plgpu.barrier_wait(kd_loaded)
         decay = _columns(_load(decay_s, None, interpret), (BV, K), interpret)
@@ -854,6 +854,7 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         def publish_deltas():
             _store_halves(d_pub, (d_hi, d_lo), interpret=interpret)
             publish(D_PUB)
+            refill(fetch_tb, c + 1) if t_beta else refill(fetch_w, c + 2)
 
         (S,), _ = _products([[(d_hi, kd_s.at[hi]), (d_hi, kd_s.at[lo]), (d_lo, kd_s.at[hi])]],
                             (BV, K), [S * decay], interpret=interpret, during=publish_deltas)
@@ -883,12 +884,10 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         else:
             u = [_load(u_s.at[part], wgmma_layout, interpret) for part in range(2)]
             neg_u = -(u[0].astype(F32) + u[1].astype(F32))
-        refill(fetch_u, c + 1)
         w_hi, w_lo = w_s.at[wbuf, hi], w_s.at[wbuf, lo]
         (acc,), _ = _products([[(w_hi, ("T", s_pub.at[hi])), (w_hi, ("T", s_pub.at[lo])),
                                 (w_lo, ("T", s_pub.at[hi]))]], (C, BV), [neg_u],
-                              interpret=interpret)
-        refill(fetch_w, c + 2)
+                              interpret=interpret, during=lambda: refill(fetch_u, c + 1))
         d = jnp.where(valid, -acc, 0.0)
         if t_beta:
             _store_halves(x_pub, split_bf16(d), interpret=interpret, transposed=True)
@@ -896,8 +895,7 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
             (d,), _ = _products([[(tb_s.at[0], ("T", x_pub.at[0])),
                                   (tb_s.at[0], ("T", x_pub.at[1])),
                                   (tb_s.at[1], ("T", x_pub.at[0]))]], (C, BV),
-                                interpret=interpret)
-            refill(fetch_tb, c + 1)
+                                interpret=interpret, during=lambda: refill(fetch_w, c + 2))
             d = jnp.where(valid, d, 0.0)
         wait_read(c, D_PUB)
         _store_halves(d_pub, split_bf16(d), interpret=interpret, transposed=True)
@@ -913,9 +911,15 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
                   (kt(lo, b), ("T", d_pub.at[hi]))] for b in range(2)]
         decays = [_rows(_load(decay_s.at[pl.ds(b * KB, KB)], None, interpret), (KB, BV),
                         interpret) for b in range(2)]
+
+        def refills():
+            # k e^{G_C - G} and e^{G_C} are in registers: their buffers too are refilled while
+            # the update runs
+            refill(fetch_tb, c + 1) if t_beta else refill(fetch_w, c + 2)
+            refill(fetch_kd, c + 1)
+
         S, _ = _products(terms, (KB, BV), [Sb * d for Sb, d in zip(S, decays)],
-                         interpret=interpret)
-        refill(fetch_kd, c + 1)
+                         interpret=interpret, during=refills)
         return tuple(S)
 
     chain_step = chain_step_narrow if narrow else chain_step_wide
