@@ -907,6 +907,25 @@ def _aligned_kda_inputs(seed, lens, HK, HV, gate, K=128):
     return q, k, v, g, b, h0, cu, kw, lb, gates, ref.gdn_beta(b)
 
 
+def _aligned_kda_calls(mode, seed, lens, HK, HV, gate, init, blocks):
+    """The KDA call on `_aligned_kda_inputs(seed, ...)` (bf16, K = V = 128, every start a
+    multiple of 64; with an initial state where init) with each of blocks, each first checked
+    by `unsupported_reason`, and the float64 oracle's: ([(o, final state) a block], (o, final
+    states))."""
+    K = 128
+    q, k, v, g, b, h0, cu, kw, lb, gates, beta = _aligned_kda_inputs(seed, lens, HK, HV, gate)
+    spec = _spec(HK, HV, K, K, has_initial_state=init, per_channel_gate=True, precise=False,
+                 raw_gates=gate is not None, gate_lower_bound=lb, aligned_chunks=True)
+    h0 = h0 if init else None
+    outs = []
+    for block in blocks:
+        assert kern.unsupported_reason(spec, block) is None
+        outs.append(kern.chunk_prefill(q, k, v, g, b, cu, spec=spec, block=block,
+                                       initial_state=h0, interpret=mode == "interpret",
+                                       **kw)[:2])
+    return outs, _oracle(q, k, v, gates, beta, h0, cu)
+
+
 # KDA's prep in Mosaic GPU: lens (every start a multiple of 64: a last chunk short of the
 # arrays' rows, an empty sequence), HK, HV, gate form (None: g given; "softplus" or a lower
 # bound: raw projections)
@@ -923,24 +942,14 @@ def test_mosaic_kda_prep_against_float64(mode, lens, HK, HV, gate):
     """KDA with W and U from the Mosaic GPU prep (`PrefillBlockSizes.mosaic_kda_prep`): bf16
     inputs against float64 within 5e-3, and within 1e-3 (output) of the Triton prep's call,
     for g given and for both raw gate forms, GVA, an initial state."""
-    K = 128
-    q, k, v, g, b, h0, cu, kw, lb, gates, beta = _aligned_kda_inputs(51, lens, HK, HV, gate)
-    spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True, precise=False,
-                 raw_gates=gate is not None, gate_lower_bound=lb, aligned_chunks=True)
-    outs = {}
-    for mosaic in (True, False):
-        block = kern.PrefillBlockSizes(block_v=32, block_k=32, mosaic_kda_prep=mosaic)
-        assert kern.unsupported_reason(spec, block) is None
-        outs[mosaic] = kern.chunk_prefill(q, k, v, g, b, cu, spec=spec, block=block,
-                                          initial_state=h0, interpret=mode == "interpret",
-                                          **kw)[:2]
-    o, hT = outs[True]
+    blocks = [kern.PrefillBlockSizes(block_v=32, block_k=32, mosaic_kda_prep=mosaic)
+              for mosaic in (True, False)]
+    ((o, hT), triton), (ro, rs) = _aligned_kda_calls(mode, 51, lens, HK, HV, gate, True, blocks)
     assert np.all(np.isfinite(np.asarray(o, F32))) and np.all(np.isfinite(np.asarray(hT)))
-    ro, rs = _oracle(q, k, v, gates, beta, h0, cu)
     assert rel_err(o, ro) <= 5e-3
     assert rel_err(hT, rs) <= 5e-4
-    assert rel_err(o, outs[False][0]) <= 1e-3
-    assert rel_err(hT, outs[False][1]) <= 1e-4
+    assert rel_err(o, triton[0]) <= 1e-3
+    assert rel_err(hT, triton[1]) <= 1e-4
 
 
 # KDA's scan in Mosaic GPU: lens (starts multiples of 64; a partial last chunk, empty and
@@ -968,26 +977,15 @@ def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init, block_v
     of every product; compiled on the H200 it came within 1.4e-5 to 2.2e-5, interpret mode
     within 1.3e-5; the Triton scan's k e^{G_C - G} in fp16 and one-pass TF32 leave up to
     ~2e-4), and the output within 1e-3 of the Triton scan's call."""
-    K = 128
-    q, k, v, g, b, h0, cu, kw, lb, gates, beta = _aligned_kda_inputs(53, lens, HK, HV, gate)
-    spec = _spec(HK, HV, K, K, has_initial_state=init, per_channel_gate=True, precise=False,
-                 raw_gates=gate is not None, gate_lower_bound=lb, aligned_chunks=True)
-    outs = {}
-    for mosaic in (True, False):
-        block = kern.PrefillBlockSizes(block_v=block_v, block_k=32, mosaic_kda_prep=True,
-                                       mosaic_kda_scan=mosaic,
-                                       mosaic_kda_t_beta=mosaic and t_beta)
-        assert kern.unsupported_reason(spec, block) is None
-        outs[mosaic] = kern.chunk_prefill(q, k, v, g, b, cu, spec=spec, block=block,
-                                          initial_state=h0 if init else None,
-                                          interpret=mode == "interpret", **kw)[:2]
-    o, hT = outs[True]
+    blocks = [kern.PrefillBlockSizes(block_v=block_v, block_k=32, mosaic_kda_prep=True,
+                                     mosaic_kda_scan=mosaic, mosaic_kda_t_beta=mosaic and t_beta)
+              for mosaic in (True, False)]
+    ((o, hT), triton), (ro, rs) = _aligned_kda_calls(mode, 53, lens, HK, HV, gate, init, blocks)
     assert o.dtype == BF16 and hT.dtype == F32
     assert np.all(np.isfinite(np.asarray(o, F32))) and np.all(np.isfinite(np.asarray(hT)))
-    ro, rs = _oracle(q, k, v, gates, beta, h0 if init else None, cu)
     assert rel_err(o, ro) <= 5e-3
     assert rel_err(hT, rs) <= 5e-5
-    assert rel_err(o, outs[False][0]) <= 1e-3
+    assert rel_err(o, triton[0]) <= 1e-3
 
 
 @pytest.mark.parametrize("mode", MODES)
