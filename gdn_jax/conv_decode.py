@@ -99,7 +99,11 @@ def conv_decode_call(mixed, a, b, z, state, windows, slots=None, *, conv_weight,
         norm_eps=eps, norm_activation=norm_activation, fused_conv=True, conv_width=width,
         conv_bias=conv_bias is not None)
     block = decode_kernel.default_block_sizes(bsz, vd, state.dtype, True)
-    return ConvDecodeCall(spec, block, str(jnp.dtype(state.dtype)), int(state.size), bsz, str(out))
+    wide = chk.float64_arrays(mixed=mixed, a=a, b=b, z=z, windows=windows, conv_weight=conv_weight,
+                              conv_bias=conv_bias, A_log=A_log, dt_bias=dt_bias,
+                              norm_weight=norm_weight, out_dtype=out)
+    return ConvDecodeCall(spec, block, str(jnp.dtype(state.dtype)), int(state.size), bsz, str(out),
+                          wide)
 
 
 dispatch.define("conv_decode", spec_of=conv_decode_call)

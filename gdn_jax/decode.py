@@ -57,6 +57,7 @@ class DecodeCall:
     num_state_elements: int
     batch: int
     out_dtype: str
+    float64_arrays: tuple[str, ...] = ()   # arrays JAX holds as float64 (x64 on): no kernel
 
 
 def _decode_supports(call: DecodeCall):
@@ -143,7 +144,9 @@ def decode_call(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False, A_l
         use_qk_l2norm=bool(use_qk_l2norm), fused_norm=z is not None, norm_eps=eps,
         norm_activation=norm_activation, stochastic_rounding=rounding_key is not None)
     block = block_sizes or decode_kernel.default_block_sizes(b, vd, state.dtype, spec.fused_norm)
-    return DecodeCall(spec, block, str(jnp.dtype(state.dtype)), int(state.size), b, str(out))
+    wide = chk.float64_arrays(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, z=z,
+                              norm_weight=norm_weight, out_dtype=out)
+    return DecodeCall(spec, block, str(jnp.dtype(state.dtype)), int(state.size), b, str(out), wide)
 
 
 def decode_pool_call(qkv, g, beta, pool, slots, *, num_k_heads, num_v_heads, head_k_dim,
@@ -193,7 +196,9 @@ def decode_pool_call(qkv, g, beta, pool, slots, *, num_k_heads, num_v_heads, hea
         fused_norm=z is not None, norm_eps=eps, norm_activation=norm_activation,
         stochastic_rounding=rounding_key is not None)
     block = block_sizes or decode_kernel.default_block_sizes(b, vd, pool.dtype, spec.fused_norm)
-    return DecodeCall(spec, block, str(jnp.dtype(pool.dtype)), int(pool.size), b, str(out))
+    wide = chk.float64_arrays(qkv=qkv, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, z=z,
+                              norm_weight=norm_weight, out_dtype=out)
+    return DecodeCall(spec, block, str(jnp.dtype(pool.dtype)), int(pool.size), b, str(out), wide)
 
 
 def _pool_spec_of(qkv, g, beta, pool, slots, **kw):
@@ -305,7 +310,8 @@ def _sequence_call(spec, state_dtype=None) -> DecodeCall:
     sdt = spec.state_dtype if state_dtype is None else state_dtype
     block = decode_kernel.default_block_sizes(spec.batch, spec.head_v_dim, sdt, False)
     n = spec.batch * spec.num_v_heads * spec.head_k_dim * spec.head_v_dim
-    return DecodeCall(dspec, block, str(sdt), n, spec.batch, spec.input_dtype)
+    return DecodeCall(dspec, block, str(sdt), n, spec.batch, spec.input_dtype,
+                      spec.float64_arrays)
 
 
 def sequence_step_reason(spec):

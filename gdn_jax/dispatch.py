@@ -14,6 +14,8 @@ every operation:
 
   * "reference" / "chunked" run that path;
   * a kernel runs only on a GPU, or anywhere in Pallas interpret mode (`interpret()` below);
+  * with `jax_enable_x64` on, a kernel takes no call with a 64-bit float array (the spec's
+    `float64_arrays`), and interpret mode runs none (see "64-bit mode" below);
   * the first registered family whose `supports(spec)` is None takes the call;
   * otherwise "pallas" raises ValueError naming the reason, and "auto" falls back to the
     operation's pure-JAX path, logging the reason once (logger "gdn_jax").
@@ -26,6 +28,14 @@ sequence (prefill) kernel registers itself there beside it.
 Interpret mode: `with gdn_jax.interpret():` or the environment variable `GDN_JAX_INTERPRET=1`
 makes every kernel path run in Pallas interpret mode (on the CPU), and "auto" then picks the
 kernels wherever they apply. A function's explicit `interpret=True/False` argument wins.
+
+64-bit mode (`jax_enable_x64` on): the kernels run as with it off on a GPU (their launchers are
+traced with it off: `pallas_kernels.tracing`), for the 16- and 32-bit float arrays and the int32
+or int64 index arrays they take. A float64 array (only x64 keeps one; without it JAX narrows a
+float64 NumPy array to float32 on the way in) goes to the pure-JAX path, which computes in
+float32 as the kernels do. JAX's Pallas interpreter mixes int64 and int32 indices in 64-bit mode,
+so interpret mode does not run the kernels then: `with jax.enable_x64(False):` around the call
+does.
 """
 
 from __future__ import annotations
@@ -199,9 +209,17 @@ def select(op: str, spec, impl: str, *, interpret: bool | None = None, backend: 
     if impl in operation.pure_impls:
         return Choice(op, impl, reason=f"impl={impl!r} was asked for")
     backend = jax.default_backend() if backend is None else backend
+    wide = getattr(spec, "float64_arrays", ())
     if backend != "gpu" and not interpret_enabled(interpret):
         reason = (f"the Pallas kernels need a GPU (backend is {backend!r}; "
                   f"`with gdn_jax.interpret():` or {INTERPRET_ENV}=1 runs them on the CPU)")
+    elif backend != "gpu" and jax.config.jax_enable_x64:
+        reason = ("interpret mode does not run the Pallas kernels with jax_enable_x64 on (JAX's "
+                  "Pallas interpreter then mixes int64 and int32 indices); `with "
+                  "jax.enable_x64(False):` around the call runs them")
+    elif wide:
+        reason = (f"{', '.join(wide)} float64: the Pallas kernels take 16- and 32-bit floats "
+                  f"(the pure-JAX path computes in float32, as they do)")
     else:
         reasons = []
         for fam in operation.families:

@@ -56,6 +56,7 @@ class DeltaSpec:
     input_dtype: str
     state_dtype: str           # the initial state's dtype (float32 without one)
     max_seq_len: int = 0       # the longest sequence: T, or with concrete cu_seqlens the longest
+    float64_arrays: tuple[str, ...] = ()   # arrays JAX holds as float64 (x64 on): no kernel
 
 
 def delta_spec(kind, q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=False,
@@ -91,7 +92,9 @@ def delta_spec(kind, q, k, v, g, beta, *, scale=None, initial_state=None, use_qk
                      head_v_dim=vd, num_seqs=n, varlen=cu_seqlens is not None,
                      scale=chk.scale(scale, kd), use_qk_l2norm=bool(use_qk_l2norm),
                      input_dtype=str(jnp.dtype(q.dtype)), state_dtype=str(state_dtype),
-                     max_seq_len=longest)
+                     max_seq_len=longest,
+                     float64_arrays=chk.float64_arrays(q=q, k=k, v=v, g=g, beta=beta,
+                                                       initial_state=initial_state))
 
 
 def _fallback(spec: DeltaSpec) -> str:
@@ -132,7 +135,8 @@ def _prefill_call(spec: DeltaSpec):
     return prefill.PrefillCall(num_seqs=spec.num_seqs, max_seq_len=spec.max_seq_len,
                                head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim,
                                state_dtype=spec.state_dtype,
-                               fp32_inputs=spec.input_dtype == "float32",
+                               fp32_inputs=jax.dtypes.canonicalize_dtype(spec.input_dtype)
+                               == jnp.float32,
                                per_channel_gate=spec.kind == "kda")
 
 

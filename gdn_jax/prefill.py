@@ -121,6 +121,7 @@ class PrefillCall:
     per_channel_gate: bool = False  # KDA
     chunk_states: bool = False
     pooled: bool = False
+    float64_arrays: tuple[str, ...] = ()   # arrays JAX holds as float64 (x64 on): no kernel
 
 
 def _serial_supports(call: PrefillCall) -> str | None:
@@ -171,8 +172,9 @@ def _max_seq_len(T, cu_seqlens) -> int:
 
 
 def prefill_call(q, v, g, *, cu_seqlens=None, state_dtype=jnp.float32, kernel=None,
-                 chunk_states=False, pooled=False) -> PrefillCall:
-    """The choice's view of a prefill (q [B, T, HK, K], v [B, T, HV, V]); checks `kernel`."""
+                 chunk_states=False, pooled=False, float64_arrays=()) -> PrefillCall:
+    """The choice's view of a prefill (q [B, T, HK, K], v [B, T, HV, V]); checks `kernel`.
+    float64_arrays: `validate.float64_arrays` of the call's arrays."""
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be None (the table decides), 'serial' or 'chunked', "
                          f"got {kernel!r}")
@@ -185,19 +187,26 @@ def prefill_call(q, v, g, *, cu_seqlens=None, state_dtype=jnp.float32, kernel=No
                        head_k_dim=int(q.shape[3]), head_v_dim=int(v.shape[3]),
                        state_dtype=str(jnp.dtype(state_dtype)), kernel=kernel,
                        chunk_states=bool(chunk_states), pooled=pooled,
-                       fp32_inputs=jnp.dtype(v.dtype) == jnp.float32,
-                       per_channel_gate=np.ndim(g) == 4)
+                       fp32_inputs=jax.dtypes.canonicalize_dtype(v.dtype) == jnp.float32,
+                       per_channel_gate=np.ndim(g) == 4, float64_arrays=tuple(float64_arrays))
 
 
 def _prefill_spec_of(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, kernel=None,
-                     chunk_states=False, **_):
+                     chunk_states=False, A_log=None, dt_bias=None, **_):
     return prefill_call(q, v, g, cu_seqlens=cu_seqlens, kernel=kernel, chunk_states=chunk_states,
-                        state_dtype=jnp.float32 if initial_state is None else initial_state.dtype)
+                        state_dtype=jnp.float32 if initial_state is None else initial_state.dtype,
+                        float64_arrays=chk.float64_arrays(
+                            q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
+                            initial_state=initial_state))
 
 
-def _pool_spec_of(q, k, v, g, beta, pool, slots, *, cu_seqlens=None, kernel=None, **_):
+def _pool_spec_of(q, k, v, g, beta, pool, slots, *, cu_seqlens=None, kernel=None, A_log=None,
+                  dt_bias=None, **_):
     return prefill_call(q, v, g, cu_seqlens=cu_seqlens, kernel=kernel, pooled=True,
-                        state_dtype=pool.dtype)
+                        state_dtype=pool.dtype,
+                        float64_arrays=chk.float64_arrays(
+                            q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
+                            pool=pool))
 
 
 for _op, _spec_of in (("gdn_prefill", _prefill_spec_of), ("gdn_prefill_pool", _pool_spec_of)):
@@ -424,8 +433,9 @@ def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
     "reference" (the public sequence function with impl="chunked"; no chunk states)."""
     B, T = q.shape[:2]
     state_dtype = jnp.float32 if initial_state is None else initial_state.dtype
-    call = prefill_call(q, v, g, cu_seqlens=cu_seqlens, state_dtype=state_dtype, kernel=kernel,
-                        chunk_states=chunk_states)
+    call = _prefill_spec_of(q, k, v, g, beta, initial_state=initial_state,
+                            cu_seqlens=cu_seqlens, kernel=kernel, chunk_states=chunk_states,
+                            A_log=A_log, dt_bias=dt_bias)
     positions = None
     if states_after is not None:
         lens = (np.full((B,), T) if cu_seqlens is None else
@@ -549,8 +559,8 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
                          f"{slots.shape} dtype {slots.dtype}")
     if (A_log is None) != (dt_bias is None):
         raise ValueError("A_log and dt_bias must be given together (raw gates) or not at all")
-    call = prefill_call(q, v, g, cu_seqlens=cu_seqlens, state_dtype=pool.dtype, kernel=kernel,
-                        pooled=True)
+    call = _pool_spec_of(q, k, v, g, beta, pool, slots, cu_seqlens=cu_seqlens, kernel=kernel,
+                         A_log=A_log, dt_bias=dt_bias)
     positions = lens = None
     if states_after is not None:
         lens = (np.full((B,), T) if cu_seqlens is None else

@@ -44,6 +44,16 @@ def array(name, x, *, rank=None, floating=False, integer=False):
     return x
 
 
+def float64_arrays(**values) -> tuple[str, ...]:
+    """The names of `values` (arrays, or dtypes such as an out_dtype; None is skipped) that JAX
+    holds as 64-bit floats: only with jax_enable_x64 on (without it a float64 NumPy array becomes
+    float32 on the way in). The dispatch keeps such calls off the Pallas kernels."""
+    def wide(x):
+        d = jnp.dtype(x if isinstance(x, (np.dtype, type, str)) else x.dtype)
+        return jnp.issubdtype(d, jnp.floating) and jax.dtypes.canonicalize_dtype(d).itemsize == 8
+    return tuple(name for name, x in values.items() if x is not None and wide(x))
+
+
 def shape(name, x, want):
     if shape_of(x) != tuple(want):
         raise ValueError(f"{name} must have shape {tuple(want)}, got {shape_of(x)}")

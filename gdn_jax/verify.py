@@ -54,6 +54,7 @@ class VerifyCall:
     state_dtype: str
     num_state_elements: int
     block: object = None      # pallas_kernels.gdn_verify.VerifyBlockSizes or None (the default)
+    float64_arrays: tuple[str, ...] = ()   # arrays JAX holds as float64 (x64 on): no kernel
 
 
 def check_tokens(q, k, v, g, beta):
@@ -97,7 +98,8 @@ def verify_call(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm=Fals
     check_pool(pool, hv, kd, vd)
     chk.slot_table("slots", slots, b, pool.shape[0])
     return VerifyCall(kind, b, t, hk, hv, kd, vd, chk.scale(scale, kd), bool(use_qk_l2norm),
-                      bool(exact), str(jnp.dtype(pool.dtype)), int(pool.size), block_sizes)
+                      bool(exact), str(jnp.dtype(pool.dtype)), int(pool.size), block_sizes,
+                      chk.float64_arrays(q=q, k=k, v=v, g=g, beta=beta))
 
 
 def kernel_reason(call: VerifyCall):
