@@ -275,10 +275,8 @@ def gdn_decode(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False, A_lo
                            interpret=dispatch.interpret_enabled(interpret))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "block", "out_dtype", "which", "interpret"),
-                   donate_argnames=("state",))
-def _gdn_decode_jit(q, k, v, g, beta, state, A_log, dt_bias, z, norm_weight, rounding_key, *,
-                    spec, block, out_dtype, which, interpret):
+def _gdn_decode_step(q, k, v, g, beta, state, A_log, dt_bias, z, norm_weight, rounding_key, *,
+                     spec, block, out_dtype, which, interpret):
     b = q.shape[0]
     if which == "reference":
         gf, bf = _ref_gates(g, beta, A_log, dt_bias, spec.per_channel_gate, spec.gate_lower_bound)
@@ -294,6 +292,15 @@ def _gdn_decode_jit(q, k, v, g, beta, state, A_log, dt_bias, z, norm_weight, rou
         z_rows=rows(z), norm_weight=norm_weight, seed=_seed(rounding_key), out_dtype=out_dtype,
         block=block, interpret=interpret)
     return o.reshape(b, spec.num_v_heads, spec.head_v_dim), state
+
+
+_DECODE_STATIC = ("spec", "block", "out_dtype", "which", "interpret")
+# `gdn_decode` donates its state; the sequence operations' decode family keeps the caller's
+# (under the caller's jit the inner donation is void either way, and XLA copies the state into
+# the kernel's aliased output only when the caller still holds it).
+_gdn_decode_jit = jax.jit(_gdn_decode_step, static_argnames=_DECODE_STATIC,
+                          donate_argnames=("state",))
+_gdn_decode_keeping_state = jax.jit(_gdn_decode_step, static_argnames=_DECODE_STATIC)
 
 
 def _seed(rounding_key):
@@ -321,9 +328,10 @@ def sequence_step_reason(spec):
 
 def sequence_step(spec, q, k, v, g, beta, state):
     """The decode kernel as the sequence operations' "decode" family: T = 1 of q [B, 1, HK, K]
-    ... from `state` (donated). Returns (o [B, 1, HV, V], new state)."""
+    ... from `state` (not donated: the caller's stays valid). Returns (o [B, 1, HV, V], new
+    state)."""
     call = _sequence_call(spec, jnp.dtype(state.dtype))
-    o, s = _gdn_decode_jit(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, None, None, None,
+    o, s = _gdn_decode_keeping_state(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, None, None, None,
                            None, None, spec=call.spec, block=call.block, out_dtype=jnp.dtype(q.dtype),
                            which="pallas", interpret=dispatch.interpret_enabled())
     return o[:, None], s

@@ -14,7 +14,9 @@ Both validate once into a `DeltaSpec` and ask `gdn_jax.dispatch` which implement
 
 Kernel families for these operations are called as
 `run(spec, q, k, v, g, beta, initial_state, cu_seqlens) -> (o [B, T, HV, V], final [N, HV, K, V])`
-with the caller's initial state (None for zeros), which a family must not donate.
+with the caller's initial state (None for zeros), which a family must not donate. Under
+jax.grad / jax.jvp a kernel call takes its derivatives from the pure-JAX path "auto" falls back
+to (`_kernel`), so every impl is differentiable.
 """
 
 from __future__ import annotations
@@ -114,18 +116,13 @@ def _decode_supports(spec: DeltaSpec):
 def _decode_run(spec, q, k, v, g, beta, initial_state, cu_seqlens):
     from gdn_jax import decode
     if initial_state is None:
-        state = jnp.zeros((spec.num_seqs, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim),
-                          jnp.float32)
-    elif chk.is_concrete(initial_state):
-        # Called eagerly, the decode kernel's jit really donates its state argument: give it a
-        # buffer of its own so the caller's initial_state stays valid, as for every other impl.
-        state = jnp.copy(initial_state)
-    else:
-        # Traced (inside the caller's jit) the inner donation is void and the kernel's in-place
-        # alias is resolved by XLA: it copies the caller's buffer only when the caller still
-        # needs it (not donated), so a donated step reads and writes the state once.
-        state = initial_state
-    return decode.sequence_step(spec, q, k, v, g, beta, state)
+        initial_state = jnp.zeros((spec.num_seqs, spec.num_v_heads, spec.head_k_dim,
+                                   spec.head_v_dim), jnp.float32)
+    # Not donated (an eager call, or one under vmap, keeps the caller's initial_state valid, as
+    # every other impl does). Inside the caller's jit the kernel's in-place alias is resolved by
+    # XLA: it copies the caller's buffer only when the caller still needs it, so a step whose
+    # state the caller donates reads and writes it once.
+    return decode.sequence_step(spec, q, k, v, g, beta, initial_state)
 
 
 # --------------------------------------------------------------------------- the prefill families
@@ -220,19 +217,46 @@ def _delta_rule(kind, q, k, v, g, beta, *, scale, initial_state, output_final_st
         chk.device_check((cu[0] == 0) & (cu[-1] == spec.seq_len) & jnp.all(cu[1:] >= cu[:-1]),
                          f"cu_seqlens must start at 0, end at T={spec.seq_len} and never decrease")
     if choice.impl == "pallas":
-        run = dispatch.family(op, choice.family).run
-        with dispatch.interpret(dispatch.interpret_enabled(interpret)):
-            o, s = run(spec, q, k, v, g, beta, initial_state, cu_seqlens)
-        return o.astype(q.dtype), (s.astype(spec.state_dtype) if output_final_state else None)
-    if cu_seqlens is None:
-        o, s = _run_dense(choice.impl, q, k, v, g, beta, spec.scale, initial_state, use_qk_l2norm)
+        o, s = _kernel(spec, dispatch.family(op, choice.family).run,
+                       dispatch.interpret_enabled(interpret), q, k, v, g, beta, initial_state,
+                       cu_seqlens)
     else:
-        # Concrete offsets pad to the longest sequence; traced ones (under jit) to T.
-        tmax = (int(np.max(np.diff(np.asarray(cu_seqlens)))) if chk.is_concrete(cu_seqlens)
-                else q.shape[1])
-        o, s = _varlen(choice.impl, q, k, v, g, beta, spec.scale, initial_state, bool(use_qk_l2norm),
-                       jnp.asarray(cu_seqlens, jnp.int32), tmax)
+        o, s = _pure(choice.impl, spec, q, k, v, g, beta, initial_state, cu_seqlens)
     return o.astype(q.dtype), (s.astype(spec.state_dtype) if output_final_state else None)
+
+
+def _pure(impl, spec, q, k, v, g, beta, initial_state, cu_seqlens):
+    """The pure-JAX path `impl` ("reference" or "chunked") of a validated call."""
+    if cu_seqlens is None:
+        return _run_dense(impl, q, k, v, g, beta, spec.scale, initial_state, spec.use_qk_l2norm)
+    # Concrete offsets pad to the longest sequence; traced ones (under jit) to T.
+    tmax = (int(np.max(np.diff(np.asarray(cu_seqlens)))) if chk.is_concrete(cu_seqlens)
+            else q.shape[1])
+    return _varlen(impl, q, k, v, g, beta, spec.scale, initial_state, spec.use_qk_l2norm,
+                   jnp.asarray(cu_seqlens, jnp.int32), tmax)
+
+
+def _kernel(spec, run, interpret, q, k, v, g, beta, initial_state, cu_seqlens):
+    """A kernel family's `run`, with the derivatives of the pure-JAX path "auto" falls back to.
+
+    The kernels are forward-only (a Pallas call with aliased outputs has no JVP). Under
+    jax.jvp / jax.grad the outputs still come from the kernel, and the tangents (and, by
+    transposition, the gradients) from differentiating the same recurrence in pure JAX at the
+    same inputs: the backward pass costs what the pure-JAX path's does. Without
+    differentiation only the kernel runs."""
+    @jax.custom_jvp
+    def call(q, k, v, g, beta, h0):
+        with dispatch.interpret(interpret):
+            return run(spec, q, k, v, g, beta, h0, cu_seqlens)
+
+    @call.defjvp
+    def _(primals, tangents):
+        out = call(*primals)
+        pure = lambda *x: _pure(_fallback(spec), spec, *x, cu_seqlens)
+        _, t_out = jax.jvp(pure, primals, tangents)
+        return out, jax.tree.map(lambda t, o: t.astype(o.dtype), t_out, out)
+
+    return call(q, k, v, g, beta, initial_state)
 
 
 def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,

@@ -64,7 +64,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.tracing import without_x64
+from pallas_kernels.tracing import default_config
 
 F32 = jnp.float32
 L2NORM_EPS = 1e-6
@@ -766,7 +766,7 @@ def _check_conv(spec, weight, bias, windows, rows):
                          f"window per state row), got {getattr(windows, 'shape', None)}")
 
 
-@without_x64
+@default_config
 @functools.partial(jax.jit, static_argnames=("spec", "block", "out_dtype", "interpret"))
 def _launch(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, seed, z_rows,
             norm_weight, state, conv=None, *, spec, block, out_dtype, interpret):
@@ -862,7 +862,7 @@ def serial_prefill(q_rows, k_rows, v_rows, g_rows, beta_rows, seq_start, seq_end
                           interpret=interpret)
 
 
-@without_x64
+@default_config
 @functools.partial(jax.jit, static_argnames=("spec", "block", "out_dtype", "state_dtype",
                                              "interpret"))
 def _launch_serial(q_rows, k_rows, v_rows, g_rows, beta_rows, A_log, dt_bias, slots, seq_start,

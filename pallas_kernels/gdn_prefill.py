@@ -122,7 +122,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gdn_prefill_mgpu as mgpu_scan
 from pallas_kernels.gdn_decode import huge_row_factor, tame_huge_rows
-from pallas_kernels.tracing import without_x64
+from pallas_kernels.tracing import default_config
 
 F32 = jnp.float32
 CHUNK = 64
@@ -1901,7 +1901,7 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
     )(cu, _longest_first(cu), first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0)
 
 
-@without_x64
+@default_config
 @functools.partial(jax.jit, static_argnames=("spec", "block", "state_dtype", "interpret"),
                    donate_argnames=("pool",))
 def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: PrefillBlockSizes,

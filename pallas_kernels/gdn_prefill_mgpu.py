@@ -104,7 +104,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gdn_decode import L2NORM_EPS, huge_rows, scale_huge_rows
-from pallas_kernels.tracing import without_x64
+from pallas_kernels.tracing import default_config
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -638,7 +638,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         lax.fori_loop(0, num_chunks, step, 0)
 
 
-@without_x64
+@default_config
 def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_heads: int,
          num_k_heads: int, has_initial_state: bool, narrow: bool = False,
          tamed=None, warp_specialized: bool = True, interpret: bool = False):
@@ -1007,7 +1007,7 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-@without_x64
+@default_config
 def kda_scan(cu, order, first, live, decay, qd, kd, w, u, aqk, h0, tb=None, *,
              num_v_heads: int, has_initial_state: bool, narrow: bool = False,
              warp_specialized: bool = True, interpret: bool = False):
@@ -1277,7 +1277,7 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, tb_s, aqk_o, flag_
         plgpu.copy_smem_to_gmem(fac_o, fac_out_ref.at[:, h, at])
 
 
-@without_x64
+@default_config
 def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a: float,
          max_t: float, num_programs: int | None = PREP_PROGRAMS, interpret: bool = False):
     """What the scan reads of each chunk that does not depend on the state, per (chunk slot,
@@ -1447,7 +1447,7 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, beta_ref, *refs, num_v_heads: i
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-@without_x64
+@default_config
 def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
              num_programs: int | None = PREP_PROGRAMS, u_halves: bool = False,
              t_beta: bool = False, interpret: bool = False):

@@ -54,7 +54,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gdn_decode as dec
 from pallas_kernels.gdn_prefill import split_gate
-from pallas_kernels.tracing import without_x64
+from pallas_kernels.tracing import default_config
 
 F32 = jnp.float32
 MAX_TOKENS = 4
@@ -688,7 +688,7 @@ def verify_states_launch(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2
                                  block=block, interpret=bool(interpret))
 
 
-@without_x64
+@default_config
 @functools.partial(jax.jit, static_argnames=("spec", "block", "interpret"))
 def _verify_states_launch(q, k, v, g, beta, pool, slots, *, spec, block, interpret):
     b, t = q.shape[:2]
@@ -725,7 +725,7 @@ def carried_verify_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, ban
                            i32(drafted), i32(slots), spec=spec, block=block, interpret=bool(interpret))
 
 
-@without_x64
+@default_config
 @functools.partial(jax.jit, static_argnames=("spec", "block", "interpret"))
 def _carried_launch(q, k, v, g, beta, pool, stash_k, stash_u, stash_g, bank, pending, drafted, slots,
                     *, spec, block, interpret):
@@ -795,7 +795,7 @@ def accept_counts(slots, accepted, pending, drafted, *, interpret=False):
                           interpret=bool(interpret))
 
 
-@without_x64
+@default_config
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def _accept_launch(slots, accepted, pending, drafted, *, interpret):
     return pl.pallas_call(
@@ -834,7 +834,7 @@ def flush_launch(pool, stash_k, stash_u, stash_g, bank, pending, slots, *,
                          interpret=bool(interpret))
 
 
-@without_x64
+@default_config
 @functools.partial(jax.jit, static_argnames=("spec", "block", "interpret"))
 def _flush_launch(pool, stash_k, stash_u, stash_g, bank, pending, slots, *, spec, block, interpret):
     n = slots.shape[0]

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.tracing import without_x64
+from pallas_kernels.tracing import default_config
 
 __all__ = ["ConvertBlockSizes", "convert_state", "unsupported_reason", "CONVERT_DTYPES"]
 
@@ -69,7 +69,7 @@ def convert_state(x: jax.Array, dtype, *, block: ConvertBlockSizes | None = None
     return _launch(x, dtype=jnp.dtype(dtype), bs=bs, num_warps=block.num_warps, interpret=interpret)
 
 
-@without_x64
+@default_config
 @functools.partial(jax.jit, static_argnames=("dtype", "bs", "num_warps", "interpret"))
 def _launch(x, *, dtype, bs, num_warps, interpret):
     flat = x.reshape(-1)

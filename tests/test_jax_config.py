@@ -1,9 +1,11 @@
-"""64-bit mode (`jax_enable_x64` on).
+"""The kernels under a caller's JAX configuration: 64-bit mode, strict dtype promotion, a default
+matmul precision.
 
-The kernels' launchers are traced with x64 off (`pallas_kernels.tracing`), so every kernel path
-lowers for CUDA as it does without it, for the 16- and 32-bit floats and the int32 or int64
-index arrays the kernels take. A float64 array keeps a call off the kernels, and so does interpret
-mode under x64 (JAX's Pallas interpreter mixes int64 and int32 indices there); both say why.
+The kernels' launchers are traced under JAX's defaults (`pallas_kernels.tracing`), so every
+kernel path traces and lowers for CUDA as it does without the caller's settings: with x64 on
+for the 16- and 32-bit floats and the int32 or int64 index arrays the kernels take. Under x64 a
+float64 array keeps a call off the kernels, and so does interpret mode (JAX's Pallas
+interpreter mixes int64 and int32 indices there); both say why.
 """
 
 import functools
@@ -126,6 +128,41 @@ def test_verify_conv_decode_and_convert_lower_with_x64_on(lower_for_h200, fake_g
     assert _kernel_calls(hlo) == 1
     hlo = lower(lambda s: convert_state(s, BF16, impl="pallas"), pool)
     assert _kernel_calls(hlo) == 1
+
+
+@pytest.mark.parametrize("setting", ["matmul bfloat16", "matmul highest", "strict promotion"])
+def test_kernel_traces_ignore_matmul_precision_and_promotion(fake_gpu, setting):
+    """Under a default matmul precision or strict dtype promotion, the sequence functions'
+    kernel paths trace to the same program as under the defaults (without the launchers' own
+    context, `jnp.dot` would record the precision in the Mosaic GPU prep's and the TF32 redo's
+    products)."""
+    context = (jax.numpy_dtype_promotion("strict") if setting == "strict promotion" else
+               jax.default_matmul_precision(setting.split()[1]))
+    for kind, T, dtype in (("gdn", 256, BF16), ("kda", 256, BF16), ("gdn", 256, F32),
+                           ("gdn", 1, BF16), ("kda", 8, BF16)):
+        q, k, v, g, beta, h0 = _sequence(kind, 2, T, dtype)
+        call = lambda *a: _fn(kind)(*a, initial_state=h0, output_final_state=True,
+                                    use_qk_l2norm=True, impl="pallas")
+        want = str(jax.make_jaxpr(call)(q, k, v, g, beta))
+        with context:
+            got = str(jax.make_jaxpr(call)(q, k, v, g, beta))
+        assert got == want, (kind, T, dtype)
+
+
+def test_strict_promotion_runs_the_kernels_in_interpret_mode():
+    """The chunked prefill's Triton path at 16-bit inputs (fp16 inverse tiles scaled by fp32
+    factors) under strict promotion: the same bits as under the standard one."""
+    q, k, v, g, beta, h0 = _sequence("gdn", 1, 70, BF16)
+    q, k, v = (x[..., :32] for x in (q, k, v))
+    h0 = h0[:, :, :32, :32]
+    run = lambda: gdn_jax.gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                           output_final_state=True, use_qk_l2norm=True,
+                                           impl="pallas", interpret=True)
+    want = run()
+    with jax.numpy_dtype_promotion("strict"):
+        got = run()
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("which", ["v", "g", "initial_state"])
