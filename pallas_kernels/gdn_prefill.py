@@ -219,7 +219,9 @@ class PrefillBlockSizes:
     mosaic_kda_scan: bool = False
     # KDA, with mosaic_kda_scan: the Mosaic KDA prep writes T beta's halves instead of W and U
     # and the scan forms the deltas as (T beta)(v - (e^G k) S): the prep no longer reads e^G k
-    # and v nor writes W and U, and the scan's chain takes one product more a chunk
+    # and v nor writes W and U, and the scan's chain takes one product more a chunk. The
+    # default blocks take it with the Mosaic KDA scan (the whole call 5-20% faster than with W
+    # and U; BENCHMARKS.md, KDA prefill)
     mosaic_kda_t_beta: bool = False
 
     def blocked_inverse_for(self, spec: PrefillSpec) -> bool:
@@ -241,9 +243,12 @@ class PrefillBlockSizes:
         # not bounded by one, 272 KiB), leave room for one stage only on an H200.
         one_stage = spec.head_k_dim > 128 or (spec.per_channel_gate
                                               and (spec.precise or not _bounded_by_one(spec)))
-        # KDA's intra kernel: 64 key channels a step with 16-bit inputs, 32 with fp32 ones,
-        # whose gate sums come in two parts (BENCHMARKS.md, KDA launch sweeps).
-        block_k = min(32 if spec.precise else 64, spec.head_k_dim)
+        # KDA's intra kernel: 64 key channels a step for the lower-bound gate with 16-bit
+        # inputs, else 32 (the softplus and given gates' intra kernels took 34% and 15% longer
+        # at 64, the lower-bound one 5% less; fp32 inputs' gate sums come in two parts;
+        # BENCHMARKS.md, KDA prefill).
+        lower_bound_gate = spec.raw_gates and spec.gate_lower_bound is not None
+        block_k = min(64 if lower_bound_gate and not spec.precise else 32, spec.head_k_dim)
         mosaic = mosaic_scan_default(spec, dtype)
         kda_prep = mosaic_kda_prep_default(spec, dtype)
         # KDA's Mosaic scan wherever its prep is Mosaic and the call needs no chunk states
@@ -267,11 +272,12 @@ class PrefillBlockSizes:
                                      num_stages_scan=1 if one_stage else 3, block_k=block_k,
                                      paired_halves=not spec.per_channel_gate, pair_group=1,
                                      heads_fastest=spec.per_channel_gate, mosaic_scan=mosaic,
-                                     mosaic_kda_prep=kda_prep, mosaic_kda_scan=kda_scan)
+                                     mosaic_kda_prep=kda_prep, mosaic_kda_scan=kda_scan,
+                                     mosaic_kda_t_beta=kda_scan)
         return PrefillBlockSizes(block_v=block_v, num_stages_scan=1,
                                  block_k=block_k, paired_halves=not spec.per_channel_gate,
                                  mosaic_scan=mosaic, mosaic_kda_prep=kda_prep,
-                                 mosaic_kda_scan=kda_scan)
+                                 mosaic_kda_scan=kda_scan, mosaic_kda_t_beta=kda_scan)
 
 
 # the Mosaic scan's wide form from this many of its programs (an H200 has 132 SMs; measured:
