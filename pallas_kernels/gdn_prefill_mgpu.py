@@ -193,14 +193,6 @@ def _commit_smem(interpret):
         plgpu.commit_smem()
 
 
-def _after_reads(interpret):
-    """A warpgroup barrier (with `_commit_smem`'s fence) before stores over shared memory that a
-    product has just read: each warp's wgmma wait covers its own part of the product only.
-    Pallas puts a barrier before every store to shared memory anyway (its automatic barriers);
-    this one is what such a store needs without them."""
-    _commit_smem(interpret)
-
-
 def _store_halves(ref, halves, *, interpret, commit=True, transposed=False):
     """The (hi, lo) halves into ref[0] and ref[1], or a pair of refs (transposed: x [m, n] into
     [n, m]), committed unless told otherwise."""
@@ -1171,8 +1163,6 @@ def _inverse_fp16(A, i, j, d_s, p_s, interpret):
     i, j: the tile's row and column indices."""
     C = A.shape[0]
     D = jnp.where(i == j, 1.0, 0.0) - jnp.where((i // 2 == j // 2) & (i != j), A, 0.0)
-    # every warp done with the caller's reads of d_s's and p_s's memory (`_after_reads`)
-    _after_reads(interpret)
     b = 2
     while b < C:
         L = jnp.where((i // (2 * b) == j // (2 * b)) & (i // b != j // b), A, 0.0)
@@ -1263,9 +1253,8 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, tb_s, aqk_o, flag_
     unfit = _unfit_rows(A, D, max_a, max_t)
     flag_o[UNFIT] = unfit
     flag_o[HUGE] = jnp.where(huge_here, 1.0, 0.0) if l2norm else unfit * 0.0  # (zeros by rows)
-    # T beta's halves over the inverse's operand tiles (its last product done in every warp)
+    # T beta's halves over the inverse's operand tiles (its last product's wait is done)
     tb_hi, tb_lo = split_bf16(D * vector(BETA, 1))
-    _after_reads(interpret)
     tb_s[0] = tb_hi
     tb_s[1] = tb_lo
     _commit_smem(interpret)
@@ -1395,9 +1384,8 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, beta_ref, *refs, num_v_heads: i
         flag_o[...] = _unfit_rows(A, D, max_a, max_t)
         rows_out = pl.ds(pl.multiple_of(s * C, C), C)
         if t_beta:
-            # T beta's halves over the inverse's operand tiles (its last product done in every
-            # warp); rows and columns past the chunk's end are zeros (so is beta there)
-            _after_reads(interpret)
+            # T beta's halves over the inverse's operand tiles (its last product's wait is
+            # done); rows and columns past the chunk's end are zeros (so is beta there)
             _store_halves(tb_s, split_bf16(D * vector(1)), interpret=interpret)
             plgpu.copy_smem_to_gmem(tb_s, tb_ref.at[:, rows_out, h])
             plgpu.copy_smem_to_gmem(flag_o, flag_ref.at[s, h])
@@ -1413,9 +1401,8 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, beta_ref, *refs, num_v_heads: i
                 x = _load(x_s, wgmma_layout, interpret)
                 x_s[...] = jnp.where(_iota(x.shape, 0, interpret) < n, x, jnp.zeros_like(x))
 
-        # T beta's halves over the inverse's operand tiles (its last product done in every
-        # warp), and the zeroed rows above, for the products
-        _after_reads(interpret)
+        # T beta's halves over the inverse's operand tiles (its last product's wait is done),
+        # and the zeroed rows above, for the products
         _store_halves(tb_s, split_bf16(D * vector(1)), interpret=interpret)
         # W = (T beta)(e^G k) from both sides' halves (all pairs but lo x lo, as
         # `gdn_prefill._dot_parts`), U = (T beta) v
@@ -1423,10 +1410,8 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, beta_ref, *refs, num_v_heads: i
                                 (tb_s.at[1], ek_s.at[0])],
                                [(tb_s.at[0], v_s), (tb_s.at[1], v_s)]],
                               (C, HEAD_K_DIM), interpret=interpret)
-        # W's halves over e^G k's tiles and U over T beta's, once the products' reads are done
-        # in every warp
+        # W's halves over e^G k's tiles and U over T beta's: the products' reads are done
         u_s = union_s[2]
-        _after_reads(interpret)
         _store_halves(ek_s, split_bf16(w), interpret=interpret, commit=False)
         if u_halves:
             _store_halves(u_s, split_bf16(u), interpret=interpret, commit=False)
