@@ -56,12 +56,14 @@ column by column (the reference rows go through a small per-program scratch in m
 takes them instead of row factors), e^G k (for W), the masked k k^T and q k^T (k k^T without
 beta) and the chunk's total decay per channel. The prep then loads k k^T, forms A and T beta
 and stores W = (T beta) (e^G k) and U = (T beta) v, and the scan takes the deltas as U - W S:
-with T beta in the scan instead, KDA's scan would load the e^G k rows besides its decayed q
-and k rows, and lost more time than its prep saved (BENCHMARKS.md). With bf16 inputs at
-K = V = 128 and every sequence starting at a multiple of CHUNK (`PrefillSpec.aligned_chunks`),
+with T beta in the Triton scan instead, KDA's scan would load the e^G k rows besides its
+decayed q and k rows, and lost more time than its prep saved (BENCHMARKS.md). With bf16 inputs
+at K = V = 128 and every sequence starting at a multiple of CHUNK (`PrefillSpec.aligned_chunks`),
 W and U come from the Mosaic GPU prep (`gdn_prefill_mgpu.kda_prep`, `_mosaic_kda_prep`)
 instead, and the Triton prep, in its `redo_only` form, forms again only the chunks whose fp16
-inverse it flagged.
+inverse it flagged; with the Mosaic GPU KDA scan and `PrefillBlockSizes.mosaic_kda_t_beta` the
+Mosaic prep writes T beta's halves only and the scan forms the deltas from them, e^G k and v
+(the redo pass then forms the flagged chunks' T beta again).
 
 The inverse T = (I + A)^-1 takes one of two forms, neither forming powers of A (a truncated
 series I - A + A^2 - ... loses about three digits for repeated keys with beta near 1):
@@ -215,6 +217,12 @@ class PrefillBlockSizes:
     # intra kernel then writing k e^{G_C - G} as bf16 halves. The default blocks take it with
     # the Mosaic KDA prep (faster than the Triton scan in both forms; BENCHMARKS.md, KDA)
     mosaic_kda_scan: bool = False
+    # KDA, with mosaic_kda_scan: the Mosaic KDA prep writes T beta's halves instead of W and U
+    # and the scan forms the deltas as (T beta)(v - (e^G k) S): the prep no longer reads e^G k
+    # and v nor writes W and U, and the scan's chain takes one product more a chunk. The
+    # default blocks take it with the Mosaic KDA scan (the whole call 5-20% faster than with W
+    # and U; BENCHMARKS.md, KDA prefill)
+    mosaic_kda_t_beta: bool = False
 
     def blocked_inverse_for(self, spec: PrefillSpec) -> bool:
         # Measured on the H200: the blocked inverse makes KDA's prep 7-8% faster and GDN's
@@ -235,8 +243,12 @@ class PrefillBlockSizes:
         # not bounded by one, 272 KiB), leave room for one stage only on an H200.
         one_stage = spec.head_k_dim > 128 or (spec.per_channel_gate
                                               and (spec.precise or not _bounded_by_one(spec)))
-        # KDA's intra kernel: 32 key channels per step (BENCHMARKS.md, KDA launch sweep).
-        block_k = min(32, spec.head_k_dim)
+        # KDA's intra kernel: 64 key channels a step for the lower-bound gate with 16-bit
+        # inputs, else 32 (the softplus and given gates' intra kernels took 34% and 15% longer
+        # at 64, the lower-bound one 5% less; fp32 inputs' gate sums come in two parts;
+        # BENCHMARKS.md, KDA prefill).
+        lower_bound_gate = spec.raw_gates and spec.gate_lower_bound is not None
+        block_k = min(64 if lower_bound_gate and not spec.precise else 32, spec.head_k_dim)
         mosaic = mosaic_scan_default(spec, dtype)
         kda_prep = mosaic_kda_prep_default(spec, dtype)
         # KDA's Mosaic scan wherever its prep is Mosaic and the call needs no chunk states
@@ -260,11 +272,12 @@ class PrefillBlockSizes:
                                      num_stages_scan=1 if one_stage else 3, block_k=block_k,
                                      paired_halves=not spec.per_channel_gate, pair_group=1,
                                      heads_fastest=spec.per_channel_gate, mosaic_scan=mosaic,
-                                     mosaic_kda_prep=kda_prep, mosaic_kda_scan=kda_scan)
+                                     mosaic_kda_prep=kda_prep, mosaic_kda_scan=kda_scan,
+                                     mosaic_kda_t_beta=kda_scan)
         return PrefillBlockSizes(block_v=block_v, num_stages_scan=1,
                                  block_k=block_k, paired_halves=not spec.per_channel_gate,
                                  mosaic_scan=mosaic, mosaic_kda_prep=kda_prep,
-                                 mosaic_kda_scan=kda_scan)
+                                 mosaic_kda_scan=kda_scan, mosaic_kda_t_beta=kda_scan)
 
 
 # the Mosaic scan's wide form from this many of its programs (an H200 has 132 SMs; measured:
@@ -385,6 +398,9 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
             why = _mosaic_kda_scan_reason(spec, block)
             if why:
                 return f"mosaic_kda_scan: {why}"
+        if block.mosaic_kda_t_beta and not block.mosaic_kda_scan:
+            return ("mosaic_kda_t_beta: T beta's halves are for the Mosaic GPU KDA scan "
+                    "(mosaic_kda_scan), which forms the deltas from them")
         if block.pair_group not in (1, PAIR_GROUP):
             return f"pair_group={block.pair_group} must be 1 or {PAIR_GROUP}"
         if spec.per_channel_gate and block.paired_halves:
@@ -937,8 +953,10 @@ def _prep_kernel(start_ref, len_ref, lead_ref, q_ref, k_ref, v_ref, g_ref, beta_
                  dt_ref, kk_ref, ek_ref, redo_ref, w_in_ref, u_in_ref, tb_ref, w_ref, u_ref,
                  aqk_ref, fq_ref, fk_ref, fw_ref, decay_ref, kk_out_ref, a_ref, *,
                  spec: PrefillSpec, blocked_inverse: bool, prep_cols: int, heads_fastest: bool,
-                 redo_only: bool, interpret: bool):
-    del w_in_ref, u_in_ref   # redo_only: W and U as given (aliased by w_ref, u_ref)
+                 redo_only: bool, interpret: bool, kda_t_beta: bool = False):
+    # redo_only: W and U as given (aliased by w_ref, u_ref); kda_t_beta: T beta's halves as
+    # given (aliased by tb_ref), the flagged chunks' formed again, and no W or U
+    del w_in_ref, u_in_ref
     C = CHUNK
 
     def chunk(s, h):
@@ -977,6 +995,12 @@ def _prep_kernel(start_ref, len_ref, lead_ref, q_ref, k_ref, v_ref, g_ref, beta_
                 else:
                     kk = load(kk_ref.at[tok, h, :], rows2)
                 Tb = invert(beta[:, None] * kk, kk_out_ref) * beta[None, :]
+                if kda_t_beta:
+                    # for the Mosaic GPU KDA scan, which forms the deltas from T beta's halves:
+                    # every row of the slot's, those past the chunk's end zeros (Tb's are:
+                    # beta is zero there), over whatever the fp16 inverse left there
+                    _store_split(tb_ref, (tok, h, slice(None)), Tb, None)
+                    return
                 bf16 = _bf16_rows(ek_ref, v_ref)  # bf16 rows enter the products as they are
                 Tb_parts = _split_bf16(Tb) if bf16 else None
 
@@ -1511,7 +1535,8 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
             if v.dtype != jnp.bfloat16:
                 raise ValueError(f"mosaic_kda_prep takes bf16 inputs, got v of {v.dtype}")
             redo = _mosaic_kda_prep(v, beta, start, length, kk, ek, spec=spec,
-                                    u_halves=block.mosaic_kda_scan, interpret=interpret)
+                                    u_halves=block.mosaic_kda_scan,
+                                    t_beta=block.mosaic_kda_t_beta, interpret=interpret)
     else:
         kk = ek = jnp.zeros((1, 1, 1), F32)  # unused placeholders
     # GDN stores T beta and the scan forms the deltas (T beta)(v - (e^G k) S): a [C, C] matrix
@@ -1528,25 +1553,28 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
     kda_scratch = kda and blocked
     half_inverse = _half_inverse(spec, blocked)
     placeholder = jnp.zeros((1, 1, 1), F32)
-    # redo_only: W and U from the Mosaic prep, the Triton prep writing the flagged chunks' in
-    # place (slot rows are token rows for aligned chunks)
+    # redo_only: W and U (t_beta: T beta's halves) from the Mosaic prep, the Triton prep
+    # writing the flagged chunks' in place (slot rows are token rows for aligned chunks)
+    t_beta = redo is not None and block.mosaic_kda_t_beta
     flags, w_in, u_in = (jnp.zeros((1, 1), jnp.int32), placeholder, placeholder) if redo is None \
         else redo
     aliases = {10: 8} if kda_scratch and redo is None else {}
     if redo is not None:
-        aliases.update({13: 1, 14: 2})
+        aliases.update({13: 0} if t_beta else {13: 1, 14: 2})
     *outs, _, A = pl.pallas_call(
         functools.partial(_prep_kernel, spec=spec, blocked_inverse=blocked,
                           heads_fastest=block.heads_fastest,
                           prep_cols=min(block.prep_cols, K, V), redo_only=redo is not None,
-                          interpret=interpret),
-        # T beta = (I + A)^-1 beta (with the fp16 inverse, `_prep_inverse_kernel` forms it)
-        out_shape=(only(not kda and not half_inverse, (T_total, HV, CHUNK)),
+                          kda_t_beta=t_beta, interpret=interpret),
+        # T beta = (I + A)^-1 beta (with the fp16 inverse, `_prep_inverse_kernel` forms it;
+        # KDA's Mosaic prep with t_beta, its halves)
+        out_shape=(jax.ShapeDtypeStruct(w_in.shape, w_in.dtype) if t_beta
+                   else only(not kda and not half_inverse, (T_total, HV, CHUNK)),
                    # W, in parts like e^G k
-                   only(kda, (_kda_parts(v.dtype), T_total, HV, K), v.dtype)
-                   if redo is None else jax.ShapeDtypeStruct(w_in.shape, w_in.dtype),
-                   only(kda, (T_total, HV, V))                   # U
-                   if redo is None else jax.ShapeDtypeStruct(u_in.shape, u_in.dtype),
+                   only(kda and not t_beta, (_kda_parts(v.dtype), T_total, HV, K), v.dtype)
+                   if redo is None or t_beta else jax.ShapeDtypeStruct(w_in.shape, w_in.dtype),
+                   only(kda and not t_beta, (T_total, HV, V))    # U
+                   if redo is None or t_beta else jax.ShapeDtypeStruct(u_in.shape, u_in.dtype),
                    # q k^T e^{G_i - G_j}
                    only(not kda, (T_total, HV, CHUNK), _bounded_dtype(spec)),
                    only(not kda, (T_total, HV)),                 # q: norm * scale * e^G
@@ -1580,15 +1608,20 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
         aqk, fq, fk, fw, decay = gdn_outputs
     else:
         fw = gdn_outputs[3]
+    if t_beta:
+        # the Mosaic KDA scan forms the deltas from T beta, e^G k and v (`kda_scan`'s tb)
+        w, u = ek, _aligned_rows(v)
     return tb, w, u, aqk, fq, fk, fw, decay
 
 
-def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, u_halves=False, interpret):
+def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, u_halves=False, t_beta=False,
+                     interpret):
     """KDA's W and U from `gdn_prefill_mgpu.kda_prep` (spec.aligned_chunks: slot s holds tokens
     64 s .., so its rows by slot are its rows by token), and the chunks to form again:
     (redo flags [S, HV] int32, W [2, S * C, HV, K] bf16, U [S * C, HV, V] fp32, or with
     u_halves its bf16 halves [2, S * C, HV, V] for the Mosaic GPU KDA scan) for `_prep`'s
-    redo_only pass. kk, ek: the intra kernel's, with v's rows aligned."""
+    redo_only pass; with t_beta (flags, T beta's halves [2, S * C, HV, C] bf16, a placeholder).
+    kk, ek: the intra kernel's, with v's rows aligned."""
     C = CHUNK
     i = jnp.arange(C, dtype=jnp.int32)
     at = jnp.clip(start[:, None] + i, 0, beta.shape[0] - 1)                   # [S, C]
@@ -1597,15 +1630,24 @@ def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, u_halves=False, in
         b = jax.nn.sigmoid(b)
     beta_rows = jnp.where((i < length[:, None])[..., None], b, 0.0).transpose(0, 2, 1)
     # programs taking items in turn, with the next item's k k^T fetched during one, where
-    # k k^T is fp16; an fp32 k k^T's second buffer would leave one program an SM
-    turns = kk.dtype == jnp.float16
-    w, u, flags = mgpu_scan.kda_prep(jnp.where(length > 0, start, 0), length, kk, ek,
-                                     _aligned_rows(v), beta_rows, max_a=HALF_INVERSE_MAX_A,
-                                     max_t=HALF_INVERSE_MAX_T,
-                                     num_programs=mgpu_scan.PREP_PROGRAMS if turns else None,
-                                     u_halves=u_halves, interpret=interpret)
+    # k k^T is fp16 or nothing else comes in (t_beta); an fp32 k k^T's second buffer beside
+    # e^G k and v would leave one program an SM
+    turns = t_beta or kk.dtype == jnp.float16
+    num_programs = mgpu_scan.PREP_PROGRAMS if turns else None
+    at_start = jnp.where(length > 0, start, 0)
+    limits = dict(max_a=HALF_INVERSE_MAX_A, max_t=HALF_INVERSE_MAX_T)
+    if t_beta:
+        tb, flags = mgpu_scan.kda_prep(at_start, length, kk, None, None, beta_rows, **limits,
+                                       num_programs=num_programs, t_beta=True,
+                                       interpret=interpret)
+        outs = (tb, jnp.zeros((1, 1, 1), F32))
+    else:
+        outs = mgpu_scan.kda_prep(at_start, length, kk, ek, _aligned_rows(v), beta_rows,
+                                  **limits, num_programs=num_programs, u_halves=u_halves,
+                                  interpret=interpret)
+        *outs, flags = outs
     redo = ((jnp.max(flags, axis=2) > 0) & (length[:, None] > 0)).astype(jnp.int32)
-    return redo, w, u
+    return (redo, *outs)
 
 
 def _redo(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb, *, spec, block, slot_rows,
@@ -1816,8 +1858,11 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
             # KDA: the decayed q rows, k e^{G_C - G}'s halves (the intra kernel's), W's halves
             # and U (the Mosaic prep's), by token row (slot rows are token rows: aligned chunks)
             # (the intra kernel's rows come in whole 8-row tiles, as the prep's W and U do)
+            # (with mosaic_kda_t_beta: T beta's halves, e^G k's halves and v, `_prep`)
             o, final_t = mgpu_scan.kda_scan(cu, _longest_first(cu), first, live, decay,
-                                            fq, fk, w, u, aqk, h0t, num_v_heads=HV,
+                                            fq, fk, w, u, aqk, h0t,
+                                            tb if block.mosaic_kda_t_beta else None,
+                                            num_v_heads=HV,
                                             has_initial_state=spec.has_initial_state
                                             or spec.pooled, narrow=narrow,
                                             warp_specialized=not interpret,

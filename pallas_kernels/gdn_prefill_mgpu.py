@@ -25,7 +25,8 @@ packed sequences may share token rows), and each is one bulk copy.
 head), from the Triton intra-chunk kernel's k k^T and e^G k: the same fp16 inverse as `prep`,
 then the two products on the tensor cores; for calls whose sequences all start at multiples of
 CHUNK, so that every chunk is one bulk copy of 64 token rows in and out. k k^T and beta arrive on
-a barrier of their own, so the inverse runs while e^G k and v are still being copied in.
+a barrier of their own, so the inverse runs while e^G k and v are still being copied in. Its
+`t_beta` form reads k k^T and beta only and writes T beta's bf16 halves, for `kda_scan`'s.
 
 `kda_scan`: KDA's state scan, for calls whose sequences all start at multiples of CHUNK (the
 Mosaic KDA prep's, which then writes U as bf16 halves), one program per (sequence, value head,
@@ -40,7 +41,10 @@ halves against k e^{G_C - G}'s), publishing S^T and D^T while the products run. 
 There is no copy warpgroup: each warpgroup fetches its own operands into a buffer as soon as it
 has read it (W into two buffers, the rest one), so the next chunk's rows arrive while the
 current one is formed (`PrefillBlockSizes.mosaic_kda_scan`, the default with the Mosaic KDA
-prep).
+prep). Given T beta's halves (`tb`) instead of W and U, the chain forms the deltas as `scan`
+does, X = v - (e^G k) S, then D = (T beta) X: e^G k's halves take W's buffers and v U's, and
+the narrow form publishes X^T's halves for the second product
+(`PrefillBlockSizes.mosaic_kda_t_beta`).
 
 `scan`: each program owns one (sequence, value head, block of BV = 64 value columns) and keeps
 the transposed state slab S^T [BV, K] in fp32 registers laid out as a wgmma accumulator, so the
@@ -696,11 +700,11 @@ _KDA_SCAN_PUBLISH = 2    # the chain's publications a chunk: S^T's halves, then 
 
 
 def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, kd_ref, w_ref,
-                     u_ref, aqk_ref, h0_ref, o_ref, hT_ref, w_union, u_s, kd_s, decay_s, qd_s,
-                     aqk_s, s_pub, d_pub, o_s, w_loaded, u_loaded, kd_loaded, q_loaded,
-                     aqk_loaded, published, read, h0_bar, *, num_v_heads: int, head_v_dim: int,
-                     has_initial_state: bool, narrow: bool, warp_specialized: bool,
-                     interpret: bool):
+                     u_ref, aqk_ref, tb_ref, h0_ref, o_ref, hT_ref, w_union, u_s, kd_s, decay_s,
+                     qd_s, aqk_s, s_pub, d_pub, o_s, w_loaded, u_loaded, kd_loaded, q_loaded,
+                     aqk_loaded, published, read, h0_bar, t_beta_scratch, *, num_v_heads: int,
+                     head_v_dim: int, has_initial_state: bool, narrow: bool, t_beta: bool,
+                     warp_specialized: bool, interpret: bool):
     C, K = CHUNK, HEAD_K_DIM
     BV = BLOCK_V_NARROW if narrow else BLOCK_V
     KB = K // 2      # the narrow form's key blocks: S [K, BV] as two accumulators of 64 rows
@@ -720,6 +724,11 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
     # the token index of the chain's tiles: D^T's form holds tokens on columns, D's on rows
     tok_index = _iota((C, BV), 0, interpret) if narrow else _iota((BV, C), 1, interpret)
     S_PUB, D_PUB = range(_KDA_SCAN_PUBLISH)
+    if t_beta:
+        # T beta's halves, their barrier, and (narrow) X^T's halves, the right operand of
+        # D = (T beta) X
+        tb_s, tb_loaded, *x_pub = t_beta_scratch
+        x_pub = x_pub[0] if narrow else None
 
     def chunk_start(c):
         # every sequence starts at a multiple of CHUNK (the launcher's condition)
@@ -730,8 +739,8 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
 
     # Each warpgroup fetches its own operands, into buffers it has finished reading: the chain
     # W (two buffers: the next chunk's arrives while this one is formed), U, the decayed k
-    # rows' halves and e^{G_C}; the output warpgroup the decayed q rows and the intra-chunk
-    # matrix.
+    # rows' halves and e^{G_C}, with t_beta e^G k's halves for W, v for U, and T beta's halves;
+    # the output warpgroup the decayed q rows and the intra-chunk matrix.
     # (one copy a half: a bulk copy takes at most 5 strided dims)
     def fetch_w(c):
         for part in range(2):
@@ -739,8 +748,14 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
                                     w_loaded.at[c % 2])
 
     def fetch_u(c):
+        if t_beta:
+            plgpu.copy_gmem_to_smem(u_ref.at[rows(c), h, cols], u_s, u_loaded)
+            return
         for part in range(2):
             plgpu.copy_gmem_to_smem(u_ref.at[part, rows(c), h, cols], u_s.at[part], u_loaded)
+
+    def fetch_tb(c):
+        plgpu.copy_gmem_to_smem(tb_ref.at[:, rows(c), h, :], tb_s, tb_loaded)
 
     def fetch_kd(c):
         for part in range(2):
@@ -755,7 +770,9 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
 
     def refill(fetch, c):
         """fetch(c) if chunk c exists, after this warpgroup's reads of the buffer (committed:
-        ordered before the bulk copy that overwrites it)."""
+        ordered before the bulk copy that overwrites it). The chain refills while a later
+        product runs (`_products`' during), off its path: a commit is a fence and a warpgroup
+        barrier."""
         if not warp_specialized:
             return
         _commit_smem(interpret)
@@ -783,34 +800,47 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         lo = c - c + 1
         return lo - 1, lo
 
+    def transposed_tile(ref):
+        """ref's [C, BV] tile as a [BV, C] register array."""
+        x = _load(ref if interpret else ref.transpose((1, 0)), wgmma_layout, interpret)
+        return x.T if interpret else x
+
     def chain_step_wide(c, S):
         """Chunk c on S^T [BV, K] (one accumulator), every operand of the chain's products in
         registers but the rows: -D^T = S^T W^T - U^T from -U^T (S^T's halves against W's), then
         S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}) (D^T's halves against k's). S^T's halves and
-        D^T's are published while the products run."""
+        D^T's are published while the products run. With t_beta the first product is
+        -X^T = S^T (e^G k)^T - v^T, and D^T = X^T (T beta)^T (X^T's halves against T beta's)."""
         wbuf = c % 2
         hi, lo = traced_halves(c)
         valid = tok_index < eos - chunk_start(c)
         plgpu.barrier_wait(w_loaded.at[wbuf])
         plgpu.barrier_wait(u_loaded)
         s_hi, s_lo = split_bf16(S)
-        # U^T from its halves' transposed tiles
-        u_t = [_load(u_s.at[part] if interpret else u_s.at[part].transpose((1, 0)),
-                     wgmma_layout, interpret) for part in range(2)]
-        u_t = [x.T for x in u_t] if interpret else u_t
-        neg_u_t = -(u_t[0].astype(F32) + u_t[1].astype(F32))
-        refill(fetch_u, c + 1)
+        if t_beta:
+            neg_u_t = -transposed_tile(u_s).astype(F32)           # -v^T
+        else:
+            # U^T from its halves' transposed tiles
+            u_t = [transposed_tile(u_s.at[part]) for part in range(2)]
+            neg_u_t = -(u_t[0].astype(F32) + u_t[1].astype(F32))
         wait_read(c, S_PUB)
 
         def publish_state():
             _store_halves(s_pub, (s_hi, s_lo), interpret=interpret)
             publish(S_PUB)
+            refill(fetch_u, c + 1)
 
         w_hi, w_lo = ("T", w_s.at[wbuf, hi]), ("T", w_s.at[wbuf, lo])
-        (neg_d_t,), _ = _products([[(s_hi, w_hi), (s_lo, w_hi), (s_hi, w_lo)]], (BV, C),
-                                  [neg_u_t], interpret=interpret, during=publish_state)
-        refill(fetch_w, c + 2)
-        d_hi, d_lo = split_bf16(jnp.where(valid, -neg_d_t, 0.0))
+        (acc,), _ = _products([[(s_hi, w_hi), (s_lo, w_hi), (s_hi, w_lo)]], (BV, C),
+                              [neg_u_t], interpret=interpret, during=publish_state)
+        d_t = -acc
+        if t_beta:
+            x_hi, x_lo = split_bf16(jnp.where(valid, d_t, 0.0))
+            plgpu.barrier_wait(tb_loaded)
+            tb_hi, tb_lo = ("T", tb_s.at[0]), ("T", tb_s.at[1])
+            (d_t,), _ = _products([[(x_hi, tb_hi), (x_hi, tb_lo), (x_lo, tb_hi)]], (BV, C),
+                                  interpret=interpret, during=lambda: refill(fetch_w, c + 2))
+        d_hi, d_lo = split_bf16(jnp.where(valid, d_t, 0.0))
         plgpu.barrier_wait(kd_loaded)
         decay = _columns(_load(decay_s, None, interpret), (BV, K), interpret)
         wait_read(c, D_PUB)
@@ -818,6 +848,7 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         def publish_deltas():
             _store_halves(d_pub, (d_hi, d_lo), interpret=interpret)
             publish(D_PUB)
+            refill(fetch_tb, c + 1) if t_beta else refill(fetch_w, c + 2)
 
         (S,), _ = _products([[(d_hi, kd_s.at[hi]), (d_hi, kd_s.at[lo]), (d_lo, kd_s.at[hi])]],
                             (BV, K), [S * decay], interpret=interpret, during=publish_deltas)
@@ -828,7 +859,9 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         """Chunk c on S [K, BV] as two accumulators of KB key rows: S^T's halves published
         first (W S takes S from shared memory), -D = W S - U from -U, D^T's halves published,
         then S <- e^{G_C} S + (k e^{G_C - G})^T D, with (k e^{G_C - G})^T by key blocks as
-        register operands (a transposed left operand from shared memory does not lower)."""
+        register operands (a transposed left operand from shared memory does not lower). With
+        t_beta the first product is -X = (e^G k) S - v, and X^T's halves go through shared
+        memory for D = (T beta) X."""
         wbuf = c % 2
         hi, lo = traced_halves(c)
         valid = tok_index < eos - chunk_start(c)
@@ -840,15 +873,24 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
                           interpret=interpret, commit=False, transposed=True)
         _commit_smem(interpret)
         publish(S_PUB)
-        u = [_load(u_s.at[part], wgmma_layout, interpret) for part in range(2)]
-        neg_u = -(u[0].astype(F32) + u[1].astype(F32))
-        refill(fetch_u, c + 1)
+        if t_beta:
+            neg_u = -_load(u_s, wgmma_layout, interpret).astype(F32)     # -v
+        else:
+            u = [_load(u_s.at[part], wgmma_layout, interpret) for part in range(2)]
+            neg_u = -(u[0].astype(F32) + u[1].astype(F32))
         w_hi, w_lo = w_s.at[wbuf, hi], w_s.at[wbuf, lo]
-        (neg_d,), _ = _products([[(w_hi, ("T", s_pub.at[hi])), (w_hi, ("T", s_pub.at[lo])),
-                                  (w_lo, ("T", s_pub.at[hi]))]], (C, BV), [neg_u],
-                                interpret=interpret)
-        refill(fetch_w, c + 2)
-        d = jnp.where(valid, -neg_d, 0.0)
+        (acc,), _ = _products([[(w_hi, ("T", s_pub.at[hi])), (w_hi, ("T", s_pub.at[lo])),
+                                (w_lo, ("T", s_pub.at[hi]))]], (C, BV), [neg_u],
+                              interpret=interpret, during=lambda: refill(fetch_u, c + 1))
+        d = jnp.where(valid, -acc, 0.0)
+        if t_beta:
+            _store_halves(x_pub, split_bf16(d), interpret=interpret, transposed=True)
+            plgpu.barrier_wait(tb_loaded)
+            (d,), _ = _products([[(tb_s.at[0], ("T", x_pub.at[0])),
+                                  (tb_s.at[0], ("T", x_pub.at[1])),
+                                  (tb_s.at[1], ("T", x_pub.at[0]))]], (C, BV),
+                                interpret=interpret, during=lambda: refill(fetch_w, c + 2))
+            d = jnp.where(valid, d, 0.0)
         wait_read(c, D_PUB)
         _store_halves(d_pub, split_bf16(d), interpret=interpret, transposed=True)
         publish(D_PUB)
@@ -863,9 +905,15 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
                   (kt(lo, b), ("T", d_pub.at[hi]))] for b in range(2)]
         decays = [_rows(_load(decay_s.at[pl.ds(b * KB, KB)], None, interpret), (KB, BV),
                         interpret) for b in range(2)]
+
+        def refills():
+            # k e^{G_C - G} and e^{G_C} are in registers: their buffers too are refilled while
+            # the update runs
+            refill(fetch_tb, c + 1) if t_beta else refill(fetch_w, c + 2)
+            refill(fetch_kd, c + 1)
+
         S, _ = _products(terms, (KB, BV), [Sb * d for Sb, d in zip(S, decays)],
-                         interpret=interpret)
-        refill(fetch_kd, c + 1)
+                         interpret=interpret, during=refills)
         return tuple(S)
 
     chain_step = chain_step_narrow if narrow else chain_step_wide
@@ -907,9 +955,10 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
                                        interpret),
             zero_chunks, (C, BV), o_ref.dtype, interpret)
 
+    chain_fetches = (fetch_tb,) if t_beta else ()
     if not warp_specialized:
         def step(c, S):
-            for fetch in (fetch_w, fetch_u, fetch_kd, fetch_q, fetch_aqk):
+            for fetch in (fetch_w, fetch_u, fetch_kd, fetch_q, fetch_aqk) + chain_fetches:
                 fetch(c)
             S = chain_step(c, S)
             output_step(c)
@@ -925,7 +974,8 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
     @pl.when(wg == 0)
     def _chain():
         S = initial_state()
-        for c, fetch in ((0, fetch_w), (1, fetch_w), (0, fetch_u), (0, fetch_kd)):
+        for c, fetch in ((0, fetch_w), (1, fetch_w), (0, fetch_u), (0, fetch_kd)) + tuple(
+                (0, fetch) for fetch in chain_fetches):
             @pl.when(c < num_chunks)
             def _(c=c, fetch=fetch):
                 fetch(c)
@@ -950,9 +1000,9 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
 
 
 @default_config
-def kda_scan(cu, order, first, live, decay, qd, kd, w, u, aqk, h0, *, num_v_heads: int,
-             has_initial_state: bool, narrow: bool = False, warp_specialized: bool = True,
-             interpret: bool = False):
+def kda_scan(cu, order, first, live, decay, qd, kd, w, u, aqk, h0, tb=None, *,
+             num_v_heads: int, has_initial_state: bool, narrow: bool = False,
+             warp_specialized: bool = True, interpret: bool = False):
     """KDA's state scan over packed sequences that all start at multiples of CHUNK, one program
     per (sequence, value head, BLOCK_V value columns) holding S^T [BV, K] as the tensor cores'
     accumulator: D = U - W S and S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}) on a chain
@@ -960,26 +1010,41 @@ def kda_scan(cu, order, first, live, decay, qd, kd, w, u, aqk, h0, *, num_v_head
     publishes. Every product takes both fp32 sides as bf16 halves (hi x hi + hi x lo + lo x hi).
 
     cu [N + 1] (starts multiples of CHUNK), order [N], first [N], live [N] as for `scan`; decay
-    [S, HV, K] fp32 (e^{G_C} per chunk slot); by token row (slot s's rows are tokens 64 s ..):
+    [S, HV, K] fp32 (e^{G_C} per chunk slot); by token row, T' rows (a multiple of ALIGN):
     qd [T', HV, K] bf16 (q e^G with norm and scale), kd [2, T', HV, K] bf16 (k e^{G_C - G}'s
-    halves), w [2, T', HV, K] bf16 (W's halves), u [2, T', HV, V] bf16 (U's halves, from
-    `kda_prep(..., u_halves=True)`), aqk [T', HV, C] fp16 or
-    fp32; h0 [N, HV, V, K] (transposed; a placeholder without has_initial_state).
+    halves), aqk [T', HV, C] fp16 or fp32; by chunk slot (slot s's rows 64 s .. are its
+    tokens' rows: the chunks are aligned), S * C rows: w [2, S * C, HV, K] bf16 (W's halves),
+    u [2, S * C, HV, V] bf16 (U's halves, from `kda_prep(..., u_halves=True)`);
+    h0 [N, HV, V, K] (transposed; a placeholder without has_initial_state).
+    tb: T beta's halves [2, S * C, HV, C] bf16 by chunk slot (`kda_prep(..., t_beta=True)`);
+    with it the chain forms the deltas as D = (T beta)(v - (e^G k) S), one product more a chunk
+    on its path, and w holds e^G k's halves [2, T', HV, K], u the values v [T', HV, V] bf16,
+    by token row (rows past the tokens may hold anything: they are masked out of X).
     narrow: programs of BLOCK_V_NARROW value columns holding S [K, BV] as two accumulators of
     64 key rows (twice the programs, for calls with few (sequence, head) pairs), the update
     taking (k e^{G_C - G})^T by key blocks as register operands; h0 and the final states then
     as they are, [N, HV, K, V].
-    Returns (o [T, HV, V] bf16 with T = u's rows, final states [N, HV, V, K] fp32, transposed,
-    or [N, HV, K, V] narrow)."""
-    _, T, HV, V = u.shape
+    Returns (o [T', HV, V] bf16, final states [N, HV, V, K] fp32, transposed, or [N, HV, K, V]
+    narrow)."""
+    # o by token row, as qd (more slots than chunks would give u more rows, and an output of
+    # u's rows would cost the caller a copy of its first T' rows)
+    T = qd.shape[0]
+    HV, V = u.shape[-2:]
     N = cu.shape[0] - 1
     K = HEAD_K_DIM
     BV = BLOCK_V_NARROW if narrow else BLOCK_V
     nv = V // BV
+    t_beta = tb is not None
     state = (K, BV) if narrow else (BV, K)
     w_union = plgpu.RefUnion(_swizzled((2, 2, CHUNK, K)), plgpu.SMEM(state, F32))
+    u_tile = (CHUNK, BV) if t_beta else (2, CHUNK, BV)      # v, or U's halves
+    t_beta_scratch = ()
+    if t_beta:
+        t_beta_scratch = (_swizzled((2, CHUNK, CHUNK)), plgpu.Barrier())  # T beta's halves
+        if narrow:
+            t_beta_scratch += (_swizzled((2, BV, CHUNK)),)                 # X^T halves
     scratch = (w_union,
-               _swizzled((2, CHUNK, BV), swizzle=2 * BV),            # U's halves
+               _swizzled(u_tile, swizzle=2 * BV),
                _swizzled((2, CHUNK, K)),                             # k e^{G_C - G} halves
                plgpu.SMEM((K,), F32),                                # e^{G_C}
                _swizzled((CHUNK, K)),                                # q e^G
@@ -988,22 +1053,25 @@ def kda_scan(cu, order, first, live, decay, qd, kd, w, u, aqk, h0, *, num_v_head
                _swizzled((2, BV, CHUNK)),                            # D^T halves
                plgpu.SMEM((2, CHUNK, BV), BF16),                     # output staging
                plgpu.Barrier(num_arrivals=2, num_barriers=2),        # W (two buffers)
-               plgpu.Barrier(num_arrivals=2),                        # U's halves
+               plgpu.Barrier(num_arrivals=1 if t_beta else 2),       # v, or U's halves
                plgpu.Barrier(num_arrivals=3),                        # k halves, e^{G_C}
                plgpu.Barrier(), plgpu.Barrier(),                     # q e^G, aqk
                plgpu.Barrier(num_barriers=_KDA_SCAN_PUBLISH),        # published
                plgpu.Barrier(num_barriers=_KDA_SCAN_PUBLISH),        # read
-               plgpu.Barrier())
+               plgpu.Barrier(),
+               t_beta_scratch)
     kernel = functools.partial(_kda_scan_kernel, num_v_heads=HV, head_v_dim=V,
                                has_initial_state=has_initial_state, narrow=narrow,
-                               warp_specialized=warp_specialized, interpret=interpret)
+                               t_beta=t_beta, warp_specialized=warp_specialized,
+                               interpret=interpret)
     return _launch(
         kernel,
         out_type=(jax.ShapeDtypeStruct((T, HV, V), BF16),
                   jax.ShapeDtypeStruct((N, HV, K, V) if narrow else (N, HV, V, K), F32)),
         scratch=scratch, num_programs=N * HV * nv, name="kda_prefill_mgpu_scan",
         num_threads=2 if warp_specialized else 1, interpret=interpret,
-    )(cu, order, first, live, decay, qd, kd, w, u, aqk, h0)
+    )(cu, order, first, live, decay, qd, kd, w, u, aqk,
+      jnp.zeros((1, 1, 1, 1), BF16) if tb is None else tb, h0)
 
 
 # --------------------------------------------------------------------------- the chunk prep
@@ -1251,11 +1319,16 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
 
 # --------------------------------------------------------------------------- KDA's chunk prep
 
-def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref, u_ref, flag_ref,
-                     kk_s, union_s, ek_s, v_s, beta_s, flag_o, first_bar, second_bar, *,
-                     num_v_heads: int, num_items: int, num_programs: int, max_a: float,
-                     max_t: float, u_halves: bool, interpret: bool):
+def _kda_prep_kernel(start_ref, len_ref, kk_ref, beta_ref, *refs, num_v_heads: int,
+                     num_items: int, num_programs: int, max_a: float, max_t: float,
+                     u_halves: bool, t_beta: bool, interpret: bool):
     C = CHUNK
+    if t_beta:
+        # T beta's halves out, nothing multiplied: no e^G k or v in
+        tb_ref, flag_ref, kk_s, union_s, beta_s, flag_o, first_bar = refs
+    else:
+        (ek_ref, v_ref, w_ref, u_ref, flag_ref, kk_s, union_s, ek_s, v_s, beta_s, flag_o,
+         first_bar, second_bar) = refs
     # with two buffers for k k^T and beta, the next item's are fetched while this one is formed
     num_bufs = kk_s.shape[0]
     mine, slot_and_head = _items_in_turn(num_items, num_programs, num_v_heads)
@@ -1281,13 +1354,16 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref,
         s, h = slot_and_head(it)
         buf = it % num_bufs
         if not interpret:
-            # the item before this one stored W from e^G k's tiles, U from the union and its
-            # flags: their reads first, then this item's rows over them
+            # the item before this one stored its outputs from the union (and W from e^G k's
+            # tiles) and its flags: their reads first, then this item's rows over them
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        # e^G k and v, waited for only before the products: the inverse runs while they arrive
-        for part in range(2):   # (one copy a part: a bulk copy takes at most 5 strided dims)
-            plgpu.copy_gmem_to_smem(ek_ref.at[part, rows_in(s), h], ek_s.at[part], second_bar)
-        plgpu.copy_gmem_to_smem(v_ref.at[rows_in(s), h], v_s, second_bar)
+        if not t_beta:
+            # e^G k and v, waited for only before the products: the inverse runs while they
+            # arrive (one copy a part: a bulk copy takes at most 5 strided dims)
+            for part in range(2):
+                plgpu.copy_gmem_to_smem(ek_ref.at[part, rows_in(s), h], ek_s.at[part],
+                                        second_bar)
+            plgpu.copy_gmem_to_smem(v_ref.at[rows_in(s), h], v_s, second_bar)
         if num_bufs > 1:
             @pl.when(it + 1 < mine)
             def _():
@@ -1302,10 +1378,18 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref,
 
         kk = _load(kk_s.at[buf], wgmma_layout, interpret).astype(F32)
         A = jnp.where((i > j) & (i < n), vector(0) * kk, 0.0)
-        inverse_s, tb_s, u_s = union_s
+        inverse_s, tb_s = union_s[0], union_s[1]
         zero = buf - buf   # a traced index: see `_prep_kernel`
         D = _inverse_fp16(A, i, j, inverse_s.at[zero], inverse_s.at[zero + 1], interpret)
         flag_o[...] = _unfit_rows(A, D, max_a, max_t)
+        rows_out = pl.ds(pl.multiple_of(s * C, C), C)
+        if t_beta:
+            # T beta's halves over the inverse's operand tiles (its last product's wait is
+            # done); rows and columns past the chunk's end are zeros (so is beta there)
+            _store_halves(tb_s, split_bf16(D * vector(1)), interpret=interpret)
+            plgpu.copy_smem_to_gmem(tb_s, tb_ref.at[:, rows_out, h])
+            plgpu.copy_smem_to_gmem(flag_o, flag_ref.at[s, h])
+            return carry
         plgpu.barrier_wait(second_bar)
 
         @pl.when(n < C)
@@ -1327,13 +1411,13 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref,
                                [(tb_s.at[0], v_s), (tb_s.at[1], v_s)]],
                               (C, HEAD_K_DIM), interpret=interpret)
         # W's halves over e^G k's tiles and U over T beta's: the products' reads are done
+        u_s = union_s[2]
         _store_halves(ek_s, split_bf16(w), interpret=interpret, commit=False)
         if u_halves:
             _store_halves(u_s, split_bf16(u), interpret=interpret, commit=False)
         else:
             u_s[...] = u
         _commit_smem(interpret)
-        rows_out = pl.ds(pl.multiple_of(s * C, C), C)
         for part in range(2):
             plgpu.copy_smem_to_gmem(ek_s.at[part], w_ref.at[part, rows_out, h])
             if u_halves:
@@ -1351,7 +1435,7 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, ek_ref, v_ref, beta_ref, w_ref,
 @default_config
 def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
              num_programs: int | None = PREP_PROGRAMS, u_halves: bool = False,
-             interpret: bool = False):
+             t_beta: bool = False, interpret: bool = False):
     """KDA's W and U, per (chunk slot, value head) item, one warpgroup an item; num_programs
     programs (None: one an item) take the items in turn, heads fastest. A = beta k k^T
     from the intra-chunk kernel's k k^T, T = (I + A)^-1 by the fp16 doubling of `prep`, then
@@ -1365,10 +1449,13 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
     and lo parts); v [T, HV, 128] bf16; beta [S, HV, CHUNK] fp32 (zero on the rows that are
     not the chunk's).
     u_halves: U as bf16 halves [2, S * CHUNK, HV, 128] (what `kda_scan` takes).
+    t_beta: T beta's bf16 halves instead of W and U, for `kda_scan(..., tb=)`, which forms the
+    deltas from them (ek and v are then not read, and may be None).
     Returns (W's halves [2, S * CHUNK, HV, 128] bf16, U [S * CHUNK, HV, 128] fp32, both by
     chunk slot (row s * CHUNK + i of slot s's row i), and flags [S, HV, CHUNK] fp32: 1 on the
     rows where the fp16 inverse may not have held (|A| > max_a or |T| > max_t), whose W and U
-    the caller must form again)."""
+    the caller must form again); with t_beta (T beta's halves [2, S * CHUNK, HV, CHUNK] bf16
+    by chunk slot, zero on the rows and columns past each chunk's length, flags)."""
     S, HV = beta.shape[:2]
     C, K = CHUNK, HEAD_K_DIM
     num_items = S * HV
@@ -1376,23 +1463,31 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
     # two buffers for k k^T and beta where programs take several items (the next item's fetched
     # while one is formed); k k^T, e^G k's parts and v in, and in one union the inverse's fp16
     # operand tiles, then T beta's halves, then U; W goes out through e^G k's tiles (about
-    # 100 KiB with k k^T in fp16: two programs an SM)
+    # 100 KiB with k k^T in fp16: two programs an SM). With t_beta only the first two.
     num_bufs = 2 if num_programs < num_items else 1
-    union = plgpu.RefUnion(_swizzled((2, C, C), F16), _swizzled((2, C, C)),
-                           _swizzled((2, C, K)) if u_halves else plgpu.SMEM((C, K), F32))
-    scratch = (plgpu.SMEM((num_bufs, C, C), kk.dtype), union, _swizzled((2, C, K)),
-               _swizzled((C, K)), plgpu.SMEM((num_bufs, 2, C), F32), plgpu.SMEM((C,), F32),
-               plgpu.Barrier(num_arrivals=3, num_barriers=num_bufs),
-               plgpu.Barrier(num_arrivals=3, num_barriers=1))
+    flags = jax.ShapeDtypeStruct((S, HV, C), F32)
+    first = (plgpu.SMEM((num_bufs, C, C), kk.dtype),)
+    rest = (plgpu.SMEM((num_bufs, 2, C), F32), plgpu.SMEM((C,), F32),
+            plgpu.Barrier(num_arrivals=3, num_barriers=num_bufs))
+    if t_beta:
+        union = plgpu.RefUnion(_swizzled((2, C, C), F16), _swizzled((2, C, C)))
+        scratch = first + (union,) + rest
+        out_type = (jax.ShapeDtypeStruct((2, S * C, HV, C), BF16), flags)
+        operands = (start, length, kk, beta)
+    else:
+        union = plgpu.RefUnion(_swizzled((2, C, C), F16), _swizzled((2, C, C)),
+                               _swizzled((2, C, K)) if u_halves else plgpu.SMEM((C, K), F32))
+        scratch = (first + (union, _swizzled((2, C, K)), _swizzled((C, K))) + rest
+                   + (plgpu.Barrier(num_arrivals=3, num_barriers=1),))
+        out_type = (jax.ShapeDtypeStruct((2, S * C, HV, K), BF16),
+                    jax.ShapeDtypeStruct((2, S * C, HV, K), BF16) if u_halves
+                    else jax.ShapeDtypeStruct((S * C, HV, K), F32),
+                    flags)
+        operands = (start, length, kk, beta, ek, v)
     return _launch(
         functools.partial(_kda_prep_kernel, num_v_heads=HV, num_items=num_items,
                           num_programs=num_programs, max_a=max_a, max_t=max_t,
-                          u_halves=u_halves, interpret=interpret),
-        out_type=(jax.ShapeDtypeStruct((2, S * C, HV, K), BF16),
-                  jax.ShapeDtypeStruct((2, S * C, HV, K), BF16) if u_halves
-                  else jax.ShapeDtypeStruct((S * C, HV, K), F32),
-                  jax.ShapeDtypeStruct((S, HV, C), F32)),
-        scratch=scratch, num_programs=num_programs, name="kda_prefill_mgpu_prep",
-        interpret=interpret,
-    )(start, length, kk, ek, v, beta)
-
+                          u_halves=u_halves, t_beta=t_beta, interpret=interpret),
+        out_type=out_type, scratch=scratch, num_programs=num_programs,
+        name="kda_prefill_mgpu_prep", interpret=interpret,
+    )(*operands)

@@ -828,17 +828,27 @@ def test_mosaic_scan_lowers_for_hopper():
             jnp.ones((T, HV, 64), kk_dtype), jnp.ones((2, T, HV, K), BF16), y,
             jnp.ones((S, HV, 64)))
         assert "mosaic_gpu" in exported.mlir_module()
+    # ... and its T beta form (only k k^T and beta in), k k^T fp32 with programs in turn
+    f = jax.jit(functools.partial(mgpu.kda_prep, max_a=kern.HALF_INVERSE_MAX_A,
+                                  max_t=kern.HALF_INVERSE_MAX_T, num_programs=3, t_beta=True))
+    exported = jax.export.export(f, platforms=["cuda"])(
+        jnp.zeros((S,), jnp.int32), jnp.full((S,), 64, jnp.int32), jnp.ones((T, HV, 64), F32),
+        None, None, jnp.ones((S, HV, 64)))
+    assert "mosaic_gpu" in exported.mlir_module()
     # KDA's scan (rows by token, starts multiples of 64), both forms, aqk fp16 or fp32, with
-    # and without an initial state
-    for narrow, aqk_dtype, init in ((False, F16, True), (True, F32, False)):
+    # and without an initial state, with W and U or with T beta (then e^G k and v by token row)
+    for narrow, aqk_dtype, init, t_beta in ((False, F16, True, False), (True, F32, False, False),
+                                            (False, F32, True, True), (True, F16, True, True)):
         f = jax.jit(functools.partial(mgpu.kda_scan, num_v_heads=HV, has_initial_state=init,
                                       narrow=narrow))
+        rows = (jnp.ones((2, T, HV, K), BF16), y) if t_beta else (
+            jnp.ones((2, S * 64, HV, K), BF16), jnp.ones((2, S * 64, HV, V), BF16))
         exported = jax.export.export(f, platforms=["cuda"])(
             jnp.array([0, 128, T], jnp.int32), jnp.array([0, 1], jnp.int32),
             jnp.array([0, 2], jnp.int32), jnp.ones((2,), jnp.int32), jnp.ones((S, HV, K)),
-            jnp.ones((T, HV, K), BF16), jnp.ones((2, T, HV, K), BF16),
-            jnp.ones((2, S * 64, HV, K), BF16), jnp.ones((2, S * 64, HV, V), BF16),
-            jnp.ones((T, HV, 64), aqk_dtype), jnp.ones((2, HV, V, K)))   # (V = K)
+            jnp.ones((T, HV, K), BF16), jnp.ones((2, T, HV, K), BF16), *rows,
+            jnp.ones((T, HV, 64), aqk_dtype), jnp.ones((2, HV, V, K)),   # (V = K)
+            halves if t_beta else None)
         assert "mosaic_gpu" in exported.mlir_module()
 
 
@@ -944,26 +954,32 @@ def test_mosaic_kda_prep_against_float64(mode, lens, HK, HV, gate):
 
 # KDA's scan in Mosaic GPU: lens (starts multiples of 64; a partial last chunk, empty and
 # one-token sequences), HK, HV, gate form as above, initial state, block_v (64: the wide form,
-# 32: the narrow one; the pool test below takes the wide form)
+# 32: the narrow one; the pool test below takes the wide form), t_beta (the deltas from T beta,
+# `mosaic_kda_t_beta`)
 MOSAIC_KDA_SCAN_CASES = [
-    ([64, 0, 64, 100], 2, 4, "softplus", True, 32),
-    pytest.param([128, 70], 1, 2, -5.0, False, 64, marks=FULL),
-    pytest.param([64, 1], 1, 1, None, True, 64, marks=FULL),
-    pytest.param([128, 70], 1, 2, -5.0, True, 32, marks=FULL),
+    ([64, 0, 64, 100], 2, 4, "softplus", True, 32, False),
+    ([128, 70], 1, 2, -5.0, True, 64, True),
+    ([64, 0, 100], 1, 2, "softplus", True, 32, True),
+    pytest.param([128, 70], 1, 2, -5.0, False, 64, False, marks=FULL),
+    pytest.param([64, 1], 1, 1, None, True, 64, False, marks=FULL),
+    pytest.param([64, 1], 1, 1, None, False, 32, True, marks=FULL),
+    pytest.param([128, 70], 1, 2, -5.0, True, 32, False, marks=FULL),
+    pytest.param([64, 0, 64, 100], 2, 4, "softplus", False, 64, True, marks=FULL),
 ]
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("lens,HK,HV,gate,init,block_v", MOSAIC_KDA_SCAN_CASES)
-def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init, block_v):
+@pytest.mark.parametrize("lens,HK,HV,gate,init,block_v,t_beta", MOSAIC_KDA_SCAN_CASES)
+def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init, block_v, t_beta):
     """KDA's state scan in Mosaic GPU (`PrefillBlockSizes.mosaic_kda_scan`, after the Mosaic
-    prep), both forms: bf16 inputs against float64, the output within 5e-3 and the final
-    state within 5e-5 (bf16 halves on both sides of every product; compiled on the H200 it
-    came within 1.4e-5 to 2.2e-5, interpret mode within 6e-6; the Triton scan's
-    k e^{G_C - G} in fp16 and one-pass TF32 leave up to ~2e-4), and the output within 1e-3 of
-    the Triton scan's call."""
+    prep), both forms, with W and U or with T beta (`mosaic_kda_t_beta`): bf16 inputs against
+    float64, the output within 5e-3 and the final state within 5e-5 (bf16 halves on both sides
+    of every product; compiled on the H200 it came within 1.4e-5 to 2.2e-5, interpret mode
+    within 1.3e-5; the Triton scan's k e^{G_C - G} in fp16 and one-pass TF32 leave up to
+    ~2e-4), and the output within 1e-3 of the Triton scan's call."""
     blocks = [kern.PrefillBlockSizes(block_v=block_v, block_k=32, mosaic_kda_prep=True,
-                                     mosaic_kda_scan=mosaic) for mosaic in (True, False)]
+                                     mosaic_kda_scan=mosaic, mosaic_kda_t_beta=mosaic and t_beta)
+              for mosaic in (True, False)]
     ((o, hT), triton), (ro, rs) = _aligned_kda_calls(mode, 53, lens, HK, HV, gate, init, blocks)
     assert o.dtype == BF16 and hT.dtype == F32
     assert np.all(np.isfinite(np.asarray(o, F32))) and np.all(np.isfinite(np.asarray(hT)))
@@ -973,11 +989,12 @@ def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init, block_v
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_mosaic_kda_scan_pool_slots_in_place(mode):
+@pytest.mark.parametrize("t_beta", [False, pytest.param(True, marks=FULL)])
+def test_mosaic_kda_scan_pool_slots_in_place(mode, t_beta):
     """The Mosaic GPU KDA scan with a pool: initial states from the named slots, final states
     into them; a padding slot (-1) reads and writes nothing and its sequence's outputs are
     zeros; slots not named keep their bits. Final states within 5e-5 of float64, as in the
-    test above."""
+    test above; with W and U and with T beta."""
     HK, HV, K = 1, 2, 128
     lens = [64, 64, 40]
     q, k, v, g, beta, h0, cu = _kda_inputs(55, lens, HK=HK, HV=HV, K=K, dtype=BF16)
@@ -989,7 +1006,7 @@ def test_mosaic_kda_scan_pool_slots_in_place(mode):
     spec = _spec(HK, HV, K, K, pooled=True, per_channel_gate=True, precise=False,
                  aligned_chunks=True)
     block = kern.PrefillBlockSizes(block_v=64, block_k=32, mosaic_kda_prep=True,
-                                   mosaic_kda_scan=True)
+                                   mosaic_kda_scan=True, mosaic_kda_t_beta=t_beta)
     assert kern.unsupported_reason(spec, block) is None
     o, new_pool, _, _ = kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
                                            pool=jnp.asarray(pool), slots=jnp.asarray(slots),
@@ -1026,8 +1043,11 @@ def test_mosaic_kda_scan_dispatch_rule():
         assert not block.mosaic_kda_scan and kern.unsupported_reason(sp, block) is None
     both = kern.PrefillBlockSizes(block_v=64, mosaic_kda_prep=True, mosaic_kda_scan=True)
     assert kern.unsupported_reason(spec, both) is None
+    assert kern.unsupported_reason(spec, dataclasses.replace(both, mosaic_kda_t_beta=True)) is None
     for sp, block, word in (
             (spec, kern.PrefillBlockSizes(block_v=64, mosaic_kda_scan=True), "mosaic_kda_prep"),
+            (spec, kern.PrefillBlockSizes(block_v=64, mosaic_kda_prep=True,
+                                          mosaic_kda_t_beta=True), "mosaic_kda_scan"),
             (_spec(16, 32, 128, 128, per_channel_gate=True, precise=False, aligned_chunks=True,
                    boundary_states=True), both, "chunk-boundary"),
             (_spec(16, 32, 128, 128, per_channel_gate=True, precise=False), both,
@@ -1085,6 +1105,56 @@ def test_mosaic_kda_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_mosaic_kda_t_beta_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
+    """With `mosaic_kda_t_beta` the Mosaic GPU KDA prep writes T beta's halves, and the Triton
+    pass forms the flagged chunks' again (in one-pass TF32), in place: on the inputs above
+    (value head 0's T beta holds (-2)^(i - j) times beta, beyond fp16; head 1's fits) both
+    heads' T beta come within 2e-3 of float64's, from the same k k^T, and zero past the
+    chunk's end; the scan's other rows are e^G k's halves and the values themselves. The
+    whole call's output is within 1e-3 of the W and U form's, its state within 1e-4."""
+    HV, K = 2, 128
+    q, k, v, g, beta, cu, spec, (start, length, lead), T_total = _kda_redo_inputs()
+    zeros = jnp.zeros((HV * K,), F32)
+    interpret = mode == "interpret"
+    block = kern.PrefillBlockSizes(block_v=64, block_k=32, mosaic_kda_prep=True,
+                                   mosaic_kda_scan=True, mosaic_kda_t_beta=True)
+    tb, ek_rows, v_rows = kern._prep(q, k, v, g, beta, start, length, lead,
+                                     jnp.zeros((HV,), F32), zeros, spec=spec, block=block,
+                                     interpret=interpret)[:3]
+    prep_rows = kern._aligned_rows(v).shape[0]
+    kk, _, _, _, ek, _ = kern._kda_intra(q, k, g, start, length, jnp.zeros((HV,), F32), zeros,
+                                         rows_dtype=BF16, spec=spec, block=block,
+                                         interpret=interpret, prep_rows=prep_rows)
+    assert np.array_equal(np.asarray(ek_rows, F32)[:, :T_total], np.asarray(ek, F32)[:, :T_total])
+    assert np.array_equal(np.asarray(v_rows, F32)[:T_total], np.asarray(v, F32))
+    tb = np.asarray(tb, np.float64)
+    tb = tb[0] + tb[1]                                   # [S * C, HV, C], by chunk slot
+    kk64, beta64 = np.asarray(kk, np.float64), np.asarray(beta, np.float64)
+    C = kern.CHUNK
+    for s_, h in itertools.product(range(start.shape[0]), range(HV)):
+        n, t0 = int(length[s_]), int(start[s_])
+        if n == 0:
+            continue
+        b = beta64[t0:t0 + n, h]
+        A = np.tril(b[:, None] * kk64[t0:t0 + n, h, :n], -1)
+        want = np.linalg.inv(np.eye(n) + A) * b[None, :]
+        got = tb[s_ * C:(s_ + 1) * C, h]
+        assert rel_err(got[:n, :n], want) <= 2e-3, (s_, h)
+        assert np.all(got[n:] == 0) and np.all(got[:, n:] == 0)
+        if h == 0:
+            assert np.abs(got).max() > 2.0 ** 20         # redone: beyond the fp16 inverse
+    outs = {}
+    for t_beta in (True, False):
+        outs[t_beta] = kern.chunk_prefill(
+            q, k, v, g, beta, cu, spec=spec,
+            block=dataclasses.replace(block, mosaic_kda_t_beta=t_beta), interpret=interpret,
+            state_dtype=F32)[:2]
+    (o, hT), (o_wu, hT_wu) = outs[True], outs[False]
+    assert np.all(np.isfinite(np.asarray(o, F32))) and np.all(np.isfinite(np.asarray(hT)))
+    assert rel_err(o, o_wu) <= 1e-3 and rel_err(hT, hT_wu) <= 1e-4
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_kda_intra_rows_for_the_mosaic_scan_end_in_zeros(mode):
     """For the Mosaic GPU KDA scan the intra kernel gives q k^T and the decayed q and k rows in
     whole 8-row tiles (what the scan's bulk copies take, so they are not padded by a copy):
@@ -1139,10 +1209,13 @@ def test_mosaic_kda_prep_u_halves_through_the_redo_pass(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_mosaic_kda_prep_items_in_turn_keep_the_bits(mode):
+@pytest.mark.parametrize("t_beta", [False, True])
+def test_mosaic_kda_prep_items_in_turn_keep_the_bits(mode, t_beta):
     """KDA's Mosaic GPU prep with programs that take several items in turn (the next item's
     k k^T and beta fetched while one is formed) gives the bits of one item a program: fresh
-    random rows, a partial last chunk, an empty slot, unfit chunks among fitting ones."""
+    random rows, a partial last chunk, an empty slot, unfit chunks among fitting ones; W and U,
+    or T beta's halves (t_beta), which on the fitting chunks are within 2e-3 of float64's and
+    zero past each chunk's length."""
     from pallas_kernels import gdn_prefill_mgpu as mgpu
     C, HV, K = 64, 3, 128
     length = jnp.array([64, 64, 0, 64, 37], jnp.int32)
@@ -1160,17 +1233,30 @@ def test_mosaic_kda_prep_items_in_turn_keep_the_bits(mode):
     beta = jnp.where(jnp.arange(C)[None, None, :] < length[:, None, None], beta, 0.0)
     run = lambda n: mgpu.kda_prep(start, length, kk, ek, v, beta,
                                   max_a=kern.HALF_INVERSE_MAX_A, max_t=kern.HALF_INVERSE_MAX_T,
-                                  num_programs=n, interpret=mode == "interpret")
+                                  num_programs=n, t_beta=t_beta, interpret=mode == "interpret")
     one, turns = run(None), run(4)
     fitting = np.ones((S * C, HV), bool)
     fitting[C:2 * C, 2] = False                          # (the flagged chunk: its caller redoes it)
     for a, b in zip(turns, one):
         a, b = np.asarray(a, F32), np.asarray(b, F32)
         assert np.array_equal(a, b, equal_nan=True)
-        if a.shape[0] != S:                              # W's halves and U, by token row
+        if a.shape[0] != S:                              # by chunk slot
             assert np.all(np.isfinite(a[..., fitting, :]))
-    flags = np.asarray(one[2])
+    flags = np.asarray(one[-1])
     assert flags[1, 2].max() == 1 and flags[0].max() == 0 and flags[3].max() == 0
+    if t_beta:
+        tb = np.asarray(one[0], np.float64)
+        tb = (tb[0] + tb[1]).reshape(S, C, HV, C)
+        kk64, beta64 = np.asarray(kk, np.float64).reshape(S, C, HV, C), np.asarray(beta, np.float64)
+        for s_, h in itertools.product(range(S), range(HV)):
+            n = int(length[s_])
+            if (s_, h) == (1, 2):
+                continue
+            A = np.tril(beta64[s_, h][:, None] * kk64[s_, :, h], -1)[:n, :n]
+            want = np.linalg.inv(np.eye(n) + A) * beta64[s_, h][None, :n]
+            got = tb[s_, :, h]
+            assert rel_err(got[:n, :n], want) <= 2e-3
+            assert np.all(got[n:] == 0) and np.all(got[:, n:] == 0)
 
 
 def test_mosaic_kda_prep_dispatch_rule():
