@@ -331,9 +331,10 @@ def sequence_step(spec, q, k, v, g, beta, state):
     ... from `state` (not donated: the caller's stays valid). Returns (o [B, 1, HV, V], new
     state)."""
     call = _sequence_call(spec, jnp.dtype(state.dtype))
-    o, s = _gdn_decode_keeping_state(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, None, None, None,
-                           None, None, spec=call.spec, block=call.block, out_dtype=jnp.dtype(q.dtype),
-                           which="pallas", interpret=dispatch.interpret_enabled())
+    o, s = _gdn_decode_keeping_state(
+        q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, None, None, None, None, None,
+        spec=call.spec, block=call.block, out_dtype=jnp.dtype(q.dtype), which="pallas",
+        interpret=dispatch.interpret_enabled())
     return o[:, None], s
 
 

@@ -432,7 +432,6 @@ def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
     impl: "auto" (a kernel where one runs: a GPU or `gdn_jax.interpret()`), "pallas",
     "reference" (the public sequence function with impl="chunked"; no chunk states)."""
     B, T = q.shape[:2]
-    state_dtype = jnp.float32 if initial_state is None else initial_state.dtype
     call = _prefill_spec_of(q, k, v, g, beta, initial_state=initial_state,
                             cu_seqlens=cu_seqlens, kernel=kernel, chunk_states=chunk_states,
                             A_log=A_log, dt_bias=dt_bias)

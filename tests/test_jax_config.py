@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 import gdn_jax
-from gdn_jax import dispatch
 from pallas_kernels import gdn_decode as dec_kern
 from pallas_kernels import gdn_prefill as kern
 from tests.conftest import KERNEL_MODES, interpret_flag
@@ -37,13 +36,13 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
 
 
-def _sequence(kind, B, T, dtype, gate_dtype=F32, seed=0):
+def _sequence(kind, B, T, dtype, seed=0):
     ks = iter(jax.random.split(jax.random.PRNGKey(seed), 8))
     q, k = (jax.random.normal(next(ks), (B, T, HK, K), F32).astype(dtype) for _ in range(2))
     v = jax.random.normal(next(ks), (B, T, HV, K), F32).astype(dtype)
     gshape = (B, T, HV, K) if kind == "kda" else (B, T, HV)
-    g = (-0.1 * jnp.abs(jax.random.normal(next(ks), gshape, F32))).astype(gate_dtype)
-    beta = jax.random.uniform(next(ks), (B, T, HV), F32).astype(gate_dtype)
+    g = -0.1 * jnp.abs(jax.random.normal(next(ks), gshape, F32))
+    beta = jax.random.uniform(next(ks), (B, T, HV), F32)
     h0 = 0.1 * jax.random.normal(next(ks), (B, HV, K, K), F32)
     return q, k, v, g, beta, h0
 
