@@ -132,8 +132,7 @@ def _prefill_call(spec: DeltaSpec):
     return prefill.PrefillCall(num_seqs=spec.num_seqs, max_seq_len=spec.max_seq_len,
                                head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim,
                                state_dtype=spec.state_dtype,
-                               fp32_inputs=jax.dtypes.canonicalize_dtype(spec.input_dtype)
-                               == jnp.float32,
+                               fp32_inputs=prefill.fp32_inputs(spec.input_dtype),
                                per_channel_gate=spec.kind == "kda")
 
 

@@ -164,6 +164,12 @@ SERIAL_FAMILY = dispatch.KernelFamily("serial prefill", _serial_supports, rule=_
 CHUNKED_FAMILY = dispatch.KernelFamily("chunked prefill", _chunked_supports)
 
 
+def fp32_inputs(dtype) -> bool:
+    """Whether inputs of this dtype take the chunked kernel's precise form (three-pass TF32):
+    fp32 as JAX would store it (float64 arrays under x64 never reach a kernel)."""
+    return jax.dtypes.canonicalize_dtype(dtype) == jnp.float32
+
+
 def _max_seq_len(T, cu_seqlens) -> int:
     if cu_seqlens is not None and chk.is_concrete(cu_seqlens):
         c = np.asarray(cu_seqlens)
@@ -187,7 +193,7 @@ def prefill_call(q, v, g, *, cu_seqlens=None, state_dtype=jnp.float32, kernel=No
                        head_k_dim=int(q.shape[3]), head_v_dim=int(v.shape[3]),
                        state_dtype=str(jnp.dtype(state_dtype)), kernel=kernel,
                        chunk_states=bool(chunk_states), pooled=pooled,
-                       fp32_inputs=jax.dtypes.canonicalize_dtype(v.dtype) == jnp.float32,
+                       fp32_inputs=fp32_inputs(v.dtype),
                        per_channel_gate=np.ndim(g) == 4, float64_arrays=tuple(float64_arrays))
 
 
@@ -248,7 +254,7 @@ def _spec(q, v, g, *, scale, use_qk_l2norm, raw_gates, lower_bound, **flags):
     return kern.PrefillSpec(num_k_heads=q.shape[2], num_v_heads=v.shape[2], head_k_dim=q.shape[3],
                             head_v_dim=v.shape[3], scale=scale, use_qk_l2norm=use_qk_l2norm,
                             raw_gates=raw_gates, per_channel_gate=g.ndim == 4,
-                            gate_lower_bound=lower_bound, precise=v.dtype == jnp.float32, **flags)
+                            gate_lower_bound=lower_bound, precise=fp32_inputs(v.dtype), **flags)
 
 
 def _serial_spec(q, v, g, *, scale, use_qk_l2norm, raw_gates, lower_bound, **flags):
