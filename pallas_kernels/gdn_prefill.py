@@ -61,7 +61,7 @@ decayed q and k rows, and lost more time than its prep saved (BENCHMARKS.md). Wi
 at K = V = 128 and every sequence starting at a multiple of CHUNK (`PrefillSpec.aligned_chunks`),
 W and U come from the Mosaic GPU prep (`gdn_prefill_mgpu.kda_prep`, `_mosaic_kda_prep`)
 instead, and the Triton prep, in its `redo_only` form, forms again only the chunks whose fp16
-inverse it flagged; with the Mosaic GPU KDA scan and `PrefillBlockSizes.mosaic_kda_t_beta` the
+inverse it flagged. For the Mosaic GPU KDA scan (`PrefillBlockSizes.mosaic_kda_scan`) the
 Mosaic prep writes T beta's halves only and the scan forms the deltas from them, e^G k and v
 (the redo pass then forms the flagged chunks' T beta again).
 
@@ -214,15 +214,11 @@ class PrefillBlockSizes:
     mosaic_kda_prep: bool = False
     # KDA, with mosaic_kda_prep: the state scan in Mosaic GPU (`gdn_prefill_mgpu.kda_scan`: the
     # state as the tensor cores' accumulator, bf16 halves on both sides of every product), the
-    # intra kernel then writing k e^{G_C - G} as bf16 halves. The default blocks take it with
-    # the Mosaic KDA prep (faster than the Triton scan in both forms; BENCHMARKS.md, KDA)
+    # intra kernel then writing k e^{G_C - G} as bf16 halves, the Mosaic prep T beta's halves
+    # instead of W and U, and the scan forming the deltas as (T beta)(v - (e^G k) S). The
+    # default blocks take it with the Mosaic KDA prep (faster than the Triton scan in both
+    # forms, and T beta than W and U by 5-20% of the whole call; BENCHMARKS.md, KDA)
     mosaic_kda_scan: bool = False
-    # KDA, with mosaic_kda_scan: the Mosaic KDA prep writes T beta's halves instead of W and U
-    # and the scan forms the deltas as (T beta)(v - (e^G k) S): the prep no longer reads e^G k
-    # and v nor writes W and U, and the scan's chain takes one product more a chunk. The
-    # default blocks take it with the Mosaic KDA scan (the whole call 5-20% faster than with W
-    # and U; BENCHMARKS.md, KDA prefill)
-    mosaic_kda_t_beta: bool = False
 
     def blocked_inverse_for(self, spec: PrefillSpec) -> bool:
         # Measured on the H200: the blocked inverse makes KDA's prep 7-8% faster and GDN's
@@ -272,12 +268,11 @@ class PrefillBlockSizes:
                                      num_stages_scan=1 if one_stage else 3, block_k=block_k,
                                      paired_halves=not spec.per_channel_gate, pair_group=1,
                                      heads_fastest=spec.per_channel_gate, mosaic_scan=mosaic,
-                                     mosaic_kda_prep=kda_prep, mosaic_kda_scan=kda_scan,
-                                     mosaic_kda_t_beta=kda_scan)
+                                     mosaic_kda_prep=kda_prep, mosaic_kda_scan=kda_scan)
         return PrefillBlockSizes(block_v=block_v, num_stages_scan=1,
                                  block_k=block_k, paired_halves=not spec.per_channel_gate,
                                  mosaic_scan=mosaic, mosaic_kda_prep=kda_prep,
-                                 mosaic_kda_scan=kda_scan, mosaic_kda_t_beta=kda_scan)
+                                 mosaic_kda_scan=kda_scan)
 
 
 # the Mosaic scan's wide form from this many of its programs (an H200 has 132 SMs; measured:
@@ -398,9 +393,6 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
             why = _mosaic_kda_scan_reason(spec, block)
             if why:
                 return f"mosaic_kda_scan: {why}"
-        if block.mosaic_kda_t_beta and not block.mosaic_kda_scan:
-            return ("mosaic_kda_t_beta: T beta's halves are for the Mosaic GPU KDA scan "
-                    "(mosaic_kda_scan), which forms the deltas from them")
         if block.pair_group not in (1, PAIR_GROUP):
             return f"pair_group={block.pair_group} must be 1 or {PAIR_GROUP}"
         if spec.per_channel_gate and block.paired_halves:
@@ -1017,10 +1009,8 @@ def _prep_kernel(start_ref, len_ref, lead_ref, q_ref, k_ref, v_ref, g_ref, beta_
                 def u_columns(c, carry):
                     cols = pl.ds(c * prep_cols, prep_cols)
                     v = plgpu.load(v_ref.at[tok, h, cols], mask=rows2, other=0)
-                    # (U's bf16 halves where its ref has a leading axis of two: the Mosaic GPU
-                    # KDA scan's, when this pass forms flagged chunks again)
-                    _store_split(u_ref, (tok, h, cols),
-                                 _dot_bf16x2(Tb, v) if bf16 else dot(Tb, v.astype(F32)), rows2)
+                    u = _dot_bf16x2(Tb, v) if bf16 else dot(Tb, v.astype(F32))
+                    plgpu.store(u_ref.at[tok, h, cols], u.astype(u_ref.dtype), mask=rows2)
                     return carry
 
                 lax.fori_loop(0, ek_ref.shape[-1] // prep_cols, w_columns, 0)
@@ -1535,8 +1525,7 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
             if v.dtype != jnp.bfloat16:
                 raise ValueError(f"mosaic_kda_prep takes bf16 inputs, got v of {v.dtype}")
             redo = _mosaic_kda_prep(v, beta, start, length, kk, ek, spec=spec,
-                                    u_halves=block.mosaic_kda_scan,
-                                    t_beta=block.mosaic_kda_t_beta, interpret=interpret)
+                                    t_beta=block.mosaic_kda_scan, interpret=interpret)
     else:
         kk = ek = jnp.zeros((1, 1, 1), F32)  # unused placeholders
     # GDN stores T beta and the scan forms the deltas (T beta)(v - (e^G k) S): a [C, C] matrix
@@ -1555,7 +1544,7 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
     placeholder = jnp.zeros((1, 1, 1), F32)
     # redo_only: W and U (t_beta: T beta's halves) from the Mosaic prep, the Triton prep
     # writing the flagged chunks' in place (slot rows are token rows for aligned chunks)
-    t_beta = redo is not None and block.mosaic_kda_t_beta
+    t_beta = redo is not None and block.mosaic_kda_scan
     flags, w_in, u_in = (jnp.zeros((1, 1), jnp.int32), placeholder, placeholder) if redo is None \
         else redo
     aliases = {10: 8} if kda_scratch and redo is None else {}
@@ -1614,13 +1603,12 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
     return tb, w, u, aqk, fq, fk, fw, decay
 
 
-def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, u_halves=False, t_beta=False,
-                     interpret):
+def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, t_beta=False, interpret):
     """KDA's W and U from `gdn_prefill_mgpu.kda_prep` (spec.aligned_chunks: slot s holds tokens
     64 s .., so its rows by slot are its rows by token), and the chunks to form again:
-    (redo flags [S, HV] int32, W [2, S * C, HV, K] bf16, U [S * C, HV, V] fp32, or with
-    u_halves its bf16 halves [2, S * C, HV, V] for the Mosaic GPU KDA scan) for `_prep`'s
-    redo_only pass; with t_beta (flags, T beta's halves [2, S * C, HV, C] bf16, a placeholder).
+    (redo flags [S, HV] int32, W [2, S * C, HV, K] bf16, U [S * C, HV, V] fp32) for `_prep`'s
+    redo_only pass; with t_beta, for the Mosaic GPU KDA scan (flags, T beta's halves
+    [2, S * C, HV, C] bf16, a placeholder).
     kk, ek: the intra kernel's, with v's rows aligned."""
     C = CHUNK
     i = jnp.arange(C, dtype=jnp.int32)
@@ -1643,8 +1631,7 @@ def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, u_halves=False, t_
         outs = (tb, jnp.zeros((1, 1, 1), F32))
     else:
         outs = mgpu_scan.kda_prep(at_start, length, kk, ek, _aligned_rows(v), beta_rows,
-                                  **limits, num_programs=num_programs, u_halves=u_halves,
-                                  interpret=interpret)
+                                  **limits, num_programs=num_programs, interpret=interpret)
         *outs, flags = outs
     redo = ((jnp.max(flags, axis=2) > 0) & (length[:, None] > 0)).astype(jnp.int32)
     return (redo, *outs)
@@ -1855,14 +1842,12 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
         h0t = (orient(h0).astype(F32) if spec.has_initial_state or spec.pooled
                else jnp.zeros((1, 1, 1, 1), F32))
         if block.mosaic_kda_scan:
-            # KDA: the decayed q rows, k e^{G_C - G}'s halves (the intra kernel's), W's halves
-            # and U (the Mosaic prep's), by token row (slot rows are token rows: aligned chunks)
-            # (the intra kernel's rows come in whole 8-row tiles, as the prep's W and U do)
-            # (with mosaic_kda_t_beta: T beta's halves, e^G k's halves and v, `_prep`)
+            # KDA: the decayed q rows, k e^{G_C - G}'s and e^G k's halves (the intra kernel's,
+            # in whole 8-row tiles) and v by token row, T beta's halves (the Mosaic prep's) by
+            # slot, which for aligned chunks are token rows (`_prep` hands e^G k and v over as
+            # w and u)
             o, final_t = mgpu_scan.kda_scan(cu, _longest_first(cu), first, live, decay,
-                                            fq, fk, w, u, aqk, h0t,
-                                            tb if block.mosaic_kda_t_beta else None,
-                                            num_v_heads=HV,
+                                            fq, fk, w, u, tb, aqk, h0t, num_v_heads=HV,
                                             has_initial_state=spec.has_initial_state
                                             or spec.pooled, narrow=narrow,
                                             warp_specialized=not interpret,

@@ -21,30 +21,29 @@ q and k. Its outputs are laid by chunk slot (row
 s * CHUNK + i for row i of slot s), so that no two items write the same rows (the chunks of
 packed sequences may share token rows), and each is one bulk copy.
 
-`kda_prep`: KDA's W = (T beta)(e^G k) and U = (T beta) v, one warpgroup per (chunk slot, value
-head), from the Triton intra-chunk kernel's k k^T and e^G k: the same fp16 inverse as `prep`,
-then the two products on the tensor cores; for calls whose sequences all start at multiples of
-CHUNK, so that every chunk is one bulk copy of 64 token rows in and out. k k^T and beta arrive on
-a barrier of their own, so the inverse runs while e^G k and v are still being copied in. Its
-`t_beta` form reads k k^T and beta only and writes T beta's bf16 halves, for `kda_scan`'s.
+`kda_prep`: KDA's T beta, one warpgroup per (chunk slot, value head), from the Triton
+intra-chunk kernel's k k^T: the same fp16 inverse as `prep`, written as T beta's bf16 halves
+for `kda_scan` (`t_beta=True`); for calls whose sequences all start at multiples of CHUNK, so
+that every chunk is one bulk copy of 64 token rows in and out. Without `t_beta` (for the Triton
+scan, which takes the deltas as U - W S) it goes on to W = (T beta)(e^G k) and U = (T beta) v
+on the tensor cores; k k^T and beta then arrive on a barrier of their own, so the inverse runs
+while e^G k and v are still being copied in.
 
 `kda_scan`: KDA's state scan, for calls whose sequences all start at multiples of CHUNK (the
-Mosaic KDA prep's, which then writes U as bf16 halves), one program per (sequence, value head,
-BV value columns) and two warpgroups: the chain walks the state, the output warpgroup forms
-O = (q e^G) S + aqk D from the halves of S and of the deltas D = U - W S the chain publishes.
-The wide form (BV = 64) holds S^T [BV, K] as the tensor cores' accumulator, as `scan` does, and
-keeps every operand of the chain's products in registers but the rows: -D^T = S^T W^T - U^T
-from -U^T (S^T's halves against W's), then S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}) (D^T's
-halves against k e^{G_C - G}'s), publishing S^T and D^T while the products run. The narrow form
-(BV = 32) holds S [K, BV] as two accumulators of 64 key rows: W S takes S from shared memory
-(published first), and the update takes (k e^{G_C - G})^T by key blocks as register operands.
-There is no copy warpgroup: each warpgroup fetches its own operands into a buffer as soon as it
-has read it (W into two buffers, the rest one), so the next chunk's rows arrive while the
-current one is formed (`PrefillBlockSizes.mosaic_kda_scan`, the default with the Mosaic KDA
-prep). Given T beta's halves (`tb`) instead of W and U, the chain forms the deltas as `scan`
-does, X = v - (e^G k) S, then D = (T beta) X: e^G k's halves take W's buffers and v U's, and
-the narrow form publishes X^T's halves for the second product
-(`PrefillBlockSizes.mosaic_kda_t_beta`).
+Mosaic KDA prep's), one program per (sequence, value head, BV value columns) and two
+warpgroups: the chain walks the state, the output warpgroup forms O = (q e^G) S + aqk D from
+the halves of S and of the deltas D the chain publishes. The chain forms the deltas as `scan`
+does, X = v - (e^G k) S, then D = (T beta) X. The wide form (BV = 64) holds S^T [BV, K] as the
+tensor cores' accumulator, as `scan` does, and keeps every operand of the chain's products in
+registers but the rows: -X^T = S^T (e^G k)^T - v^T from -v^T (S^T's halves against e^G k's),
+D^T = X^T (T beta)^T, then S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}) (D^T's halves against
+k e^{G_C - G}'s), publishing S^T and D^T while the products run. The narrow form (BV = 32)
+holds S [K, BV] as two accumulators of 64 key rows: (e^G k) S takes S from shared memory
+(published first), X^T's halves go through shared memory for the second product, and the
+update takes (k e^{G_C - G})^T by key blocks as register operands. There is no copy warpgroup:
+each warpgroup fetches its own operands into a buffer as soon as it has read it (e^G k into
+two buffers, the rest one), so the next chunk's rows arrive while the current one is formed
+(`PrefillBlockSizes.mosaic_kda_scan`, the default with the Mosaic KDA prep).
 
 `scan`: each program owns one (sequence, value head, block of BV = 64 value columns) and keeps
 the transposed state slab S^T [BV, K] in fp32 registers laid out as a wgmma accumulator, so the
@@ -699,11 +698,11 @@ def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_
 _KDA_SCAN_PUBLISH = 2    # the chain's publications a chunk: S^T's halves, then D^T's
 
 
-def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, kd_ref, w_ref,
-                     u_ref, aqk_ref, tb_ref, h0_ref, o_ref, hT_ref, w_union, u_s, kd_s, decay_s,
-                     qd_s, aqk_s, s_pub, d_pub, o_s, w_loaded, u_loaded, kd_loaded, q_loaded,
-                     aqk_loaded, published, read, h0_bar, t_beta_scratch, *, num_v_heads: int,
-                     head_v_dim: int, has_initial_state: bool, narrow: bool, t_beta: bool,
+def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, kd_ref, ek_ref,
+                     v_ref, tb_ref, aqk_ref, h0_ref, o_ref, hT_ref, ek_union, v_s, kd_s, decay_s,
+                     qd_s, aqk_s, s_pub, d_pub, o_s, ek_loaded, v_loaded, kd_loaded, q_loaded,
+                     aqk_loaded, published, read, h0_bar, tb_s, tb_loaded, x_pub, *,
+                     num_v_heads: int, head_v_dim: int, has_initial_state: bool, narrow: bool,
                      warp_specialized: bool, interpret: bool):
     C, K = CHUNK, HEAD_K_DIM
     BV = BLOCK_V_NARROW if narrow else BLOCK_V
@@ -719,16 +718,11 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
     zero_chunks = span_chunks - num_chunks
     first = first_ref[n]
     cols = pl.ds(pl.multiple_of(jv * BV, BV), BV)
-    w_s, state_s = w_union
+    ek_s, state_s = ek_union
     wgmma_layout = None if interpret else plgpu.Layout.WGMMA
     # the token index of the chain's tiles: D^T's form holds tokens on columns, D's on rows
     tok_index = _iota((C, BV), 0, interpret) if narrow else _iota((BV, C), 1, interpret)
     S_PUB, D_PUB = range(_KDA_SCAN_PUBLISH)
-    if t_beta:
-        # T beta's halves, their barrier, and (narrow) X^T's halves, the right operand of
-        # D = (T beta) X
-        tb_s, tb_loaded, *x_pub = t_beta_scratch
-        x_pub = x_pub[0] if narrow else None
 
     def chunk_start(c):
         # every sequence starts at a multiple of CHUNK (the launcher's condition)
@@ -738,21 +732,17 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         return pl.ds(chunk_start(c), C)
 
     # Each warpgroup fetches its own operands, into buffers it has finished reading: the chain
-    # W (two buffers: the next chunk's arrives while this one is formed), U, the decayed k
-    # rows' halves and e^{G_C}, with t_beta e^G k's halves for W, v for U, and T beta's halves;
-    # the output warpgroup the decayed q rows and the intra-chunk matrix.
+    # e^G k's halves (two buffers: the next chunk's arrive while this one is formed), v, T
+    # beta's halves, the decayed k rows' halves and e^{G_C}; the output warpgroup the decayed q
+    # rows and the intra-chunk matrix.
     # (one copy a half: a bulk copy takes at most 5 strided dims)
-    def fetch_w(c):
+    def fetch_ek(c):
         for part in range(2):
-            plgpu.copy_gmem_to_smem(w_ref.at[part, rows(c), h, :], w_s.at[c % 2, part],
-                                    w_loaded.at[c % 2])
+            plgpu.copy_gmem_to_smem(ek_ref.at[part, rows(c), h, :], ek_s.at[c % 2, part],
+                                    ek_loaded.at[c % 2])
 
-    def fetch_u(c):
-        if t_beta:
-            plgpu.copy_gmem_to_smem(u_ref.at[rows(c), h, cols], u_s, u_loaded)
-            return
-        for part in range(2):
-            plgpu.copy_gmem_to_smem(u_ref.at[part, rows(c), h, cols], u_s.at[part], u_loaded)
+    def fetch_v(c):
+        plgpu.copy_gmem_to_smem(v_ref.at[rows(c), h, cols], v_s, v_loaded)
 
     def fetch_tb(c):
         plgpu.copy_gmem_to_smem(tb_ref.at[:, rows(c), h, :], tb_s, tb_loaded)
@@ -807,39 +797,32 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
 
     def chain_step_wide(c, S):
         """Chunk c on S^T [BV, K] (one accumulator), every operand of the chain's products in
-        registers but the rows: -D^T = S^T W^T - U^T from -U^T (S^T's halves against W's), then
+        registers but the rows: -X^T = S^T (e^G k)^T - v^T from -v^T (S^T's halves against
+        e^G k's), D^T = X^T (T beta)^T (X^T's halves against T beta's), then
         S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}) (D^T's halves against k's). S^T's halves and
-        D^T's are published while the products run. With t_beta the first product is
-        -X^T = S^T (e^G k)^T - v^T, and D^T = X^T (T beta)^T (X^T's halves against T beta's)."""
-        wbuf = c % 2
+        D^T's are published while the products run."""
+        ebuf = c % 2
         hi, lo = traced_halves(c)
         valid = tok_index < eos - chunk_start(c)
-        plgpu.barrier_wait(w_loaded.at[wbuf])
-        plgpu.barrier_wait(u_loaded)
+        plgpu.barrier_wait(ek_loaded.at[ebuf])
+        plgpu.barrier_wait(v_loaded)
         s_hi, s_lo = split_bf16(S)
-        if t_beta:
-            neg_u_t = -transposed_tile(u_s).astype(F32)           # -v^T
-        else:
-            # U^T from its halves' transposed tiles
-            u_t = [transposed_tile(u_s.at[part]) for part in range(2)]
-            neg_u_t = -(u_t[0].astype(F32) + u_t[1].astype(F32))
+        neg_v_t = -transposed_tile(v_s).astype(F32)
         wait_read(c, S_PUB)
 
         def publish_state():
             _store_halves(s_pub, (s_hi, s_lo), interpret=interpret)
             publish(S_PUB)
-            refill(fetch_u, c + 1)
+            refill(fetch_v, c + 1)
 
-        w_hi, w_lo = ("T", w_s.at[wbuf, hi]), ("T", w_s.at[wbuf, lo])
-        (acc,), _ = _products([[(s_hi, w_hi), (s_lo, w_hi), (s_hi, w_lo)]], (BV, C),
-                              [neg_u_t], interpret=interpret, during=publish_state)
-        d_t = -acc
-        if t_beta:
-            x_hi, x_lo = split_bf16(jnp.where(valid, d_t, 0.0))
-            plgpu.barrier_wait(tb_loaded)
-            tb_hi, tb_lo = ("T", tb_s.at[0]), ("T", tb_s.at[1])
-            (d_t,), _ = _products([[(x_hi, tb_hi), (x_hi, tb_lo), (x_lo, tb_hi)]], (BV, C),
-                                  interpret=interpret, during=lambda: refill(fetch_w, c + 2))
+        ek_hi, ek_lo = ("T", ek_s.at[ebuf, hi]), ("T", ek_s.at[ebuf, lo])
+        (acc,), _ = _products([[(s_hi, ek_hi), (s_lo, ek_hi), (s_hi, ek_lo)]], (BV, C),
+                              [neg_v_t], interpret=interpret, during=publish_state)
+        x_hi, x_lo = split_bf16(jnp.where(valid, -acc, 0.0))
+        plgpu.barrier_wait(tb_loaded)
+        tb_hi, tb_lo = ("T", tb_s.at[0]), ("T", tb_s.at[1])
+        (d_t,), _ = _products([[(x_hi, tb_hi), (x_hi, tb_lo), (x_lo, tb_hi)]], (BV, C),
+                              interpret=interpret, during=lambda: refill(fetch_ek, c + 2))
         d_hi, d_lo = split_bf16(jnp.where(valid, d_t, 0.0))
         plgpu.barrier_wait(kd_loaded)
         decay = _columns(_load(decay_s, None, interpret), (BV, K), interpret)
@@ -848,7 +831,7 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         def publish_deltas():
             _store_halves(d_pub, (d_hi, d_lo), interpret=interpret)
             publish(D_PUB)
-            refill(fetch_tb, c + 1) if t_beta else refill(fetch_w, c + 2)
+            refill(fetch_tb, c + 1)
 
         (S,), _ = _products([[(d_hi, kd_s.at[hi]), (d_hi, kd_s.at[lo]), (d_lo, kd_s.at[hi])]],
                             (BV, K), [S * decay], interpret=interpret, during=publish_deltas)
@@ -857,40 +840,34 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
 
     def chain_step_narrow(c, S):
         """Chunk c on S [K, BV] as two accumulators of KB key rows: S^T's halves published
-        first (W S takes S from shared memory), -D = W S - U from -U, D^T's halves published,
-        then S <- e^{G_C} S + (k e^{G_C - G})^T D, with (k e^{G_C - G})^T by key blocks as
-        register operands (a transposed left operand from shared memory does not lower). With
-        t_beta the first product is -X = (e^G k) S - v, and X^T's halves go through shared
-        memory for D = (T beta) X."""
-        wbuf = c % 2
+        first ((e^G k) S takes S from shared memory), -X = (e^G k) S - v from -v, X^T's halves
+        through shared memory for D = (T beta) X, D^T's halves published, then
+        S <- e^{G_C} S + (k e^{G_C - G})^T D, with (k e^{G_C - G})^T by key blocks as register
+        operands (a transposed left operand from shared memory does not lower)."""
+        ebuf = c % 2
         hi, lo = traced_halves(c)
         valid = tok_index < eos - chunk_start(c)
-        plgpu.barrier_wait(w_loaded.at[wbuf])
-        plgpu.barrier_wait(u_loaded)
+        plgpu.barrier_wait(ek_loaded.at[ebuf])
+        plgpu.barrier_wait(v_loaded)
         wait_read(c, S_PUB)
         for b, Sb in enumerate(S):
             _store_halves(s_pub.at[:, :, pl.ds(b * KB, KB)], split_bf16(Sb),
                           interpret=interpret, commit=False, transposed=True)
         _commit_smem(interpret)
         publish(S_PUB)
-        if t_beta:
-            neg_u = -_load(u_s, wgmma_layout, interpret).astype(F32)     # -v
-        else:
-            u = [_load(u_s.at[part], wgmma_layout, interpret) for part in range(2)]
-            neg_u = -(u[0].astype(F32) + u[1].astype(F32))
-        w_hi, w_lo = w_s.at[wbuf, hi], w_s.at[wbuf, lo]
-        (acc,), _ = _products([[(w_hi, ("T", s_pub.at[hi])), (w_hi, ("T", s_pub.at[lo])),
-                                (w_lo, ("T", s_pub.at[hi]))]], (C, BV), [neg_u],
-                              interpret=interpret, during=lambda: refill(fetch_u, c + 1))
-        d = jnp.where(valid, -acc, 0.0)
-        if t_beta:
-            _store_halves(x_pub, split_bf16(d), interpret=interpret, transposed=True)
-            plgpu.barrier_wait(tb_loaded)
-            (d,), _ = _products([[(tb_s.at[0], ("T", x_pub.at[0])),
-                                  (tb_s.at[0], ("T", x_pub.at[1])),
-                                  (tb_s.at[1], ("T", x_pub.at[0]))]], (C, BV),
-                                interpret=interpret, during=lambda: refill(fetch_w, c + 2))
-            d = jnp.where(valid, d, 0.0)
+        neg_v = -_load(v_s, wgmma_layout, interpret).astype(F32)
+        ek_hi, ek_lo = ek_s.at[ebuf, hi], ek_s.at[ebuf, lo]
+        (acc,), _ = _products([[(ek_hi, ("T", s_pub.at[hi])), (ek_hi, ("T", s_pub.at[lo])),
+                                (ek_lo, ("T", s_pub.at[hi]))]], (C, BV), [neg_v],
+                              interpret=interpret, during=lambda: refill(fetch_v, c + 1))
+        _store_halves(x_pub, split_bf16(jnp.where(valid, -acc, 0.0)), interpret=interpret,
+                      transposed=True)
+        plgpu.barrier_wait(tb_loaded)
+        (d,), _ = _products([[(tb_s.at[0], ("T", x_pub.at[0])),
+                              (tb_s.at[0], ("T", x_pub.at[1])),
+                              (tb_s.at[1], ("T", x_pub.at[0]))]], (C, BV),
+                            interpret=interpret, during=lambda: refill(fetch_ek, c + 2))
+        d = jnp.where(valid, d, 0.0)
         wait_read(c, D_PUB)
         _store_halves(d_pub, split_bf16(d), interpret=interpret, transposed=True)
         publish(D_PUB)
@@ -909,7 +886,7 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         def refills():
             # k e^{G_C - G} and e^{G_C} are in registers: their buffers too are refilled while
             # the update runs
-            refill(fetch_tb, c + 1) if t_beta else refill(fetch_w, c + 2)
+            refill(fetch_tb, c + 1)
             refill(fetch_kd, c + 1)
 
         S, _ = _products(terms, (KB, BV), [Sb * d for Sb, d in zip(S, decays)],
@@ -945,7 +922,8 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
 
     slab = _StateSlab(h0_ref, hT_ref, state_s, h0_bar, n, h, cols, narrow=narrow,
                       interpret=interpret)
-    # the starting value read before any W is fetched, and committed: state_s shares W's buffers
+    # the starting value read before any e^G k is fetched, and committed: state_s shares their
+    # buffers
     initial_state = functools.partial(slab.initial, has_initial_state, then_commit=True)
     store_final = slab.store_final
 
@@ -955,10 +933,9 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
                                        interpret),
             zero_chunks, (C, BV), o_ref.dtype, interpret)
 
-    chain_fetches = (fetch_tb,) if t_beta else ()
     if not warp_specialized:
         def step(c, S):
-            for fetch in (fetch_w, fetch_u, fetch_kd, fetch_q, fetch_aqk) + chain_fetches:
+            for fetch in (fetch_ek, fetch_v, fetch_tb, fetch_kd, fetch_q, fetch_aqk):
                 fetch(c)
             S = chain_step(c, S)
             output_step(c)
@@ -974,8 +951,8 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
     @pl.when(wg == 0)
     def _chain():
         S = initial_state()
-        for c, fetch in ((0, fetch_w), (1, fetch_w), (0, fetch_u), (0, fetch_kd)) + tuple(
-                (0, fetch) for fetch in chain_fetches):
+        for c, fetch in ((0, fetch_ek), (1, fetch_ek), (0, fetch_v), (0, fetch_tb),
+                         (0, fetch_kd)):
             @pl.when(c < num_chunks)
             def _(c=c, fetch=fetch):
                 fetch(c)
@@ -1000,51 +977,40 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
 
 
 @default_config
-def kda_scan(cu, order, first, live, decay, qd, kd, w, u, aqk, h0, tb=None, *,
-             num_v_heads: int, has_initial_state: bool, narrow: bool = False,
-             warp_specialized: bool = True, interpret: bool = False):
+def kda_scan(cu, order, first, live, decay, qd, kd, ek, v, tb, aqk, h0, *, num_v_heads: int,
+             has_initial_state: bool, narrow: bool = False, warp_specialized: bool = True,
+             interpret: bool = False):
     """KDA's state scan over packed sequences that all start at multiples of CHUNK, one program
     per (sequence, value head, BLOCK_V value columns) holding S^T [BV, K] as the tensor cores'
-    accumulator: D = U - W S and S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}) on a chain
-    warpgroup, O = (q e^G) S + aqk D on an output warpgroup from the halves the chain
-    publishes. Every product takes both fp32 sides as bf16 halves (hi x hi + hi x lo + lo x hi).
+    accumulator: on a chain warpgroup the deltas D = (T beta)(v - (e^G k) S), one product for
+    X = v - (e^G k) S and one for D, and S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}); on an output
+    warpgroup O = (q e^G) S + aqk D from the halves the chain publishes. Every product takes
+    both fp32 sides as bf16 halves (hi x hi + hi x lo + lo x hi).
 
     cu [N + 1] (starts multiples of CHUNK), order [N], first [N], live [N] as for `scan`; decay
-    [S, HV, K] fp32 (e^{G_C} per chunk slot); by token row, T' rows (a multiple of ALIGN):
-    qd [T', HV, K] bf16 (q e^G with norm and scale), kd [2, T', HV, K] bf16 (k e^{G_C - G}'s
-    halves), aqk [T', HV, C] fp16 or fp32; by chunk slot (slot s's rows 64 s .. are its
-    tokens' rows: the chunks are aligned), S * C rows: w [2, S * C, HV, K] bf16 (W's halves),
-    u [2, S * C, HV, V] bf16 (U's halves, from `kda_prep(..., u_halves=True)`);
-    h0 [N, HV, V, K] (transposed; a placeholder without has_initial_state).
-    tb: T beta's halves [2, S * C, HV, C] bf16 by chunk slot (`kda_prep(..., t_beta=True)`);
-    with it the chain forms the deltas as D = (T beta)(v - (e^G k) S), one product more a chunk
-    on its path, and w holds e^G k's halves [2, T', HV, K], u the values v [T', HV, V] bf16,
-    by token row (rows past the tokens may hold anything: they are masked out of X).
+    [S, HV, K] fp32 (e^{G_C} per chunk slot); by token row, T' rows (a multiple of ALIGN; rows
+    past the tokens may hold anything: they are masked out of X): qd [T', HV, K] bf16 (q e^G
+    with norm and scale), kd [2, T', HV, K] bf16 (k e^{G_C - G}'s halves), ek [2, T', HV, K]
+    bf16 (e^G k's halves), v [T', HV, V] bf16, aqk [T', HV, C] fp16 or fp32; by chunk slot
+    (slot s's rows 64 s .. are its tokens' rows: the chunks are aligned), S * C rows: tb
+    [2, S * C, HV, C] bf16 (T beta's halves, `kda_prep`); h0 [N, HV, V, K] (transposed; a
+    placeholder without has_initial_state).
     narrow: programs of BLOCK_V_NARROW value columns holding S [K, BV] as two accumulators of
     64 key rows (twice the programs, for calls with few (sequence, head) pairs), the update
     taking (k e^{G_C - G})^T by key blocks as register operands; h0 and the final states then
     as they are, [N, HV, K, V].
     Returns (o [T', HV, V] bf16, final states [N, HV, V, K] fp32, transposed, or [N, HV, K, V]
     narrow)."""
-    # o by token row, as qd (more slots than chunks would give u more rows, and an output of
-    # u's rows would cost the caller a copy of its first T' rows)
     T = qd.shape[0]
-    HV, V = u.shape[-2:]
+    HV, V = v.shape[-2:]
     N = cu.shape[0] - 1
     K = HEAD_K_DIM
     BV = BLOCK_V_NARROW if narrow else BLOCK_V
     nv = V // BV
-    t_beta = tb is not None
     state = (K, BV) if narrow else (BV, K)
-    w_union = plgpu.RefUnion(_swizzled((2, 2, CHUNK, K)), plgpu.SMEM(state, F32))
-    u_tile = (CHUNK, BV) if t_beta else (2, CHUNK, BV)      # v, or U's halves
-    t_beta_scratch = ()
-    if t_beta:
-        t_beta_scratch = (_swizzled((2, CHUNK, CHUNK)), plgpu.Barrier())  # T beta's halves
-        if narrow:
-            t_beta_scratch += (_swizzled((2, BV, CHUNK)),)                 # X^T halves
-    scratch = (w_union,
-               _swizzled(u_tile, swizzle=2 * BV),
+    ek_union = plgpu.RefUnion(_swizzled((2, 2, CHUNK, K)), plgpu.SMEM(state, F32))
+    scratch = (ek_union,                                             # e^G k halves (two buffers)
+               _swizzled((CHUNK, BV), swizzle=2 * BV),               # v
                _swizzled((2, CHUNK, K)),                             # k e^{G_C - G} halves
                plgpu.SMEM((K,), F32),                                # e^{G_C}
                _swizzled((CHUNK, K)),                                # q e^G
@@ -1052,26 +1018,28 @@ def kda_scan(cu, order, first, live, decay, qd, kd, w, u, aqk, h0, tb=None, *,
                _swizzled((2, BV, K)),                                # S^T halves
                _swizzled((2, BV, CHUNK)),                            # D^T halves
                plgpu.SMEM((2, CHUNK, BV), BF16),                     # output staging
-               plgpu.Barrier(num_arrivals=2, num_barriers=2),        # W (two buffers)
-               plgpu.Barrier(num_arrivals=1 if t_beta else 2),       # v, or U's halves
+               plgpu.Barrier(num_arrivals=2, num_barriers=2),        # e^G k (two buffers)
+               plgpu.Barrier(),                                      # v
                plgpu.Barrier(num_arrivals=3),                        # k halves, e^{G_C}
                plgpu.Barrier(), plgpu.Barrier(),                     # q e^G, aqk
                plgpu.Barrier(num_barriers=_KDA_SCAN_PUBLISH),        # published
                plgpu.Barrier(num_barriers=_KDA_SCAN_PUBLISH),        # read
                plgpu.Barrier(),
-               t_beta_scratch)
+               _swizzled((2, CHUNK, CHUNK)), plgpu.Barrier(),        # T beta's halves
+               # narrow: X^T's halves, the right operand of D = (T beta) X
+               _swizzled((2, BV, CHUNK)) if narrow else ())
     kernel = functools.partial(_kda_scan_kernel, num_v_heads=HV, head_v_dim=V,
                                has_initial_state=has_initial_state, narrow=narrow,
-                               t_beta=t_beta, warp_specialized=warp_specialized,
-                               interpret=interpret)
+                               warp_specialized=warp_specialized, interpret=interpret)
+    # o by token row, as qd (an output by chunk slot would cost the caller a copy of its first
+    # T' rows where there are more slots than chunks)
     return _launch(
         kernel,
         out_type=(jax.ShapeDtypeStruct((T, HV, V), BF16),
                   jax.ShapeDtypeStruct((N, HV, K, V) if narrow else (N, HV, V, K), F32)),
         scratch=scratch, num_programs=N * HV * nv, name="kda_prefill_mgpu_scan",
         num_threads=2 if warp_specialized else 1, interpret=interpret,
-    )(cu, order, first, live, decay, qd, kd, w, u, aqk,
-      jnp.zeros((1, 1, 1, 1), BF16) if tb is None else tb, h0)
+    )(cu, order, first, live, decay, qd, kd, ek, v, tb, aqk, h0)
 
 
 # --------------------------------------------------------------------------- the chunk prep
@@ -1321,7 +1289,7 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
 
 def _kda_prep_kernel(start_ref, len_ref, kk_ref, beta_ref, *refs, num_v_heads: int,
                      num_items: int, num_programs: int, max_a: float, max_t: float,
-                     u_halves: bool, t_beta: bool, interpret: bool):
+                     t_beta: bool, interpret: bool):
     C = CHUNK
     if t_beta:
         # T beta's halves out, nothing multiplied: no e^G k or v in
@@ -1413,17 +1381,11 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, beta_ref, *refs, num_v_heads: i
         # W's halves over e^G k's tiles and U over T beta's: the products' reads are done
         u_s = union_s[2]
         _store_halves(ek_s, split_bf16(w), interpret=interpret, commit=False)
-        if u_halves:
-            _store_halves(u_s, split_bf16(u), interpret=interpret, commit=False)
-        else:
-            u_s[...] = u
+        u_s[...] = u
         _commit_smem(interpret)
         for part in range(2):
             plgpu.copy_smem_to_gmem(ek_s.at[part], w_ref.at[part, rows_out, h])
-            if u_halves:
-                plgpu.copy_smem_to_gmem(u_s.at[part], u_ref.at[part, rows_out, h])
-        if not u_halves:
-            plgpu.copy_smem_to_gmem(u_s, u_ref.at[rows_out, h])
+        plgpu.copy_smem_to_gmem(u_s, u_ref.at[rows_out, h])
         plgpu.copy_smem_to_gmem(flag_o, flag_ref.at[s, h])
         return carry
 
@@ -1434,13 +1396,13 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, beta_ref, *refs, num_v_heads: i
 
 @default_config
 def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
-             num_programs: int | None = PREP_PROGRAMS, u_halves: bool = False,
-             t_beta: bool = False, interpret: bool = False):
-    """KDA's W and U, per (chunk slot, value head) item, one warpgroup an item; num_programs
-    programs (None: one an item) take the items in turn, heads fastest. A = beta k k^T
-    from the intra-chunk kernel's k k^T, T = (I + A)^-1 by the fp16 doubling of `prep`, then
-    W = (T beta)(e^G k) and U = (T beta) v on the tensor cores, each taking T beta as its bf16
-    halves against e^G k's hi and lo parts and v's exact rows.
+             num_programs: int | None = PREP_PROGRAMS, t_beta: bool = False,
+             interpret: bool = False):
+    """KDA's T beta, or W and U, per (chunk slot, value head) item, one warpgroup an item;
+    num_programs programs (None: one an item) take the items in turn, heads fastest.
+    A = beta k k^T from the intra-chunk kernel's k k^T, T = (I + A)^-1 by the fp16 doubling of
+    `prep`, then (without t_beta) W = (T beta)(e^G k) and U = (T beta) v on the tensor cores,
+    each taking T beta as its bf16 halves against e^G k's hi and lo parts and v's exact rows.
 
     start [S] (each slot's first token, a multiple of CHUNK: the call's sequences all start at
     multiples of CHUNK, and an unused slot gives any such row), length [S] (its rows: rows past
@@ -1448,9 +1410,8 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
     per-channel decays, zero on and above the diagonal); ek [2, T, HV, 128] bf16 (e^G k's hi
     and lo parts); v [T, HV, 128] bf16; beta [S, HV, CHUNK] fp32 (zero on the rows that are
     not the chunk's).
-    u_halves: U as bf16 halves [2, S * CHUNK, HV, 128] (what `kda_scan` takes).
-    t_beta: T beta's bf16 halves instead of W and U, for `kda_scan(..., tb=)`, which forms the
-    deltas from them (ek and v are then not read, and may be None).
+    t_beta: T beta's bf16 halves instead of W and U, for `kda_scan`, which forms the deltas
+    from them (ek and v are then not read, and may be None).
     Returns (W's halves [2, S * CHUNK, HV, 128] bf16, U [S * CHUNK, HV, 128] fp32, both by
     chunk slot (row s * CHUNK + i of slot s's row i), and flags [S, HV, CHUNK] fp32: 1 on the
     rows where the fp16 inverse may not have held (|A| > max_a or |T| > max_t), whose W and U
@@ -1476,18 +1437,16 @@ def kda_prep(start, length, kk, ek, v, beta, *, max_a: float, max_t: float,
         operands = (start, length, kk, beta)
     else:
         union = plgpu.RefUnion(_swizzled((2, C, C), F16), _swizzled((2, C, C)),
-                               _swizzled((2, C, K)) if u_halves else plgpu.SMEM((C, K), F32))
+                               plgpu.SMEM((C, K), F32))
         scratch = (first + (union, _swizzled((2, C, K)), _swizzled((C, K))) + rest
                    + (plgpu.Barrier(num_arrivals=3, num_barriers=1),))
         out_type = (jax.ShapeDtypeStruct((2, S * C, HV, K), BF16),
-                    jax.ShapeDtypeStruct((2, S * C, HV, K), BF16) if u_halves
-                    else jax.ShapeDtypeStruct((S * C, HV, K), F32),
-                    flags)
+                    jax.ShapeDtypeStruct((S * C, HV, K), F32), flags)
         operands = (start, length, kk, beta, ek, v)
     return _launch(
         functools.partial(_kda_prep_kernel, num_v_heads=HV, num_items=num_items,
                           num_programs=num_programs, max_a=max_a, max_t=max_t,
-                          u_halves=u_halves, t_beta=t_beta, interpret=interpret),
+                          t_beta=t_beta, interpret=interpret),
         out_type=out_type, scratch=scratch, num_programs=num_programs,
         name="kda_prefill_mgpu_prep", interpret=interpret,
     )(*operands)

@@ -817,12 +817,11 @@ def test_mosaic_scan_lowers_for_hopper():
             jnp.zeros((S,), jnp.int32), x, x, jnp.ones((S, HV, mgpu.NUM_ROW_VECTORS, 64)),
             factors)
         assert "mosaic_gpu" in exported.mlir_module()
-    # KDA's prep (token rows a multiple of 8, as its launcher gives them), k k^T fp32 or fp16
-    # (one item a program, with U in bf16 halves, and programs taking several items in turn)
+    # KDA's prep with W and U (token rows a multiple of 8, as its launcher gives them), k k^T
+    # fp32 or fp16 (one item a program, and programs taking several items in turn)
     for kk_dtype, num_programs in itertools.product((F32, F16), (None, 3)):
         f = jax.jit(functools.partial(mgpu.kda_prep, max_a=kern.HALF_INVERSE_MAX_A,
-                                      max_t=kern.HALF_INVERSE_MAX_T, num_programs=num_programs,
-                                      u_halves=num_programs is None))
+                                      max_t=kern.HALF_INVERSE_MAX_T, num_programs=num_programs))
         exported = jax.export.export(f, platforms=["cuda"])(
             jnp.zeros((S,), jnp.int32), jnp.full((S,), 64, jnp.int32),
             jnp.ones((T, HV, 64), kk_dtype), jnp.ones((2, T, HV, K), BF16), y,
@@ -835,20 +834,18 @@ def test_mosaic_scan_lowers_for_hopper():
         jnp.zeros((S,), jnp.int32), jnp.full((S,), 64, jnp.int32), jnp.ones((T, HV, 64), F32),
         None, None, jnp.ones((S, HV, 64)))
     assert "mosaic_gpu" in exported.mlir_module()
-    # KDA's scan (rows by token, starts multiples of 64), both forms, aqk fp16 or fp32, with
-    # and without an initial state, with W and U or with T beta (then e^G k and v by token row)
-    for narrow, aqk_dtype, init, t_beta in ((False, F16, True, False), (True, F32, False, False),
-                                            (False, F32, True, True), (True, F16, True, True)):
+    # KDA's scan (rows by token, T beta by slot, starts multiples of 64), both forms, aqk fp16
+    # or fp32, with and without an initial state
+    for narrow, aqk_dtype, init in ((False, F16, True), (True, F32, False), (False, F32, False),
+                                    (True, F16, True)):
         f = jax.jit(functools.partial(mgpu.kda_scan, num_v_heads=HV, has_initial_state=init,
                                       narrow=narrow))
-        rows = (jnp.ones((2, T, HV, K), BF16), y) if t_beta else (
-            jnp.ones((2, S * 64, HV, K), BF16), jnp.ones((2, S * 64, HV, V), BF16))
         exported = jax.export.export(f, platforms=["cuda"])(
             jnp.array([0, 128, T], jnp.int32), jnp.array([0, 1], jnp.int32),
             jnp.array([0, 2], jnp.int32), jnp.ones((2,), jnp.int32), jnp.ones((S, HV, K)),
-            jnp.ones((T, HV, K), BF16), jnp.ones((2, T, HV, K), BF16), *rows,
-            jnp.ones((T, HV, 64), aqk_dtype), jnp.ones((2, HV, V, K)),   # (V = K)
-            halves if t_beta else None)
+            jnp.ones((T, HV, K), BF16), jnp.ones((2, T, HV, K), BF16),
+            jnp.ones((2, T, HV, K), BF16), y, halves, jnp.ones((T, HV, 64), aqk_dtype),
+            jnp.ones((2, HV, V, K)))   # (V = K)
         assert "mosaic_gpu" in exported.mlir_module()
 
 
@@ -954,31 +951,28 @@ def test_mosaic_kda_prep_against_float64(mode, lens, HK, HV, gate):
 
 # KDA's scan in Mosaic GPU: lens (starts multiples of 64; a partial last chunk, empty and
 # one-token sequences), HK, HV, gate form as above, initial state, block_v (64: the wide form,
-# 32: the narrow one; the pool test below takes the wide form), t_beta (the deltas from T beta,
-# `mosaic_kda_t_beta`)
+# 32: the narrow one; the pool test below takes the wide form)
 MOSAIC_KDA_SCAN_CASES = [
-    ([64, 0, 64, 100], 2, 4, "softplus", True, 32, False),
-    ([128, 70], 1, 2, -5.0, True, 64, True),
-    ([64, 0, 100], 1, 2, "softplus", True, 32, True),
-    pytest.param([128, 70], 1, 2, -5.0, False, 64, False, marks=FULL),
-    pytest.param([64, 1], 1, 1, None, True, 64, False, marks=FULL),
-    pytest.param([64, 1], 1, 1, None, False, 32, True, marks=FULL),
-    pytest.param([128, 70], 1, 2, -5.0, True, 32, False, marks=FULL),
-    pytest.param([64, 0, 64, 100], 2, 4, "softplus", False, 64, True, marks=FULL),
+    ([64, 0, 64, 100], 2, 4, "softplus", True, 32),
+    ([128, 70], 1, 2, -5.0, True, 64),
+    pytest.param([64, 0, 100], 1, 2, "softplus", False, 64, marks=FULL),
+    pytest.param([128, 70], 1, 2, -5.0, False, 64, marks=FULL),
+    pytest.param([64, 1], 1, 1, None, True, 64, marks=FULL),
+    pytest.param([64, 1], 1, 1, None, False, 32, marks=FULL),
+    pytest.param([128, 70], 1, 2, -5.0, True, 32, marks=FULL),
 ]
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("lens,HK,HV,gate,init,block_v,t_beta", MOSAIC_KDA_SCAN_CASES)
-def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init, block_v, t_beta):
+@pytest.mark.parametrize("lens,HK,HV,gate,init,block_v", MOSAIC_KDA_SCAN_CASES)
+def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init, block_v):
     """KDA's state scan in Mosaic GPU (`PrefillBlockSizes.mosaic_kda_scan`, after the Mosaic
-    prep), both forms, with W and U or with T beta (`mosaic_kda_t_beta`): bf16 inputs against
-    float64, the output within 5e-3 and the final state within 5e-5 (bf16 halves on both sides
+    prep's T beta), both forms: bf16 inputs against float64, the output within 5e-3 and the final state within 5e-5 (bf16 halves on both sides
     of every product; compiled on the H200 it came within 1.4e-5 to 2.2e-5, interpret mode
     within 1.3e-5; the Triton scan's k e^{G_C - G} in fp16 and one-pass TF32 leave up to
     ~2e-4), and the output within 1e-3 of the Triton scan's call."""
     blocks = [kern.PrefillBlockSizes(block_v=block_v, block_k=32, mosaic_kda_prep=True,
-                                     mosaic_kda_scan=mosaic, mosaic_kda_t_beta=mosaic and t_beta)
+                                     mosaic_kda_scan=mosaic)
               for mosaic in (True, False)]
     ((o, hT), triton), (ro, rs) = _aligned_kda_calls(mode, 53, lens, HK, HV, gate, init, blocks)
     assert o.dtype == BF16 and hT.dtype == F32
@@ -989,12 +983,11 @@ def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init, block_v
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("t_beta", [False, pytest.param(True, marks=FULL)])
-def test_mosaic_kda_scan_pool_slots_in_place(mode, t_beta):
+def test_mosaic_kda_scan_pool_slots_in_place(mode):
     """The Mosaic GPU KDA scan with a pool: initial states from the named slots, final states
     into them; a padding slot (-1) reads and writes nothing and its sequence's outputs are
     zeros; slots not named keep their bits. Final states within 5e-5 of float64, as in the
-    test above; with W and U and with T beta."""
+    test above."""
     HK, HV, K = 1, 2, 128
     lens = [64, 64, 40]
     q, k, v, g, beta, h0, cu = _kda_inputs(55, lens, HK=HK, HV=HV, K=K, dtype=BF16)
@@ -1006,7 +999,7 @@ def test_mosaic_kda_scan_pool_slots_in_place(mode, t_beta):
     spec = _spec(HK, HV, K, K, pooled=True, per_channel_gate=True, precise=False,
                  aligned_chunks=True)
     block = kern.PrefillBlockSizes(block_v=64, block_k=32, mosaic_kda_prep=True,
-                                   mosaic_kda_scan=True, mosaic_kda_t_beta=t_beta)
+                                   mosaic_kda_scan=True)
     assert kern.unsupported_reason(spec, block) is None
     o, new_pool, _, _ = kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
                                            pool=jnp.asarray(pool), slots=jnp.asarray(slots),
@@ -1027,8 +1020,8 @@ def test_mosaic_kda_scan_pool_slots_in_place(mode, t_beta):
 def test_mosaic_kda_scan_dispatch_rule():
     """The default blocks take the Mosaic GPU KDA scan with the Mosaic KDA prep (bf16 inputs,
     chunks aligned), wide from 128 programs and narrow below, and the Triton scan for chunk
-    states or fp32 inputs; it says why it cannot take a call: it needs the Mosaic KDA prep's W
-    and U, and writes no chunk states."""
+    states or fp32 inputs; it says why it cannot take a call: it needs the Mosaic KDA prep's T
+    beta, and writes no chunk states."""
     spec = _spec(16, 32, 128, 128, per_channel_gate=True, precise=False, aligned_chunks=True)
     for n, block_v in ((8, 64), (2, 64), (1, 32)):
         block = kern.PrefillBlockSizes.get_default(spec, n, BF16)
@@ -1043,11 +1036,8 @@ def test_mosaic_kda_scan_dispatch_rule():
         assert not block.mosaic_kda_scan and kern.unsupported_reason(sp, block) is None
     both = kern.PrefillBlockSizes(block_v=64, mosaic_kda_prep=True, mosaic_kda_scan=True)
     assert kern.unsupported_reason(spec, both) is None
-    assert kern.unsupported_reason(spec, dataclasses.replace(both, mosaic_kda_t_beta=True)) is None
     for sp, block, word in (
             (spec, kern.PrefillBlockSizes(block_v=64, mosaic_kda_scan=True), "mosaic_kda_prep"),
-            (spec, kern.PrefillBlockSizes(block_v=64, mosaic_kda_prep=True,
-                                          mosaic_kda_t_beta=True), "mosaic_kda_scan"),
             (_spec(16, 32, 128, 128, per_channel_gate=True, precise=False, aligned_chunks=True,
                    boundary_states=True), both, "chunk-boundary"),
             (_spec(16, 32, 128, 128, per_channel_gate=True, precise=False), both,
@@ -1106,18 +1096,20 @@ def test_mosaic_kda_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_mosaic_kda_t_beta_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
-    """With `mosaic_kda_t_beta` the Mosaic GPU KDA prep writes T beta's halves, and the Triton
+    """For the Mosaic GPU KDA scan the Mosaic KDA prep writes T beta's halves, and the Triton
     pass forms the flagged chunks' again (in one-pass TF32), in place: on the inputs above
     (value head 0's T beta holds (-2)^(i - j) times beta, beyond fp16; head 1's fits) both
     heads' T beta come within 2e-3 of float64's, from the same k k^T, and zero past the
     chunk's end; the scan's other rows are e^G k's halves and the values themselves. The
-    whole call's output is within 1e-3 of the W and U form's, its state within 1e-4."""
+    whole call's output is within 1e-3 of the Triton scan's (W and U), its state within 5e-4
+    (the Triton scan's own, its k e^{G_C - G} in fp16 and one-pass TF32, reach ~2e-4 against
+    float64; compiled on the H200 the two states differed by 2.2e-4)."""
     HV, K = 2, 128
     q, k, v, g, beta, cu, spec, (start, length, lead), T_total = _kda_redo_inputs()
     zeros = jnp.zeros((HV * K,), F32)
     interpret = mode == "interpret"
     block = kern.PrefillBlockSizes(block_v=64, block_k=32, mosaic_kda_prep=True,
-                                   mosaic_kda_scan=True, mosaic_kda_t_beta=True)
+                                   mosaic_kda_scan=True)
     tb, ek_rows, v_rows = kern._prep(q, k, v, g, beta, start, length, lead,
                                      jnp.zeros((HV,), F32), zeros, spec=spec, block=block,
                                      interpret=interpret)[:3]
@@ -1144,14 +1136,14 @@ def test_mosaic_kda_t_beta_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
         if h == 0:
             assert np.abs(got).max() > 2.0 ** 20         # redone: beyond the fp16 inverse
     outs = {}
-    for t_beta in (True, False):
-        outs[t_beta] = kern.chunk_prefill(
+    for mosaic_scan in (True, False):
+        outs[mosaic_scan] = kern.chunk_prefill(
             q, k, v, g, beta, cu, spec=spec,
-            block=dataclasses.replace(block, mosaic_kda_t_beta=t_beta), interpret=interpret,
+            block=dataclasses.replace(block, mosaic_kda_scan=mosaic_scan), interpret=interpret,
             state_dtype=F32)[:2]
     (o, hT), (o_wu, hT_wu) = outs[True], outs[False]
     assert np.all(np.isfinite(np.asarray(o, F32))) and np.all(np.isfinite(np.asarray(hT)))
-    assert rel_err(o, o_wu) <= 1e-3 and rel_err(hT, hT_wu) <= 1e-4
+    assert rel_err(o, o_wu) <= 1e-3 and rel_err(hT, hT_wu) <= 5e-4
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -1183,29 +1175,6 @@ def test_kda_intra_rows_for_the_mosaic_scan_end_in_zeros(mode):
         assert np.all(a[T_total:] == 0) and np.all(np.isfinite(a))
     assert np.array_equal(aqk[:T_total], aqk0) and np.array_equal(fq[:T_total], fq0)
     assert rel_err(fk[:T_total], fk0) <= 1e-3
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_mosaic_kda_prep_u_halves_through_the_redo_pass(mode):
-    """For the Mosaic GPU KDA scan the prep writes U as bf16 halves, and so does the Triton
-    pass that forms the flagged chunks again (value head 0 of the repeated-key inputs above):
-    the halves are the bf16 split of the fp32 U the prep writes otherwise, bit for bit, redone
-    chunks included."""
-    from pallas_kernels import gdn_prefill_mgpu as mgpu
-    HV, K = 2, 128
-    q, k, v, g, beta, cu, spec, (start, length, lead), T_total = _kda_redo_inputs()
-    zeros = jnp.zeros((HV * K,), F32)
-    u = {}
-    for halves in (True, False):
-        block = kern.PrefillBlockSizes(block_v=64, block_k=32, mosaic_kda_prep=True,
-                                       mosaic_kda_scan=halves)
-        u[halves] = np.asarray(kern._prep(q, k, v, g, beta, start, length, lead,
-                                          jnp.zeros((HV,), F32), zeros, spec=spec, block=block,
-                                          interpret=mode == "interpret")[2].astype(F32))
-    rows = np.arange(T_total)
-    want = np.stack([np.asarray(x.astype(F32)) for x in mgpu.split_bf16(jnp.asarray(u[False]))])
-    assert np.array_equal(u[True][:, rows], want[:, rows])
-    assert np.abs(u[False][:64, 0]).max() > 2.0 ** 20     # head 0 was redone (no fp16 range)
 
 
 @pytest.mark.parametrize("mode", MODES)
