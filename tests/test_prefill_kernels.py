@@ -967,10 +967,11 @@ MOSAIC_KDA_SCAN_CASES = [
 @pytest.mark.parametrize("lens,HK,HV,gate,init,block_v", MOSAIC_KDA_SCAN_CASES)
 def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init, block_v):
     """KDA's state scan in Mosaic GPU (`PrefillBlockSizes.mosaic_kda_scan`, after the Mosaic
-    prep's T beta), both forms: bf16 inputs against float64, the output within 5e-3 and the final state within 5e-5 (bf16 halves on both sides
-    of every product; compiled on the H200 it came within 1.4e-5 to 2.2e-5, interpret mode
-    within 1.3e-5; the Triton scan's k e^{G_C - G} in fp16 and one-pass TF32 leave up to
-    ~2e-4), and the output within 1e-3 of the Triton scan's call."""
+    prep's T beta), both forms: bf16 inputs against float64, the output within 5e-3 and the
+    final state within 5e-5 (bf16 halves on both sides of every product; compiled on the H200
+    it came within 1.4e-5 to 2.2e-5, interpret mode within 1.3e-5; the Triton scan's
+    k e^{G_C - G} in fp16 and one-pass TF32 leave up to ~2e-4), and the output within 1e-3 of
+    the Triton scan's call."""
     blocks = [kern.PrefillBlockSizes(block_v=block_v, block_k=32, mosaic_kda_prep=True,
                                      mosaic_kda_scan=mosaic)
               for mosaic in (True, False)]
