@@ -1351,10 +1351,11 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, beta_ref, *refs, num_v_heads: i
         D = _inverse_fp16(A, i, j, inverse_s.at[zero], inverse_s.at[zero + 1], interpret)
         flag_o[...] = _unfit_rows(A, D, max_a, max_t)
         rows_out = pl.ds(pl.multiple_of(s * C, C), C)
+        # T beta's halves over the inverse's operand tiles (its last product's wait is done);
+        # rows and columns past the chunk's end are zeros (so is beta there). Committed here
+        # for the bulk store; for the products below, with the rows zeroed there.
+        _store_halves(tb_s, split_bf16(D * vector(1)), interpret=interpret, commit=t_beta)
         if t_beta:
-            # T beta's halves over the inverse's operand tiles (its last product's wait is
-            # done); rows and columns past the chunk's end are zeros (so is beta there)
-            _store_halves(tb_s, split_bf16(D * vector(1)), interpret=interpret)
             plgpu.copy_smem_to_gmem(tb_s, tb_ref.at[:, rows_out, h])
             plgpu.copy_smem_to_gmem(flag_o, flag_ref.at[s, h])
             return carry
@@ -1369,9 +1370,7 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, beta_ref, *refs, num_v_heads: i
                 x = _load(x_s, wgmma_layout, interpret)
                 x_s[...] = jnp.where(_iota(x.shape, 0, interpret) < n, x, jnp.zeros_like(x))
 
-        # T beta's halves over the inverse's operand tiles (its last product's wait is done),
-        # and the zeroed rows above, for the products
-        _store_halves(tb_s, split_bf16(D * vector(1)), interpret=interpret)
+        _commit_smem(interpret)   # T beta's halves and the zeroed rows, for the products
         # W = (T beta)(e^G k) from both sides' halves (all pairs but lo x lo, as
         # `gdn_prefill._dot_parts`), U = (T beta) v
         (w, u), _ = _products([[(tb_s.at[0], ek_s.at[0]), (tb_s.at[0], ek_s.at[1]),
