@@ -648,8 +648,9 @@ def _kda_gate_sums(g2, spec: PrefillSpec):
     """KDA's in-chunk cumulative decays for the intra kernel, in log2 units from gates g2 in log2
     units, as a tuple of parts whose sum is G: one plain fp32 running sum with 16-bit inputs
     (`_one_part_gate_sums`), of the gates clamped at ONE_PART_GATE_FLOOR (a decay of 2^-32 a
-    token: a reset still leaves at most 2^-32 of the state it erases, below fp32's own rounding
-    of that state, and the sums stay within 64 * 32 = 2048, whose rounding is 2^-12), else the
+    token: a reset still leaves up to 2^-32 of the state it erases, below fp32's own rounding
+    of that state but not of a state written small after it, and the sums stay within
+    64 * 32 = 2048, whose rounding is 2^-12), else the
     (hi, lo) parts of `_split_cumsum` of the gates clamped at GATE_FLOOR * LOG2E (the same clamp
     as GDN's; |g2| <= 88 log2 e < 128: the hi sums stay exact)."""
     if _one_part_gate_sums(spec):

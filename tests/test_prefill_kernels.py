@@ -1579,6 +1579,37 @@ def test_kda_intra_gate_sums_in_one_scan_keep_the_bits(mode, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("reset", [0, 64])
+def test_kda_one_part_gate_floor_bounds_what_a_reset_leaves(mode, reset):
+    """The limit of the one-part gate sums (16-bit inputs, given or raw softplus gates): a gate
+    below the floor acts as a decay of 2^-32, so a reset leaves up to 2^-32 of the state it
+    erases (docs/numerics.md). A -inf gate on every channel at a sequence's or a chunk's first
+    token, with nothing written from it on (beta = 0): the exact outputs from there and the
+    final state are zero; the kernel's stay within 2^-32 of the erased state, and the outputs
+    before the reset match float64."""
+    T, HK, HV, K = 100, 1, 2, 64
+    q, k, v, g, b, h0, cu = _kda_inputs(71, [T], HK=HK, HV=HV, K=K, dtype=BF16)
+    after = np.arange(T) >= reset
+    g = jnp.where(jnp.asarray(np.arange(T) == reset)[:, None, None], -jnp.inf, g)
+    beta = jnp.where(jnp.asarray(after)[:, None], 0.0, b)
+    spec = _spec(HK, HV, K, K, per_channel_gate=True, precise=False, has_initial_state=True)
+    assert kern._one_part_gate_sums(spec)
+    o, hT = (np.asarray(x, np.float64) for x in
+             _run(mode, q, k, v, g, beta, cu, spec, initial_state=h0)[:2])
+    assert np.all(np.isfinite(o)) and np.all(np.isfinite(hT))
+    erased = np.asarray(h0, np.float64)
+    if reset:
+        ro, _ = _oracle(q, k, v, g, beta, h0, cu)
+        assert rel_err(o[:reset], ro[:reset]) <= 5e-3
+        _, erased = _oracle(q[:reset], k[:reset], v[:reset], g[:reset], beta[:reset], h0,
+                            jnp.array([0, reset], jnp.int32))
+    leftover = 2.0 ** -32 * np.sqrt((erased[0] ** 2).sum(axis=(1, 2)))     # [HV]
+    # |o_t| <= scale |q_t| |S_t| (unit q rows after the norm), |S_t| <= leftover for t >= reset
+    assert np.all(np.abs(o[after]) <= 1.05 * K ** -0.5 * leftover[None, :, None])
+    assert np.all(np.sqrt((hT[0] ** 2).sum(axis=(1, 2))) <= 1.05 * leftover)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("form", ["lower bound", "given", pytest.param("softplus", marks=FULL)])
 def test_kda_one_part_gate_sums_against_float64(mode, form, monkeypatch):
     """With bf16 inputs KDA's intra kernel sums its gates in one plain fp32 part
