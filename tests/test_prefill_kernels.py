@@ -1603,7 +1603,8 @@ def test_kda_one_part_gate_floor_bounds_what_a_reset_leaves(mode, reset):
         assert rel_err(o[:reset], ro[:reset]) <= 5e-3
         _, erased = _oracle(q[:reset], k[:reset], v[:reset], g[:reset], beta[:reset], h0,
                             jnp.array([0, reset], jnp.int32))
-    leftover = 2.0 ** -32 * np.sqrt((erased[0] ** 2).sum(axis=(1, 2)))     # [HV]
+    # [HV]: the floor's share of the erased state
+    leftover = 2.0 ** kern.ONE_PART_GATE_FLOOR * np.sqrt((erased[0] ** 2).sum(axis=(1, 2)))
     # |o_t| <= scale |q_t| |S_t| (unit q rows after the norm), |S_t| <= leftover for t >= reset
     assert np.all(np.abs(o[after]) <= 1.05 * K ** -0.5 * leftover[None, :, None])
     assert np.all(np.sqrt((hT[0] ** 2).sum(axis=(1, 2))) <= 1.05 * leftover)
