@@ -136,7 +136,7 @@ HALF_INVERSE_MAX_A = 4.0     # the fp16 inverse is kept when max |A| and max |T|
 HALF_INVERSE_MAX_T = 128.0   # every fp16 operand then stays below C * 4 * 128 = 32768 < 65504
 REDO_SLOTS = 16          # GDN's TF32 redo pass: chunk slots per program
 GATE_FLOOR = -88.0
-ONE_PART_GATE_FLOOR = -32.0   # KDA's one-part gate sums: their floor, log2 units
+ONE_PART_GATE_FLOOR = -64.0   # KDA's one-part gate sums: their floor, log2 units
 GATE_QUANTUM = 16.0      # hi parts of the gates are multiples of 1 / GATE_QUANTUM
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
@@ -647,10 +647,10 @@ def _gate_diff(x, y):
 def _kda_gate_sums(g2, spec: PrefillSpec):
     """KDA's in-chunk cumulative decays for the intra kernel, in log2 units from gates g2 in log2
     units, as a tuple of parts whose sum is G: one plain fp32 running sum with 16-bit inputs
-    (`_one_part_gate_sums`), of the gates clamped at ONE_PART_GATE_FLOOR (a decay of 2^-32 a
-    token: a reset still leaves up to 2^-32 of the state it erases, below fp32's own rounding
-    of that state but not of a state written small after it, and the sums stay within
-    64 * 32 = 2048, whose rounding is 2^-12), else the
+    (`_one_part_gate_sums`), of the gates clamped at ONE_PART_GATE_FLOOR (a decay of 2^-64 a
+    token: a reset still leaves up to 2^-64 of the state it erases, far below fp32's rounding
+    of that state and of any state written after it but a near-zero one, and the sums stay
+    within 64 * 64 = 4096, whose rounding is 2^-11), else the
     (hi, lo) parts of `_split_cumsum` of the gates clamped at GATE_FLOOR * LOG2E (the same clamp
     as GDN's; |g2| <= 88 log2 e < 128: the hi sums stay exact)."""
     if _one_part_gate_sums(spec):
@@ -663,9 +663,9 @@ def _one_part_gate_sums(spec: PrefillSpec) -> bool:
     every gate form; fp32 inputs keep the exact hi and lo parts. A running sum carries an error
     of a few units in the last place of its magnitude. With the raw lower-bound gate (lb >= -5)
     every in-chunk sum stays within CHUNK * |lb| <= 320: 2e-5 at most in an exponent. Other
-    gates can take a chunk's sums to -2048 (log2 units, gates at ONE_PART_GATE_FLOOR,
+    gates can take a chunk's sums to -4096 (log2 units, gates at ONE_PART_GATE_FLOOR,
     `_kda_gate_sums`), and a decay that matters there (a difference of two such sums, a short
-    stretch of mild gates after strong ones) is off by a few 2^-12 relative: below the fp16 and
+    stretch of mild gates after strong ones) is off by a few 2^-11 relative: about the fp16 and
     one-pass TF32 roundings of the products that decay enters, in the few chunks whose gates
     sit near the floor. Measured against float64 on such gates and on bounded ones: the same
     errors as with the split sums (BENCHMARKS.md, KDA prefill)."""

@@ -1582,11 +1582,11 @@ def test_kda_intra_gate_sums_in_one_scan_keep_the_bits(mode, monkeypatch):
 @pytest.mark.parametrize("reset", [0, 64])
 def test_kda_one_part_gate_floor_bounds_what_a_reset_leaves(mode, reset):
     """The limit of the one-part gate sums (16-bit inputs, given or raw softplus gates): a gate
-    below the floor acts as a decay of 2^-32, so a reset leaves up to 2^-32 of the state it
-    erases (docs/numerics.md). A -inf gate on every channel at a sequence's or a chunk's first
-    token, with nothing written from it on (beta = 0): the exact outputs from there and the
-    final state are zero; the kernel's stay within 2^-32 of the erased state, and the outputs
-    before the reset match float64."""
+    below the floor acts as a decay of 2^ONE_PART_GATE_FLOOR, so a reset leaves up to that
+    share of the state it erases (docs/numerics.md). A -inf gate on every channel at a
+    sequence's or a chunk's first token, with nothing written from it on (beta = 0): the exact
+    outputs from there and the final state are zero; the kernel's stay within that share of
+    the erased state, and the outputs before the reset match float64."""
     T, HK, HV, K = 100, 1, 2, 64
     q, k, v, g, b, h0, cu = _kda_inputs(71, [T], HK=HK, HV=HV, K=K, dtype=BF16)
     after = np.arange(T) >= reset
