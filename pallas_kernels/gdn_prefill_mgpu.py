@@ -429,11 +429,15 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
             def _():
                 plgpu.barrier_wait(out_done.at[c % NB])
 
-    def chain_step_transposed(c, S):
-        """The state's walk over chunk c, S^T [BV, K] (one accumulator): publishes S and the
-        deltas, returns the next S."""
+    def chunk_decay(c):
+        """e^{G_C} of chunk c: a global load (the slot index clamped into the array, so that
+        the load a chunk ahead of the last one stays in bounds)."""
+        return decay_ref[jnp.minimum(first + c, decay_ref.shape[0] - 1), h]
+
+    def chain_step_transposed(c, S, decay):
+        """The state's walk over chunk c, S^T [BV, K] (one accumulator), decay its e^{G_C}:
+        publishes S and the deltas, returns the next S."""
         slot = c % STAGES
-        decay = decay_ref[first + c, h]  # a global load: issued first, used last
         valid = (tok_index >= bos - chunk_start(c)) & (tok_index < eos - chunk_start(c))
         fac = fac_s.at[slot]
         s_hi, s_lo = split_bf16(S)
@@ -475,14 +479,13 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
                             [S_decayed], interpret=interpret, during=publish_deltas)
         return S
 
-    def chain_step_narrow(c, S):
-        """The state's walk over chunk c, S [K, BV] as two accumulators of 64 key rows:
-        publishes S and the deltas, returns the next S. Every right operand goes through shared
-        memory transposed ([BV, .] rows of 128 bytes: wgmma takes both shared-memory operands
-        with one swizzle, k's)."""
+    def chain_step_narrow(c, S, decay):
+        """The state's walk over chunk c, S [K, BV] as two accumulators of 64 key rows, decay
+        its e^{G_C}: publishes S and the deltas, returns the next S. Every right operand goes
+        through shared memory transposed ([BV, .] rows of 128 bytes: wgmma takes both
+        shared-memory operands with one swizzle, k's)."""
         slot, buf = c % STAGES, c % NB
         KB = K // 2
-        decay = decay_ref[first + c, h]
         valid = (tok_index >= bos - chunk_start(c)) & (tok_index < eos - chunk_start(c))
         fac = fac_s.at[slot]
         wait_output_done(c)
@@ -532,8 +535,8 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
                          (KB, BV), S_decayed, interpret=interpret, during=publish_deltas)
         return tuple(S)
 
-    def chain_step(c, S):
-        S = (chain_step_narrow if narrow else chain_step_transposed)(c, S)
+    def chain_step(c, S, decay):
+        S = (chain_step_narrow if narrow else chain_step_transposed)(c, S, decay)
         if warp_specialized:
             plgpu.barrier_arrive(consumed.at[c % STAGES])
         return S
@@ -574,7 +577,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         def step(c, S):
             fetch(c)
             plgpu.barrier_wait(loaded.at[c % STAGES])
-            S2 = chain_step(c, S)
+            S2 = chain_step(c, S, chunk_decay(c))
             output_step(c)
             return S2
 
@@ -592,11 +595,16 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         plgpu.set_max_registers(232, action="increase")
         S = initial_state()
 
-        def step(c, S):
+        def step(c, carry):
+            # e^{G_C} is loaded a chunk ahead: loaded in the chunk that uses it, its latency
+            # (an L2 round trip) sat on the chain's path, where the compiler had placed the
+            # state's scaling right after the load (BENCHMARKS.md, GDN prefill)
+            S, decay = carry
+            next_decay = chunk_decay(c + 1)
             plgpu.barrier_wait(loaded.at[c % STAGES])
-            return chain_step(c, S)
+            return chain_step(c, S, decay), next_decay
 
-        S = lax.fori_loop(0, num_chunks, step, S)
+        S, _ = lax.fori_loop(0, num_chunks, step, (S, chunk_decay(0)))
         if not narrow:
             @pl.when(num_chunks > 0)
             def _():
