@@ -478,7 +478,8 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
                                                           S * decay))
         d = jnp.where(valid, d, 0.0)
         # where, not a product with the masked d: the factors past the sequence may be anything
-        u_hi, u_lo = split_bf16_truncated(jnp.where(valid, d * _columns(fk, (BV, C), interpret), 0.0))
+        u_hi, u_lo = split_bf16_truncated(
+            jnp.where(valid, d * _columns(fk, (BV, C), interpret), 0.0))
 
         def publish_deltas():
             # the deltas, while the update runs; then the output warpgroup may start
@@ -531,13 +532,13 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
                                               (C, BV), interpret=interpret,
                                               during=work_for_update)
         d = jnp.where(valid, d, 0.0)
-        _store_halves(u_pub, split_bf16_truncated(jnp.where(valid, d * _rows(fk, (C, BV), interpret),
-                                                  0.0)),
-                      interpret=interpret, transposed=True)
+        u = jnp.where(valid, d * _rows(fk, (C, BV), interpret), 0.0)
+        _store_halves(u_pub, split_bf16_truncated(u), interpret=interpret, transposed=True)
 
         def publish_deltas():
             # the deltas for the output warpgroup while the update runs (off the chain's path)
-            _store_halves(d_pub(buf), split_bf16_truncated(d), interpret=interpret, transposed=True)
+            _store_halves(d_pub(buf), split_bf16_truncated(d), interpret=interpret,
+                          transposed=True)
             if warp_specialized:
                 plgpu.barrier_arrive(published.at[buf])
 
@@ -557,8 +558,8 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         slot, buf = c % STAGES, c % NB
         # the intra-chunk matrix (fp16 where bounded by one, else fp32: the prep's) as bf16
         # halves, while the chain is still on this chunk's deltas
-        _store_halves(aqk_h, split_bf16_truncated(_load(aqk_s.at[slot], wgmma_layout,
-                                              interpret).astype(F32)), interpret=interpret)
+        aqk = _load(aqk_s.at[slot], wgmma_layout, interpret).astype(F32)
+        _store_halves(aqk_h, split_bf16_truncated(aqk), interpret=interpret)
         if warp_specialized:
             plgpu.barrier_wait(published.at[buf])
         s_at, d_at = s_pub(buf), d_pub(buf)
@@ -879,8 +880,8 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         (acc,), _ = _products([[(ek_hi, ("T", s_pub.at[hi])), (ek_hi, ("T", s_pub.at[lo])),
                                 (ek_lo, ("T", s_pub.at[hi]))]], (C, BV), [neg_v],
                               interpret=interpret, during=lambda: refill(fetch_v, c + 1))
-        _store_halves(x_pub, split_bf16_truncated(jnp.where(valid, -acc, 0.0)), interpret=interpret,
-                      transposed=True)
+        _store_halves(x_pub, split_bf16_truncated(jnp.where(valid, -acc, 0.0)),
+                      interpret=interpret, transposed=True)
         plgpu.barrier_wait(tb_loaded)
         (d,), _ = _products([[(tb_s.at[0], ("T", x_pub.at[0])),
                               (tb_s.at[0], ("T", x_pub.at[1])),
