@@ -64,10 +64,18 @@ def oracle_delta_rule(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=True
     """The recurrence of gdn_jax.reference in float64 NumPy, token by token.
 
     q, k [B, T, HK, K]; v [B, T, HV, V]; g [B, T, HV] or [B, T, HV, K]; beta [B, T, HV];
-    state [B, HV, K, V]. Returns (o [B, T, HV, V], states [B, T, HV, K, V]) in float64, or with
-    keep_states=False (o, the final state [B, HV, K, V]), which long sequences can afford."""
+    state [B, HV, K, V], or None for zeros. Returns (o [B, T, HV, V], states [B, T, HV, K, V])
+    in float64, or with keep_states=False (o, the final state [B, HV, K, V]), which long
+    sequences can afford."""
     f = lambda x: np.asarray(x, np.float64)
-    q, k, v, g, beta, S = map(f, (q, k, v, g, beta, state))
+    q, k, v, g, beta = map(f, (q, k, v, g, beta))
+    state_shape = (v.shape[0], v.shape[2], q.shape[-1], v.shape[-1])
+    if state is None:
+        S = np.zeros(state_shape)
+    else:
+        S = f(state)
+        if S.shape != state_shape:
+            raise ValueError(f"state: expected shape {state_shape} [B, HV, K, V], got {S.shape}")
     if use_qk_l2norm:
         q, k = _l2n(q), _l2n(k)
     scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -136,6 +136,19 @@ def test_oracle_matches_the_reference_scan():
     assert check.rel_err(np.full(3, np.nan), np.ones(3)) == float("inf")
 
 
+def test_oracle_state_none_is_zeros_and_a_wrong_state_is_named():
+    q, k, v, g, beta, _ = check._inputs(4, check.Shapes(batch=1, num_k_heads=1, num_v_heads=2,
+                                                        head_k_dim=8, head_v_dim=4), 5, "float32",
+                                        per_channel=False)
+    o0, s0 = check.oracle_delta_rule(q, k, v, g, beta, None, keep_states=False)
+    oz, sz = check.oracle_delta_rule(q, k, v, g, beta, np.zeros((1, 2, 8, 4)), keep_states=False)
+    assert np.all(np.isfinite(o0)) and np.abs(o0).max() > 0
+    np.testing.assert_array_equal(o0, oz)
+    np.testing.assert_array_equal(s0, sz)
+    with pytest.raises(ValueError, match=r"state: expected shape \(1, 2, 8, 4\)"):
+        check.oracle_delta_rule(q, k, v, g, beta, np.zeros((1, 2, 4, 8)))
+
+
 @FULL  # the checkpoint and the check command run in other default tests; this joins them
 def test_make_checkpoint_and_check_its_block(tmp_path, capsys):
     ckpt = tmp_path / "tiny"
