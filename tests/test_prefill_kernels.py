@@ -1004,6 +1004,50 @@ def test_mosaic_kda_scan_against_float64(mode, lens, HK, HV, gate, init, block_v
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("narrow", [False, True])
+def test_mosaic_kda_scan_rows_past_the_tokens_may_hold_anything(mode, narrow):
+    """The Mosaic KDA scan's e^G k and v rows past the last token (the array's rows rounded up
+    to whole 8-row tiles; the intra kernel leaves e^G k's there unwritten) may hold anything:
+    with NaN there the outputs and final states are bit-identical to those with zeros there,
+    in both forms (0 x NaN in a product would be NaN)."""
+    from pallas_kernels import gdn_prefill_mgpu as mgpu
+    HV, K, C = 2, 128, 64
+    cu = np.array([0, 64, 164], np.int32)          # the second sequence ends 36 rows into a chunk
+    T, rows = int(cu[-1]), 168                      # 168: whole 8-row tiles
+    slots = 1 + 2                                   # chunk slots: one, then two
+    ks = iter(jax.random.split(jax.random.PRNGKey(61), 12))
+    normal = lambda shape, s=1.0: s * jax.random.normal(next(ks), shape, F32)
+    halves = lambda x: jnp.stack([x.astype(BF16), (x - x.astype(BF16).astype(F32)).astype(BF16)])
+    qd = normal((rows, HV, K), 0.1).astype(BF16)
+    kd = halves(normal((rows, HV, K), 0.1))
+    ek = halves(normal((rows, HV, K), 0.1))
+    v = normal((rows, HV, K)).astype(BF16)
+    tb = halves(jnp.tril(normal((slots * C, HV, C), 0.1).transpose(1, 0, 2).reshape(
+        HV, slots, C, C)).reshape(HV, slots * C, C).transpose(1, 0, 2))
+    aqk = normal((rows, HV, C), 0.1).astype(jnp.float16)
+    decay = jax.nn.sigmoid(normal((slots, HV, K)) + 3.0)
+    h0 = normal((2, HV, K, K))
+    past = (jnp.arange(rows) >= T)[:, None, None]
+    # the other rows past the tokens, as the intra kernel writes them: zeros
+    qd, kd, aqk = (jnp.where(past, 0, x).astype(x.dtype) for x in (qd, kd, aqk))
+
+    def call(fill):
+        ek_f = jnp.where(past[None], fill, ek).astype(BF16)
+        v_f = jnp.where(past, fill, v).astype(BF16)
+        return mgpu.kda_scan(jnp.asarray(cu), jnp.array([1, 0], jnp.int32),
+                             jnp.array([0, 1], jnp.int32), jnp.ones((2,), jnp.int32), decay,
+                             qd, kd, ek_f, v_f, tb, aqk, h0, num_v_heads=HV,
+                             has_initial_state=True, narrow=narrow,
+                             warp_specialized=mode != "interpret",
+                             interpret=mode == "interpret")
+
+    (o, hT), (o_nan, hT_nan) = call(0.0), call(jnp.nan)
+    assert np.all(np.isfinite(np.asarray(o[:T], F32))) and np.all(np.isfinite(np.asarray(hT)))
+    np.testing.assert_array_equal(np.asarray(o_nan[:T], F32), np.asarray(o[:T], F32))
+    np.testing.assert_array_equal(np.asarray(hT_nan), np.asarray(hT))
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_mosaic_kda_scan_pool_slots_in_place(mode):
     """The Mosaic GPU KDA scan with a pool: initial states from the named slots, final states
     into them; a padding slot (-1) reads and writes nothing and its sequence's outputs are
