@@ -1017,13 +1017,14 @@ def test_mosaic_kda_scan_rows_past_the_tokens_may_hold_anything(mode, narrow):
     slots = 1 + 2                                   # chunk slots: one, then two
     ks = iter(jax.random.split(jax.random.PRNGKey(61), 12))
     normal = lambda shape, s=1.0: s * jax.random.normal(next(ks), shape, F32)
-    halves = lambda x: jnp.stack([x.astype(BF16), (x - x.astype(BF16).astype(F32)).astype(BF16)])
+    halves = lambda x: jnp.stack(mgpu.split_bf16(x))
     qd = normal((rows, HV, K), 0.1).astype(BF16)
     kd = halves(normal((rows, HV, K), 0.1))
     ek = halves(normal((rows, HV, K), 0.1))
     v = normal((rows, HV, K)).astype(BF16)
-    tb = halves(jnp.tril(normal((slots * C, HV, C), 0.1).transpose(1, 0, 2).reshape(
-        HV, slots, C, C)).reshape(HV, slots * C, C).transpose(1, 0, 2))
+    # T beta lower-triangular per chunk slot, by slot rows [slots * C, HV, C]
+    tb = halves(jnp.tril(normal((slots, HV, C, C), 0.1)).transpose(0, 2, 1, 3).reshape(
+        slots * C, HV, C))
     aqk = normal((rows, HV, C), 0.1).astype(jnp.float16)
     decay = jax.nn.sigmoid(normal((slots, HV, K)) + 3.0)
     h0 = normal((2, HV, K, K))
