@@ -445,12 +445,29 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         the load a chunk ahead of the last one stays in bounds)."""
         return decay_ref[jnp.minimum(first + c, decay_ref.shape[0] - 1), h]
 
+    def zero_other_rows(c, slot):
+        """The chain's k rows of chunk c that are not its sequence's (the rows before its
+        start in the chunk's window, the next sequence's after its end) zeroed in shared memory
+        before `k S` and the update read them: they may hold anything, NaN too, which the
+        masked X and u (zeros there) would keep in a product. Only the chunks that have such
+        rows."""
+        t0 = chunk_start(c)
+
+        @pl.when((bos > t0) | (eos < t0 + C))
+        def _():
+            rows = _iota((C, K), 0, interpret)
+            x = _load(k_s.at[slot], wgmma_layout, interpret)
+            k_s.at[slot][...] = jnp.where((rows >= bos - t0) & (rows < eos - t0), x,
+                                          jnp.zeros_like(x))
+            _commit_smem(interpret)
+
     def chain_step_transposed(c, S, decay):
         """The state's walk over chunk c, S^T [BV, K] (one accumulator), decay its e^{G_C}:
         publishes S and the deltas, returns the next S."""
         slot = c % STAGES
         valid = (tok_index >= bos - chunk_start(c)) & (tok_index < eos - chunk_start(c))
         fac = fac_s.at[slot]
+        zero_other_rows(c, slot)
         s_hi, s_lo = split_bf16_truncated(S)
 
         def publish_state_and_load():
@@ -500,6 +517,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         KB = K // 2
         valid = (tok_index >= bos - chunk_start(c)) & (tok_index < eos - chunk_start(c))
         fac = fac_s.at[slot]
+        zero_other_rows(c, slot)
         wait_output_done(c)
         for b, Sb in enumerate(S):
             _store_halves(s_pub(buf).at[:, :, pl.ds(b * KB, KB)], split_bf16_truncated(Sb),
@@ -1219,6 +1237,10 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, tb_s, aqk_o, flag_
         return _spread_vector(vec_s.at[axis, r], axis, (C, C), interpret)
 
     rq_rows, rk_rows, rk_cols = vector(RQ, 0), vector(RK, 0), vector(RK, 1)
+    # The rows that are not the chunk's (zero row vectors: another sequence's rows in the
+    # chunk's window) may hold anything, NaN too, which a product by their zero factors would
+    # keep: their rows and columns of the products are selected away, not scaled away.
+    own = (rk_rows != 0) & (rk_cols != 0)
     if l2norm:
         # the L2 factors, applied to the products as the given row factors are, and to the
         # scan's row factors
@@ -1233,9 +1255,9 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, tb_s, aqk_o, flag_
     # e^{G_i - G_j} on and below the diagonal, from the cumulative gates' (hi, lo) parts
     seg = (vector(G_HI, 0) - vector(G_HI, 1)) + (vector(G_LO, 0) - vector(G_LO, 1))
     decay = jnp.exp(jnp.where(i >= j, seg, -jnp.inf))
-    aqk_o[...] = (qk * (rq_rows * rk_cols) * decay).astype(aqk_o.dtype)
+    aqk_o[...] = jnp.where(own, qk * (rq_rows * rk_cols) * decay, 0.0).astype(aqk_o.dtype)
     kk = kk * (rk_rows * rk_cols)
-    A = jnp.where(i > j, vector(BETA, 0) * kk * decay, 0.0)
+    A = jnp.where((i > j) & own, vector(BETA, 0) * kk * decay, 0.0)
 
     D = _inverse_fp16(A, i, j, d_s, p_s, interpret)
     unfit = _unfit_rows(A, D, max_a, max_t)

@@ -768,6 +768,62 @@ def test_mosaic_scan_against_float64(mode, block_v, lens, HK, HV, V, init, gate,
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("block_v", [64, 32])
+def test_mosaic_scan_nan_in_one_sequence_leaves_the_others_bit_identical(mode, block_v):
+    """Packed sequences share the Mosaic prep's and scan's chunk windows (a chunk starts at its
+    sequence's start rounded down to 8 rows and runs on past its end): NaN in q or k rows of
+    one sequence inside another's windows (its last rows before the next start, the next
+    sequence's first row) leaves the other sequences' outputs and final states bit-identical,
+    in both scan forms. (Zero factors on those rows would keep a NaN in a product.)"""
+    lens = [38, 62, 50]                      # the second sequence's windows hold rows of both
+    q, k, v, g, beta, h0, cu = _packed_inputs(13, lens, HK=1, HV=2, K=128, V=64, dtype=BF16)
+    spec = _spec(1, 2, 128, 64, has_initial_state=True, precise=False,
+                 even_starts=_even_starts(lens))
+    block = kern.PrefillBlockSizes(mosaic_scan=True, block_v=block_v)
+    assert kern.unsupported_reason(spec, block) is None
+
+    def call(q, k):
+        o, hT, _, _ = kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
+                                         initial_state=h0, interpret=mode == "interpret")
+        return np.asarray(o, np.float32), np.asarray(hT)
+
+    o, hT = call(q, k)
+    assert np.all(np.isfinite(o)) and np.all(np.isfinite(hT))
+    second = slice(38, 100)
+    for name, row in (("k", 35), ("k", 100), ("q", 37), ("q", 100)):
+        x = (q if name == "q" else k).at[row, 0, 5].set(jnp.nan)
+        o_nan, hT_nan = call(x, k) if name == "q" else call(q, x)
+        np.testing.assert_array_equal(o_nan[second], o[second], err_msg=f"{name} row {row}")
+        np.testing.assert_array_equal(hT_nan[1], hT[1], err_msg=f"{name} row {row}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_front_door_batch_rows_stay_apart_with_nan(mode):
+    """A dense bf16 batch at K = 128 (the Mosaic prefill by default on the GPU), T not a
+    multiple of 8: NaN in one batch row's last or first k row leaves the other rows' outputs
+    and final states bit-identical."""
+    import gdn_jax
+    B, T, HK, HV, K = 3, 50, 1, 2, 128
+    ks = jax.random.split(jax.random.PRNGKey(17), 5)
+    q, k = (jax.random.normal(x, (B, T, HK, K), BF16) for x in ks[:2])
+    v = jax.random.normal(ks[2], (B, T, HV, K), BF16)
+    g = jax.nn.log_sigmoid(jax.random.normal(ks[3], (B, T, HV)) + 3.0)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, HV)))
+
+    def call(k):
+        o, s = gdn_jax.gated_delta_rule(q, k, v, g, beta, output_final_state=True,
+                                        use_qk_l2norm=True, impl="pallas",
+                                        interpret=mode == "interpret")
+        return np.asarray(o, np.float32), np.asarray(s)
+
+    o, s = call(k)
+    for row_of_batch, t in ((0, T - 1), (2, 0)):
+        o_nan, s_nan = call(k.at[row_of_batch, t, 0, 3].set(jnp.nan))
+        np.testing.assert_array_equal(o_nan[1], o[1])
+        np.testing.assert_array_equal(s_nan[1], s[1])
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("block_v,pool_dtype,lens", [
     pytest.param(64, F32, [70, 5, 33, 20], id="wide-f32"),
     pytest.param(64, BF16, [70, 5, 33, 20], id="wide-bf16", marks=FULL),
