@@ -475,7 +475,7 @@ _split_bf16 = mgpu_scan.split_bf16
 
 def _dot_bf16x2(a, b, *, trans_a=False, paired=0):
     """a @ b for one exact bf16 operand and one fp32 operand, as two bf16 tensor-core products
-    (b split by `_split_bf16`) summed in fp32: ~2^-17 relative on the fp32 side where one-pass
+    (b split by `_split_bf16`) summed in fp32: ~2^-16 relative on the fp32 side where one-pass
     TF32 rounds it to 2^-11, for the tensor-core time of one TF32 pass (bf16 runs at twice TF32's
     rate) and without widening the bf16 operand to fp32 registers.
 

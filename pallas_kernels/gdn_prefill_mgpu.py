@@ -49,7 +49,7 @@ two buffers, the rest one), so the next chunk's rows arrive while the current on
 the transposed state slab S^T [BV, K] in fp32 registers laid out as a wgmma accumulator, so the
 chunk's update `e^{G_C} S + k^T (fk D)` accumulates into it on the tensor cores.
 
-Every product of the scan takes its fp32 side as two bf16 halves (`split_bf16_truncated`: hi
+Every product of the scan takes its fp32 side as two bf16 halves (`split_bf16`: hi
 holds 8 significand bits, cut by a bit mask rather than rounded, so both halves convert in pairs;
 lo the next 8, rounded) against exact bf16 rows, and products between two fp32
 matrices take hi x hi + hi x lo + lo x hi: about 16 significand bits on each side, at bf16's
@@ -134,17 +134,11 @@ def unsupported_reason(*, head_k_dim: int, head_v_dim: int, dtype) -> str | None
 
 
 def split_bf16(x):
-    """fp32 x as (hi, lo) bf16 halves, hi + lo = x to ~16 significand bits."""
-    hi = x.astype(BF16)
-    return hi, (x - hi.astype(F32)).astype(BF16)
-
-
-def split_bf16_truncated(x):
-    """fp32 x as (hi, lo) bf16 halves with hi = x's top 16 bits (rounded toward zero), exact in
-    bf16, and lo = x - hi rounded: ~16 significand bits, half a bit fewer than `split_bf16`.
-    hi's fp32 value is a bit mask, so no fp32 -> bf16 -> fp32 round trip: the compiler had
-    formed `split_bf16`'s hi one value at a time (`F2F`, a quarter-rate conversion) to widen
-    each back, then paired them (`PRMT`); here both halves convert in pairs."""
+    """fp32 x as (hi, lo) bf16 halves: hi = x's top 16 bits (a bit mask: rounded toward zero,
+    exact in bf16, finite wherever x is), lo = x - hi rounded; hi + lo = x to 2^-16 relative.
+    hi's fp32 value is the mask itself, so no fp32 -> bf16 -> fp32 round trip: with one
+    (hi = x rounded to bf16, then widened for lo) the compiler formed hi one value at a time
+    (`F2F`, a quarter-rate conversion) to widen each back; here both halves convert in pairs."""
     hi = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(-65536), F32)
     return hi.astype(BF16), (x - hi).astype(BF16)
 
@@ -468,7 +462,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         valid = (tok_index >= bos - chunk_start(c)) & (tok_index < eos - chunk_start(c))
         fac = fac_s.at[slot]
         zero_other_rows(c, slot)
-        s_hi, s_lo = split_bf16_truncated(S)
+        s_hi, s_lo = split_bf16(S)
 
         def publish_state_and_load():
             # while (k S)^T runs: the chunk's starting state for the output warpgroup (once it
@@ -486,7 +480,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
                                       interpret=interpret, during=publish_state_and_load)
         x = jnp.where(valid, _minus_product(v_t.astype(F32), ks, _columns(fw, (BV, C), interpret)),
                       0.0)
-        x_hi, x_lo = split_bf16_truncated(x)
+        x_hi, x_lo = split_bf16(x)
         tb_hi, tb_lo = ("T", tb_s.at[slot, 0]), ("T", tb_s.at[slot, 1])
         # D^T; while it runs, the k factors and the decayed state the update starts from
         (d,), (fk, S_decayed) = _products([[(x_hi, tb_hi), (x_hi, tb_lo), (x_lo, tb_hi)]],
@@ -495,12 +489,12 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
                                                           S * decay))
         d = jnp.where(valid, d, 0.0)
         # where, not a product with the masked d: the factors past the sequence may be anything
-        u_hi, u_lo = split_bf16_truncated(
+        u_hi, u_lo = split_bf16(
             jnp.where(valid, d * _columns(fk, (BV, C), interpret), 0.0))
 
         def publish_deltas():
             # the deltas, while the update runs; then the output warpgroup may start
-            _store_halves(d_pub(0), split_bf16_truncated(d), interpret=interpret)
+            _store_halves(d_pub(0), split_bf16(d), interpret=interpret)
             if warp_specialized:
                 plgpu.barrier_arrive(published.at[0])
 
@@ -520,7 +514,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         zero_other_rows(c, slot)
         wait_output_done(c)
         for b, Sb in enumerate(S):
-            _store_halves(s_pub(buf).at[:, :, pl.ds(b * KB, KB)], split_bf16_truncated(Sb),
+            _store_halves(s_pub(buf).at[:, :, pl.ds(b * KB, KB)], split_bf16(Sb),
                           interpret=interpret, commit=False, transposed=True)
         _commit_smem(interpret)
 
@@ -533,7 +527,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
                                    interpret=interpret, during=loads)
         x = jnp.where(valid, _minus_product(v.astype(F32), ks, _rows(fw, (C, BV), interpret)),
                       0.0)
-        _store_halves(x_pub, split_bf16_truncated(x), interpret=interpret, transposed=True)
+        _store_halves(x_pub, split_bf16(x), interpret=interpret, transposed=True)
 
         def work_for_update():
             # k^T by key blocks, as register operands (a transposed left operand from shared
@@ -551,11 +545,11 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
                                               during=work_for_update)
         d = jnp.where(valid, d, 0.0)
         u = jnp.where(valid, d * _rows(fk, (C, BV), interpret), 0.0)
-        _store_halves(u_pub, split_bf16_truncated(u), interpret=interpret, transposed=True)
+        _store_halves(u_pub, split_bf16(u), interpret=interpret, transposed=True)
 
         def publish_deltas():
             # the deltas for the output warpgroup while the update runs (off the chain's path)
-            _store_halves(d_pub(buf), split_bf16_truncated(d), interpret=interpret,
+            _store_halves(d_pub(buf), split_bf16(d), interpret=interpret,
                           transposed=True)
             if warp_specialized:
                 plgpu.barrier_arrive(published.at[buf])
@@ -577,7 +571,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         # the intra-chunk matrix (fp16 where bounded by one, else fp32: the prep's) as bf16
         # halves, while the chain is still on this chunk's deltas
         aqk = _load(aqk_s.at[slot], wgmma_layout, interpret).astype(F32)
-        _store_halves(aqk_h, split_bf16_truncated(aqk), interpret=interpret)
+        _store_halves(aqk_h, split_bf16(aqk), interpret=interpret)
         if warp_specialized:
             plgpu.barrier_wait(published.at[buf])
         s_at, d_at = s_pub(buf), d_pub(buf)
@@ -844,7 +838,7 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         valid = tok_index < eos - chunk_start(c)
         plgpu.barrier_wait(ek_loaded.at[ebuf])
         plgpu.barrier_wait(v_loaded)
-        s_hi, s_lo = split_bf16_truncated(S)
+        s_hi, s_lo = split_bf16(S)
         neg_v_t = -transposed_tile(v_s).astype(F32)
         wait_read(c, S_PUB)
 
@@ -856,12 +850,12 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         ek_hi, ek_lo = ("T", ek_s.at[ebuf, hi]), ("T", ek_s.at[ebuf, lo])
         (acc,), _ = _products([[(s_hi, ek_hi), (s_lo, ek_hi), (s_hi, ek_lo)]], (BV, C),
                               [neg_v_t], interpret=interpret, during=publish_state)
-        x_hi, x_lo = split_bf16_truncated(jnp.where(valid, -acc, 0.0))
+        x_hi, x_lo = split_bf16(jnp.where(valid, -acc, 0.0))
         plgpu.barrier_wait(tb_loaded)
         tb_hi, tb_lo = ("T", tb_s.at[0]), ("T", tb_s.at[1])
         (d_t,), _ = _products([[(x_hi, tb_hi), (x_hi, tb_lo), (x_lo, tb_hi)]], (BV, C),
                               interpret=interpret, during=lambda: refill(fetch_ek, c + 2))
-        d_hi, d_lo = split_bf16_truncated(jnp.where(valid, d_t, 0.0))
+        d_hi, d_lo = split_bf16(jnp.where(valid, d_t, 0.0))
         plgpu.barrier_wait(kd_loaded)
         decay = _columns(_load(decay_s, None, interpret), (BV, K), interpret)
         wait_read(c, D_PUB)
@@ -889,7 +883,7 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         plgpu.barrier_wait(v_loaded)
         wait_read(c, S_PUB)
         for b, Sb in enumerate(S):
-            _store_halves(s_pub.at[:, :, pl.ds(b * KB, KB)], split_bf16_truncated(Sb),
+            _store_halves(s_pub.at[:, :, pl.ds(b * KB, KB)], split_bf16(Sb),
                           interpret=interpret, commit=False, transposed=True)
         _commit_smem(interpret)
         publish(S_PUB)
@@ -898,7 +892,7 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         (acc,), _ = _products([[(ek_hi, ("T", s_pub.at[hi])), (ek_hi, ("T", s_pub.at[lo])),
                                 (ek_lo, ("T", s_pub.at[hi]))]], (C, BV), [neg_v],
                               interpret=interpret, during=lambda: refill(fetch_v, c + 1))
-        _store_halves(x_pub, split_bf16_truncated(jnp.where(valid, -acc, 0.0)),
+        _store_halves(x_pub, split_bf16(jnp.where(valid, -acc, 0.0)),
                       interpret=interpret, transposed=True)
         plgpu.barrier_wait(tb_loaded)
         (d,), _ = _products([[(tb_s.at[0], ("T", x_pub.at[0])),
@@ -907,7 +901,7 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
                             interpret=interpret, during=lambda: refill(fetch_ek, c + 2))
         d = jnp.where(valid, d, 0.0)
         wait_read(c, D_PUB)
-        _store_halves(d_pub, split_bf16_truncated(d), interpret=interpret, transposed=True)
+        _store_halves(d_pub, split_bf16(d), interpret=interpret, transposed=True)
         publish(D_PUB)
         plgpu.barrier_wait(kd_loaded)
 
@@ -938,7 +932,7 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         plgpu.barrier_wait(q_loaded)
         plgpu.barrier_wait(aqk_loaded)
         # the intra-chunk matrix's halves, register operands
-        a_hi, a_lo = split_bf16_truncated(_load(aqk_s, wgmma_layout, interpret).astype(F32))
+        a_hi, a_lo = split_bf16(_load(aqk_s, wgmma_layout, interpret).astype(F32))
         refill(fetch_aqk, c + 1)
         if warp_specialized:
             plgpu.barrier_wait(published.at[S_PUB])
