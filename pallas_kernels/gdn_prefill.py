@@ -101,11 +101,13 @@ a single bf16 part costs the state its digits when the state is large beside the
 and KDA's k k^T in fp32: when a chunk repeats keys with beta near 1 and gates near 0, (I + A) is
 near singular, T's entries and U's rows are large and the deltas cancel, so bf16 copies of these
 matrices cost the state and the output several times bf16's rounding
-(tests/test_prefill_kernels.py, repeated keys). The intra-chunk matrix and KDA's decayed k rows
-(which build the state) enter the scan's products only through one-pass TF32, which rounds them
-to fp16's 11 significant bits: with q/k L2 norm and 16-bit inputs (`_bounded_by_one`: every
-entry bounded by 1) they are stored in fp16, which loses nothing to that rounding and halves the
-scan's reads of them; otherwise in fp32.
+(tests/test_prefill_kernels.py, repeated keys). The intra-chunk matrix enters the scan's
+products only through one-pass TF32, which rounds it to fp16's 11 significant bits: with q/k L2
+norm and 16-bit inputs (`_bounded_by_one`: every entry bounded by 1) it is stored in fp16, which
+loses nothing to that rounding and halves the scan's reads of it; otherwise in fp32. KDA's
+decayed k rows (which build the state) are stored in fp32 even so: fp16 lacks TF32's exponent
+range, and a final state made only of rows decayed below 2^-14 (strong gates after the last
+write) lost its digits there.
 """
 
 from __future__ import annotations
@@ -236,9 +238,11 @@ class PrefillBlockSizes:
         # Pipelined stages hold the chunk's rows in shared memory once per stage: K = 256, and
         # KDA's fp32 rows (W, q e^G, k e^{G_C - G} for fp32 inputs, 304 KiB for 3 stages at
         # K = 128; k e^{G_C - G} and the intra-chunk matrix for 16-bit inputs whose values are
-        # not bounded by one, 272 KiB), leave room for one stage only on an H200.
+        # not bounded by one, 272 KiB; k e^{G_C - G} alone, always fp32, about 248 KiB), leave
+        # room for one stage only on an H200.
         one_stage = spec.head_k_dim > 128 or (spec.per_channel_gate
-                                              and (spec.precise or not _bounded_by_one(spec)))
+                                              and (spec.precise or not _bounded_by_one(spec)
+                                                   or spec.head_k_dim > 64))
         # KDA's intra kernel: 64 key channels a step for the lower-bound gate with 16-bit
         # inputs, else 32 (the softplus and given gates' intra kernels took 34% and 15% longer
         # at 64, the lower-bound one 5% less; fp32 inputs' gate sums come in two parts;
@@ -1466,9 +1470,12 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
     # KDA's decayed q rows only feed the output, so for bf16 inputs they are stored in bf16
     # (exact tensor-core operands, half the scan's reads of them; the output is rounded to bf16
     # anyway). The decayed k rows build the state: in bf16 they cost the final state ~5x its
-    # error against float64 (BENCHMARKS.md, KDA prefill); they and q k^T go through memory in
-    # fp16 where bounded by 1 (the scan's one-pass TF32 products round them to fp16's
-    # significand anyway), else in fp32. e^G k (for W) is stored in the input dtype, for bf16
+    # error against float64 (BENCHMARKS.md, KDA prefill), and in fp16 (which holds the
+    # significand the scan's one-pass TF32 products keep, but not their exponent range) rows
+    # decayed below 2^-14 lose digits and below 2^-24 vanish, so a final state made of such
+    # rows alone (strong decays after the last write) lost them: they go through memory in
+    # fp32. q k^T does in fp16 where bounded by 1 (each output row holds its own token's term,
+    # not decayed), else in fp32. e^G k (for W) is stored in the input dtype, for bf16
     # inputs as hi and lo bf16 parts (`_kda_parts`; one bf16 part costs the state its digits
     # when the state is large beside the values, BENCHMARKS.md).
     q_rows_dtype = rows_dtype if rows_dtype == jnp.bfloat16 else F32
@@ -1489,9 +1496,11 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
                    # q k^T e^{G_i - G_j}, j <= i
                    jax.ShapeDtypeStruct((scan_rows, HV, CHUNK), bounded_dtype),
                    jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
-                   # k: norm * e^{G_C - G} (bf16 halves for the Mosaic GPU KDA scan)
+                   # k: norm * e^{G_C - G} (bf16 halves for the Mosaic GPU KDA scan, else
+                   # fp32: in fp16 a row decayed below 2^-14 loses digits and below 2^-24
+                   # vanishes, and a final state made of such rows alone loses them all)
                    jax.ShapeDtypeStruct((2,) + rows, jnp.bfloat16) if block.mosaic_kda_scan
-                   else jax.ShapeDtypeStruct(rows, bounded_dtype),
+                   else jax.ShapeDtypeStruct(rows, F32),
                    # e^G k: norm * e^G, in parts (`_kda_parts`)
                    jax.ShapeDtypeStruct((parts, prep_rows, HV, K), rows_dtype),
                    jax.ShapeDtypeStruct((num_slots, HV, K), F32),    # e^{G_C}
