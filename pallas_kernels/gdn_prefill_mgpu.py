@@ -413,6 +413,13 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
     def chunk_start(c):
         return pl.multiple_of(base + c * C, ALIGN)
 
+    def in_sequence(index, c):
+        """Whether the rows (or columns) `index` of chunk c's window are this sequence's
+        tokens: the window starts at a whole tile, so it may begin before the sequence, and it
+        may run past its end into the next one."""
+        t0 = chunk_start(c)
+        return (index >= bos - t0) & (index < eos - t0)
+
     def fetch(c):
         """The copy warpgroup's work for chunk c: its rows into stage c % STAGES."""
         slot, t0 = c % STAGES, chunk_start(c)
@@ -451,15 +458,14 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         def _():
             rows = _iota((C, K), 0, interpret)
             x = _load(k_s.at[slot], wgmma_layout, interpret)
-            k_s.at[slot][...] = jnp.where((rows >= bos - t0) & (rows < eos - t0), x,
-                                          jnp.zeros_like(x))
+            k_s.at[slot][...] = jnp.where(in_sequence(rows, c), x, jnp.zeros_like(x))
             _commit_smem(interpret)
 
     def chain_step_transposed(c, S, decay):
         """The state's walk over chunk c, S^T [BV, K] (one accumulator), decay its e^{G_C}:
         publishes S and the deltas, returns the next S."""
         slot = c % STAGES
-        valid = (tok_index >= bos - chunk_start(c)) & (tok_index < eos - chunk_start(c))
+        valid = in_sequence(tok_index, c)
         fac = fac_s.at[slot]
         zero_other_rows(c, slot)
         s_hi, s_lo = split_bf16(S)
@@ -509,7 +515,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         shared-memory operands with one swizzle, k's)."""
         slot, buf = c % STAGES, c % NB
         KB = K // 2
-        valid = (tok_index >= bos - chunk_start(c)) & (tok_index < eos - chunk_start(c))
+        valid = in_sequence(tok_index, c)
         fac = fac_s.at[slot]
         zero_other_rows(c, slot)
         wait_output_done(c)
