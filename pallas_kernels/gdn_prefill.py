@@ -239,7 +239,8 @@ class PrefillBlockSizes:
         # KDA's fp32 rows (W, q e^G, k e^{G_C - G} for fp32 inputs, 304 KiB for 3 stages at
         # K = 128; k e^{G_C - G} and the intra-chunk matrix for 16-bit inputs whose values are
         # not bounded by one, 272 KiB; k e^{G_C - G} alone, always fp32, about 248 KiB), leave
-        # room for one stage only on an H200.
+        # room for one stage only on an H200 (two fit for the last, but ran 1.5x slower than
+        # one; BENCHMARKS.md, KDA prefill).
         one_stage = spec.head_k_dim > 128 or (spec.per_channel_gate
                                               and (spec.precise or not _bounded_by_one(spec)
                                                    or spec.head_k_dim > 64))
