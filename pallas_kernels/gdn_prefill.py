@@ -1498,8 +1498,7 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
                    jax.ShapeDtypeStruct((scan_rows, HV, CHUNK), bounded_dtype),
                    jax.ShapeDtypeStruct(rows, q_rows_dtype),         # q: norm * scale * e^G
                    # k: norm * e^{G_C - G} (bf16 halves for the Mosaic GPU KDA scan, else
-                   # fp32: in fp16 a row decayed below 2^-14 loses digits and below 2^-24
-                   # vanishes, and a final state made of such rows alone loses them all)
+                   # fp32, as said above)
                    jax.ShapeDtypeStruct((2,) + rows, jnp.bfloat16) if block.mosaic_kda_scan
                    else jax.ShapeDtypeStruct(rows, F32),
                    # e^G k: norm * e^G, in parts (`_kda_parts`)
