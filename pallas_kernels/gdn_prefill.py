@@ -52,9 +52,12 @@ the diagonal blocks are one tensor-core product, of rows decayed towards and fro
 block's last row (no exponent above 0); the diagonal blocks are one more product through their
 middle rows when the gates allow it (exponents within +-`_diag_exp_limit`), else formed exactly,
 column by column (the reference rows go through a small per-program scratch in memory,
-`_BlockRowExchange`). The same program writes the decayed q e^G and k e^{G_C - G} (the scan
-takes them instead of row factors), e^G k (for W), the masked k k^T and q k^T (k k^T without
-beta) and the chunk's total decay per channel. The prep then loads k k^T, forms A and T beta
+`_BlockRowExchange`). Only the lower-bound gate bounds those exponents by its form; for the
+other gates the kernel factors every diagonal block and flags the (chunk, head) items whose
+exponents went past the limit, and a second launch over the flagged items only forms their
+k k^T and q k^T again, exactly where needed (`_intra_diagonal`). The same program writes the
+decayed q e^G and k e^{G_C - G} (the scan takes them instead of row factors), e^G k (for W),
+the masked k k^T and q k^T (k k^T without beta) and the chunk's total decay per channel. The prep then loads k k^T, forms A and T beta
 and stores W = (T beta) (e^G k) and U = (T beta) v, and the scan takes the deltas as U - W S:
 with T beta in the Triton scan instead, KDA's scan would load the e^G k rows besides its
 decayed q and k rows, and lost more time than its prep saved (BENCHMARKS.md). With bf16 inputs
@@ -136,7 +139,8 @@ DIAG_EXP_LIMIT = 40.0    # KDA: largest |G - G_mid| for the factored diagonal bl
 DIAG_EXP_LIMIT_BOUNDED = 80.0   # ... rows bounded by one, single-pass products (`_diag_exp_limit`)
 HALF_INVERSE_MAX_A = 4.0     # the fp16 inverse is kept when max |A| and max |T| are within these:
 HALF_INVERSE_MAX_T = 128.0   # every fp16 operand then stays below C * 4 * 128 = 32768 < 65504
-REDO_SLOTS = 16          # GDN's TF32 redo pass: chunk slots per program
+REDO_SLOTS = 16          # the redo passes over flagged chunks: chunk slots per program
+INTRA_REDO_BLOCK_K = 32  # KDA intra kernel's redo pass (exact diagonal blocks): at most this
 GATE_FLOOR = -88.0
 ONE_PART_GATE_FLOOR = -64.0   # KDA's one-part gate sums: their floor, log2 units
 GATE_QUANTUM = 16.0      # hi parts of the gates are multiples of 1 / GATE_QUANTUM
@@ -244,12 +248,10 @@ class PrefillBlockSizes:
         one_stage = spec.head_k_dim > 128 or (spec.per_channel_gate
                                               and (spec.precise or not _bounded_by_one(spec)
                                                    or spec.head_k_dim > 64))
-        # KDA's intra kernel: 64 key channels a step for the lower-bound gate with 16-bit
-        # inputs, else 32 (the softplus and given gates' intra kernels took 34% and 15% longer
-        # at 64, the lower-bound one 5% less; fp32 inputs' gate sums come in two parts;
-        # BENCHMARKS.md, KDA prefill).
-        lower_bound_gate = spec.raw_gates and spec.gate_lower_bound is not None
-        block_k = min(64 if lower_bound_gate and not spec.precise else 32, spec.head_k_dim)
+        # KDA's intra kernel: 64 key channels a step with 16-bit inputs, else 32 (fp32 inputs'
+        # gate sums come in two parts; BENCHMARKS.md, KDA prefill). Its redo pass, which
+        # carries the exact diagonal form, takes at most INTRA_REDO_BLOCK_K.
+        block_k = min(64 if not spec.precise else 32, spec.head_k_dim)
         mosaic = mosaic_scan_default(spec, dtype)
         kda_prep = mosaic_kda_prep_default(spec, dtype)
         # KDA's Mosaic scan wherever its prep is Mosaic and the call needs no chunk states
@@ -657,10 +659,24 @@ def _kda_gate_sums(g2, spec: PrefillSpec):
     of that state and of any state written after it but a near-zero one, and the sums stay
     within 64 * 64 = 4096, whose rounding is 2^-11), else the
     (hi, lo) parts of `_split_cumsum` of the gates clamped at GATE_FLOOR * LOG2E (the same clamp
-    as GDN's; |g2| <= 88 log2 e < 128: the hi sums stay exact)."""
+    as GDN's; |g2| <= 88 log2 e < 128: the hi sums stay exact). The raw softplus gate is also
+    clipped at 0 (`_monotone_gate_sums`)."""
     if _one_part_gate_sums(spec):
-        return (jnp.cumsum(jnp.maximum(g2, ONE_PART_GATE_FLOOR), axis=0),)
+        g2 = jnp.maximum(g2, ONE_PART_GATE_FLOOR)
+        if spec.raw_gates and spec.gate_lower_bound is None:
+            g2 = jnp.minimum(g2, 0.0)
+        return (jnp.cumsum(g2, axis=0),)
     return _split_cumsum(g2, _one_scan_gates(spec), GATE_FLOOR * LOG2E)
+
+
+def _monotone_gate_sums(spec: PrefillSpec) -> bool:
+    """Whether KDA's intra kernel's gate sums fall along the chunk by construction, so that a
+    32-row block's exponents G_i - G_m lie between those of its first and last rows: one part
+    (`_one_part_gate_sums`: no rounding between parts), and raw gates, every one <= 0 as formed
+    (the lower-bound form lb * sigmoid; the softplus form -e^A_log softplus, whose PTX
+    approximation can round a gate near 0 above it: `_kda_gate_sums` clips those to 0, a change
+    of a few 2^-22 e^A_log). Given gates may be positive: no such bound holds for them."""
+    return spec.raw_gates and _one_part_gate_sums(spec)
 
 
 def _one_part_gate_sums(spec: PrefillSpec) -> bool:
@@ -1142,9 +1158,9 @@ def _prep_redo_kernel(start_ref, len_ref, lead_ref, k_ref, g_ref, beta_ref, A_lo
 
 # ---------------------------------------------------------------- KDA: intra-chunk products
 
-def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, kk_ref,
-                      aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, rows_ref, *, spec: PrefillSpec,
-                      block_k: int, heads_fastest: bool, zero_tail: bool, interpret: bool):
+def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, *refs,
+                      spec: PrefillSpec, block_k: int, heads_fastest: bool, zero_tail: bool,
+                      diagonal: str, interpret: bool):
     """KDA's per-channel work for chunk slot s, value head h, on whole-chunk [C, block_k] tiles.
 
     Writes kk_ij = sum_c kn_ic kn_jc e^{G_ic - G_jc} (j < i, zero elsewhere, without beta) and
@@ -1178,18 +1194,50 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
     zero_tail (the Mosaic GPU KDA scan's calls, whose sequences all start at multiples of C):
     aqk, fq and fk have their rows rounded up to whole 8-row tiles, and a chunk cut short by the
     end of the tokens also writes its rows past the tokens, as zeros (the rows are zero there:
-    no other sequence's rows follow), so that the scan's bulk copies read no unwritten rows."""
-    s, h = _slot_and_head(heads_fastest)
+    no other sequence's rows follow), so that the scan's bulk copies read no unwritten rows.
+
+    diagonal (`_intra_diagonal`), the diagonal blocks' form:
+    - "factored": always factored (the gate form bounds every exponent: refs are kk, aqk, fq,
+      fk, ek, decay, rows and an unused flag_ref);
+    - "flagged": always factored, and flag_ref [S, HV] int32 set to 1 where some
+      channel step's exponents exceed the limit (NaN included), 0 elsewhere (left unwritten
+      for empty chunk slots): that item's kk and aqk may hold overflowed terms and are formed
+      again by the "redo" pass;
+    - "redo": for the chunk slots redo_ref [S, HV] flags only (a grid of `_redo_grid`,
+      `_each_flagged_chunk`), each channel step's diagonal blocks factored where its exponents
+      allow it, else exact (`_exact_diagonal_blocks`); it stores kk and aqk only (refs:
+      redo_ref, kk and aqk in, kk and aqk out (aliased), rows)."""
+    if diagonal == "redo":
+        redo_ref, _, _, kk_ref, aqk_ref, rows_ref = refs
+        fq_ref = fk_ref = ek_ref = decay_ref = flag_ref = None
+    else:
+        kk_ref, aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, rows_ref, flag_ref = refs
+    item = functools.partial(_kda_intra_item, start_ref, len_ref, q_ref, k_ref, g_ref,
+                             A_log_ref, dt_ref, kk_ref, aqk_ref, fq_ref, fk_ref, ek_ref,
+                             decay_ref, rows_ref, flag_ref, spec=spec, block_k=block_k,
+                             zero_tail=zero_tail, diagonal=diagonal, interpret=interpret)
+    if diagonal == "redo":
+        _each_flagged_chunk(redo_ref, item)
+    else:
+        item(*_slot_and_head(heads_fastest))
+
+
+def _kda_intra_item(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, kk_ref,
+                    aqk_ref, fq_ref, fk_ref, ek_ref, decay_ref, rows_ref, flag_ref, s, h, *,
+                    spec: PrefillSpec, block_k: int, zero_tail: bool, diagonal: str,
+                    interpret: bool):
+    """`_kda_intra_kernel`'s work for chunk slot s and value head h."""
     hk = h // (spec.num_v_heads // spec.num_k_heads)
     t0, n = start_ref[s], len_ref[s]
     C, K = CHUNK, spec.head_k_dim
+    write_rows = diagonal != "redo"
 
     @pl.when(n > 0)
     def _():
         row = lax.broadcasted_iota(jnp.int32, (C,), 0)
         live = (row < n)[:, None]
         # the rows the scan's arrays take from this chunk (`zero_tail`)
-        out_live = (row < fq_ref.shape[0] - t0)[:, None] if zero_tail else live
+        out_live = (row < aqk_ref.shape[0] - t0)[:, None] if zero_tail else live
         tok = pl.ds(t0, C)
         load = lambda ref: plgpu.load(ref, mask=live, other=0).astype(F32)
         dot = functools.partial(_dot, precise=spec.precise, interpret=interpret, trans_b=True)
@@ -1198,7 +1246,8 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         # significand at twice its tensor-core rate. The diagonal blocks' factors e^{+-(G - G_m)}
         # reach e^80, beyond fp16: those stay TF32.
         bounded = lambda x: x.astype(_bounded_dtype(spec))
-        factored_always = _factored_diagonal_always_safe(spec)
+        limit = _diag_exp_limit(spec) * LOG2E
+        monotone = _monotone_gate_sums(spec)
         # The gates and their sums run in log2 units: every decay is then one exp2 (the
         # products' operand decays one ex2.approx with 16-bit inputs), with no product by
         # log2 e before it; the raw gates take the unit into a constant they have anyway
@@ -1240,7 +1289,7 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
         LAST, MID = (0, 1), (2, 3)
 
         def channels(c, acc):
-            kk, qk = acc
+            kk, qk, over = acc
             cols = pl.ds(c * block_k, block_k)
             G = _kda_gate_sums(gate(cols), spec)                           # rows past n add 0
             kn = load(k_ref.at[tok, hk, cols]) * tk[:, None] * rk[:, None]
@@ -1257,15 +1306,18 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             exchange.share(buf, [(G[p], ((SUB - 1, LAST[p]), (SUB // 2, MID[p]))) for p in parts])
             first_last, chunk_last = (tuple(exchange.row(buf, LAST[p], a) for p in parts)
                                       for a in range(NUM_SUB))
-            # The decayed rows first: their tiles are done with before the products' operands
-            # and results are formed, so fewer registers spill (ptxas; BENCHMARKS.md)
-            eG = jnp.exp2(sum(G[1:], G[0]))
-            plgpu.store(fq_ref.at[tok, h, cols], (qn * eG).astype(fq_ref.dtype), mask=out_live)
-            _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
-            _store_split(fk_ref, (tok, h, cols), kn * jnp.exp2(_gate_diff(chunk_last, G)),
-                         out_live)
-            # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
-            decay_ref[s, h, cols] = jnp.exp2(sum(chunk_last[1:], chunk_last[0]))[0]
+            if write_rows:
+                # The decayed rows first: their tiles are done with before the products'
+                # operands and results are formed, so fewer registers spill (ptxas;
+                # BENCHMARKS.md)
+                eG = jnp.exp2(sum(G[1:], G[0]))
+                plgpu.store(fq_ref.at[tok, h, cols], (qn * eG).astype(fq_ref.dtype),
+                            mask=out_live)
+                _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
+                _store_split(fk_ref, (tok, h, cols), kn * jnp.exp2(_gate_diff(chunk_last, G)),
+                             out_live)
+                # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
+                decay_ref[s, h, cols] = jnp.exp2(sum(chunk_last[1:], chunk_last[0]))[0]
             # Below the diagonal blocks, through the first block's last row: its rows decay
             # towards it (k e^{G_l - G}), the second block's from it (e^{G - G_l}); G falls
             # along the chunk, so both exponents are <= 0 and one exponential serves both
@@ -1275,25 +1327,44 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
             kk = kk + dot(bounded(jnp.where(second, kn * e, 0.0)), k_first)
             qk = qk + dot(bounded(jnp.where(second, qn * e, 0.0)), k_first)
             # each row's own block's middle row
-            mid = _gate_diff(G, tuple(jnp.where(second, exchange.row(buf, MID[p], 1),
-                                         exchange.row(buf, MID[p], 0)) for p in parts))
+            mid_rows = tuple((exchange.row(buf, MID[p], 0), exchange.row(buf, MID[p], 1))
+                             for p in parts)
+            mid = _gate_diff(G, tuple(jnp.where(second, m1, m0) for m0, m1 in mid_rows))
 
             def factored():
                 up, down = operand_exp(mid), kn * operand_exp(-mid)
                 return dot(kn * up, down), dot(qn * up, down)
 
-            if factored_always:
-                kk_d, qk_d = factored()
-            else:
+            if diagonal == "redo":
                 exact = functools.partial(_exact_diagonal_blocks, kn, qn, G, exchange, 1 - buf)
-                kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= _diag_exp_limit(spec) * LOG2E,
-                                      factored, exact)
+                kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= limit, factored, exact)
+            else:
+                kk_d, qk_d = factored()
+                if diagonal == "flagged":
+                    # each row's largest exponent, reduced across the tile's rows once after
+                    # the last step (a reduction along a row stays inside a warp)
+                    if monotone:
+                        # The block's exponents from its reference rows alone, a [1, block_k]
+                        # reduction instead of a [C, block_k] one: the first block lies between
+                        # the chunk's start (G = 0) and its last row, the second between the
+                        # first block's last row and the chunk's
+                        (m0, m1), = mid_rows
+                        l0, l1 = first_last[0], chunk_last[0]
+                        span = jnp.maximum(jnp.maximum(-m0, m0 - l0),
+                                           jnp.maximum(l0 - m1, m1 - l1))
+                        over = jnp.maximum(over, jnp.max(span, axis=1))
+                    else:
+                        over = jnp.maximum(over, jnp.max(jnp.abs(mid), axis=1))
             kk = jnp.where(same_block, kk + kk_d, kk)
             qk = jnp.where(same_block, qk + qk_d, qk)
-            return kk, qk
+            return kk, qk, over
 
         zero = jnp.zeros((C, C), F32)
-        kk, qk = lax.fori_loop(0, K // block_k, channels, (zero, zero))
+        kk, qk, over = lax.fori_loop(0, K // block_k, channels,
+                                     (zero, zero, jnp.zeros((C,), F32)))
+        if diagonal == "flagged":
+            # the redo's test, per step there (a NaN fails it)
+            flag_ref[s, h] = jnp.where(jnp.max(over) <= limit, 0, 1).astype(flag_ref.dtype)
         plgpu.store(kk_ref.at[tok, h, :], jnp.where(j < i, kk, 0.0).astype(kk_ref.dtype),
                     mask=live)
         plgpu.store(aqk_ref.at[tok, h, :], jnp.where(j <= i, qk, 0.0).astype(aqk_ref.dtype),
@@ -1488,10 +1559,21 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
     scan_rows = prep_rows if zero_tail else T_total
     rows = (scan_rows, HV, K)
     num_slots = start.shape[0]
-    *outputs, _ = pl.pallas_call(
-        functools.partial(_kda_intra_kernel, spec=spec, block_k=block.block_k,
-                          heads_fastest=block.heads_fastest, zero_tail=zero_tail,
-                          interpret=interpret),
+    # (arrays, so that the redo pass's aliased inputs keep their indices)
+    A_log = jnp.zeros((HV,), F32) if A_log is None else A_log
+    dt_bias = jnp.zeros((HV * K,), F32) if dt_bias is None else dt_bias
+    diagonal = _intra_diagonal(spec)
+    flagged = diagonal == "flagged"
+
+    def scratch(block_k):
+        """Each program's scratch for its reference rows (`_BlockRowExchange`; a quarter of
+        k k^T's size at block_k 32), not returned."""
+        return jax.ShapeDtypeStruct((num_slots, HV, 2, REF_SLOTS * CHUNK // SUB, block_k), F32)
+
+    kernel = functools.partial(_kda_intra_kernel, spec=spec, heads_fastest=block.heads_fastest,
+                               zero_tail=zero_tail, interpret=interpret)
+    *outputs, _, flags = pl.pallas_call(
+        functools.partial(kernel, block_k=block.block_k, diagonal=diagonal),
         # k k^T e^{G_i - G_j}, j < i
         out_shape=(jax.ShapeDtypeStruct((prep_rows, HV, CHUNK), kk_dtype),
                    # q k^T e^{G_i - G_j}, j <= i
@@ -1504,17 +1586,45 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
                    # e^G k: norm * e^G, in parts (`_kda_parts`)
                    jax.ShapeDtypeStruct((parts, prep_rows, HV, K), rows_dtype),
                    jax.ShapeDtypeStruct((num_slots, HV, K), F32),    # e^{G_C}
-                   # each program's scratch for its reference rows (_BlockRowExchange; a
-                   # quarter of k k^T's size at block_k 32), not returned
-                   jax.ShapeDtypeStruct((num_slots, HV, 2, REF_SLOTS * CHUNK // SUB,
-                                         block.block_k), F32)),
+                   scratch(block.block_k))
+        # 1 where the item's exponents exceed the factored form's limit (unwritten for
+        # empty chunk slots), or a placeholder
+        + (jax.ShapeDtypeStruct((num_slots, HV) if flagged else (1, 1), jnp.int32),),
         grid=_chunk_grid(num_slots, HV, block.heads_fastest),
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_intra,
                                              num_stages=block.num_stages_intra),
         interpret=interpret,
         name="kda_prefill_intra",
     )(start, length, q, k, g, A_log, dt_bias)
+    if flagged:
+        redo = ((flags != 0) & (length[:, None] > 0)).astype(jnp.int32)
+        kk, aqk, *rest = outputs
+        kk, aqk, _ = pl.pallas_call(
+            functools.partial(kernel, block_k=min(block.block_k, INTRA_REDO_BLOCK_K),
+                              diagonal="redo"),
+            out_shape=(jax.ShapeDtypeStruct(kk.shape, kk.dtype),
+                       jax.ShapeDtypeStruct(aqk.shape, aqk.dtype),
+                       scratch(min(block.block_k, INTRA_REDO_BLOCK_K))),
+            grid=_redo_grid(num_slots, HV),
+            input_output_aliases={8: 0, 9: 1},
+            compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_intra,
+                                                 num_stages=block.num_stages_intra),
+            interpret=interpret,
+            name="kda_prefill_intra_redo",
+        )(start, length, q, k, g, A_log, dt_bias, redo, kk, aqk)
+        outputs = (kk, aqk, *rest)
     return tuple(outputs)
+
+
+def _intra_diagonal(spec: PrefillSpec) -> str:
+    """How KDA's intra kernel forms its diagonal blocks (`_kda_intra_kernel`'s diagonal):
+    factored only where the gate form bounds their exponents, else factored and flagged where
+    they did not fit, the flagged items formed again (exactly where needed) by a second pass.
+    With gate sums that fall along the chunk (`_monotone_gate_sums`: the raw gates) the flag
+    takes each block's exponents from its reference rows, not from every row.
+    A single pass that chose per channel step carried the exact form's code and registers in
+    every item, and took 64 key channels a step only at a loss (BENCHMARKS.md, KDA prefill)."""
+    return "factored" if _factored_diagonal_always_safe(spec) else "flagged"
 
 
 def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block, interpret):

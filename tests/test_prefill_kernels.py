@@ -1505,9 +1505,10 @@ def test_chunk_table_matches_a_walk_over_the_sequences(seed, align):
                           (False, True, False, BF16, True, False)])
 def test_variants_lower_to_triton_ir(lower_for_h200, raw, pooled, boundary, dtype, kda, blocked):
     """Every kernel lowers to Triton IR for an H200 without a GPU (only PTX needs the device):
-    prep and scan, and KDA's intra-chunk kernel before them; the prep with each gate form's
-    default inverse (None) and with the other one; GDN's fp16 inverse kernel and the TF32 redo
-    pass after it."""
+    prep and scan, and KDA's intra-chunk kernel before them (and its redo pass where the gate
+    form does not bound the diagonal blocks' exponents); the prep with each gate form's default
+    inverse (None) and with the other one; GDN's fp16 inverse kernel and the TF32 redo pass
+    after it."""
     T, HK, HV, K = 256, 2, 4, 128
     spec = _spec(HK, HV, K, K, raw_gates=raw, pooled=pooled, boundary_states=boundary,
                  precise=dtype == F32, per_channel_gate=kda,
@@ -1527,7 +1528,8 @@ def test_variants_lower_to_triton_ir(lower_for_h200, raw, pooled, boundary, dtyp
     half = kern._half_inverse(spec, kern.PrefillBlockSizes(blocked_inverse=blocked)
                               .blocked_inverse_for(spec))
     assert half == (not kda and dtype == BF16 and not blocked)
-    assert hlo.count("__gpu$xla.gpu.triton") == ((3 if kda else 2) + 2 * half
+    intra_redo = kda and kern._intra_diagonal(spec) == "flagged"
+    assert hlo.count("__gpu$xla.gpu.triton") == ((3 if kda else 2) + 2 * half + intra_redo
                                                  + 2 * (spec.use_qk_l2norm and not kda))
 
 
@@ -1536,7 +1538,8 @@ def test_kda_intra_kernel_lowers_at_every_block_k(lower_for_h200, K, block_k):
     """The KDA intra kernel lowers to Triton IR for the channel steps a tuning sweep tries, at
     the head dims models use (the whole call at the default blocks is the test above): its
     scratch round trip of the reference rows (masked row-index stores, the barrier, gathers),
-    in the channel loop and in the exact diagonal blocks' column loop."""
+    in the channel loop, and in the exact diagonal blocks' column loop of its redo pass (a
+    second launch: given gates do not bound the exponents)."""
     T, HV = 200, 2
     spec = _spec(1, HV, K, K, per_channel_gate=True, precise=False)
     start, length, _, _ = kern.chunk_table(jnp.array([0, 70, T], jnp.int32), T)
@@ -1546,7 +1549,8 @@ def test_kda_intra_kernel_lowers_at_every_block_k(lower_for_h200, K, block_k):
         block=kern.PrefillBlockSizes(block_k=block_k), interpret=False)).trace(
             x, x, jnp.ones((T, HV, K)), start, length).lower(
                 lowering_platforms=("cuda",)).as_text()
-    assert hlo.count("__gpu$xla.gpu.triton") == 1
+    assert kern._intra_diagonal(spec) == "flagged"
+    assert hlo.count("__gpu$xla.gpu.triton") == 2
     # compiled, the scratch's stores and loads are ordered by a barrier (only interpret mode,
     # one program at a time, goes without); its op name shows in the serialized Triton module
     assert "barrier" in hlo
@@ -1919,6 +1923,43 @@ def test_kda_raw_gates_spanning_orders_of_magnitude(mode, lower_bound):
     ro, rs = _oracle(q, k, v, g, ref.gdn_beta(b), h0, cu)
     assert rel_err(o, ro) <= 1e-5
     assert rel_err(hT, rs) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("exact_only", [False, True])
+def test_kda_raw_softplus_gates_bf16_flag_from_reference_rows(mode, exact_only, monkeypatch):
+    """Raw softplus gates with bf16 inputs: the intra kernel flags an item for its redo pass from
+    each block's reference rows (`_monotone_gate_sums`), not from every row. Head 0's gates are
+    mild (its diagonal blocks factored), head 1's span channels near 0 and channels at the gate
+    floor (its blocks far past the limit: flagged, formed again exactly); and the same call with
+    every item flagged. Equal to float64 within the bf16 bounds, finite."""
+    lens, HK, HV, K = [150, 64, 9], 1, 2, 32
+    q, k, v, _, b, h0, cu = _kda_inputs(28, lens, HK=HK, HV=HV, K=K, dtype=BF16)
+    rng = np.random.default_rng(29)
+    a = jnp.asarray(rng.standard_normal((sum(lens), HV, K)), F32)
+    A_log = jnp.asarray([-2.0, 2.0], F32)
+    dt_bias = np.linspace(-30.0, 30.0, K, dtype=np.float32)[None, :].repeat(HV, 0)
+    dt_bias[0] = rng.uniform(-3, 1, K)
+    dt_bias = jnp.asarray(dt_bias.reshape(-1))
+    spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True, raw_gates=True,
+                 precise=False)
+    assert kern._monotone_gate_sums(spec) and kern._intra_diagonal(spec) == "flagged"
+    g = ref.kda_gate(a, A_log, dt_bias.reshape(HV, K))
+    spans = _diag_spans(g, cu).reshape(-1, HV)
+    limit = kern._diag_exp_limit(spec)
+    assert np.all(spans[:, 0] <= limit) and np.all(spans[:, 1] > limit)
+    if exact_only:
+        monkeypatch.setattr(kern, "_diag_exp_limit", lambda spec: -1.0)
+    kern.chunk_prefill.clear_cache()  # the limit is read when the kernel is traced
+    try:
+        o, hT, _, _ = _run(mode, q, k, v, a, b, cu, spec, initial_state=h0, A_log=A_log,
+                           dt_bias=dt_bias)
+    finally:
+        kern.chunk_prefill.clear_cache()
+    assert np.all(np.isfinite(np.asarray(o, F32))) and np.all(np.isfinite(np.asarray(hT)))
+    ro, rs = _oracle(q, k, v, g, ref.gdn_beta(b), h0, cu)
+    assert rel_err(o, ro) <= 5e-3
+    assert rel_err(hT, rs) <= 5e-4
 
 
 @pytest.mark.parametrize("mode", MODES)
