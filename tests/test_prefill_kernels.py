@@ -1889,20 +1889,29 @@ def _diag_spans(g, cu):
     return np.concatenate(spans)
 
 
+def _kda_spanning_raw_inputs(seed, dtype, *, A_log_1):
+    """Packed KDA inputs (lengths 150, 64, 9; HK = 1, HV = 2, K = 32) with raw per-channel gate
+    projections: head 0's dt_bias mild (uniform in [-3, 1], A_log -2), head 1's spread from
+    -30 to 30 over the channels (A_log A_log_1), so that its channels range from no decay to
+    the strongest. Returns (q, k, v, a, beta, h0, cu, A_log, dt_bias)."""
+    lens, HV, K = [150, 64, 9], 2, 32
+    q, k, v, _, b, h0, cu = _kda_inputs(seed, lens, HK=1, HV=HV, K=K, dtype=dtype)
+    rng = np.random.default_rng(seed + 1)
+    a = jnp.asarray(rng.standard_normal((sum(lens), HV, K)), F32)
+    A_log = jnp.asarray([-2.0, A_log_1], F32)
+    dt_bias = np.linspace(-30.0, 30.0, K, dtype=np.float32)[None, :].repeat(HV, 0)
+    dt_bias[0] = rng.uniform(-3, 1, K)
+    return q, k, v, a, b, h0, cu, A_log, jnp.asarray(dt_bias.reshape(-1))
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("lower_bound", [pytest.param(None, marks=FULL), -5.0])
 def test_kda_raw_gates_spanning_orders_of_magnitude(mode, lower_bound):
     """Raw per-channel gates (Kimi Linear's softplus form, GLM-5.3-Flash's lower bound -5), fp32:
     inside every chunk some channels decay by ~1e-9 per token and others sit at the bound (or,
     for softplus, decay by e^-60 per token); head 0's gates are mild."""
-    lens, HK, HV, K = [150, 64, 9], 1, 2, 32
-    q, k, v, _, b, h0, cu = _kda_inputs(24, lens, HK=HK, HV=HV, K=K)
-    rng = np.random.default_rng(25)
-    a = jnp.asarray(rng.standard_normal((sum(lens), HV, K)), F32)
-    A_log = jnp.asarray([-2.0, 1.0], F32)
-    dt_bias = np.linspace(-30.0, 30.0, K, dtype=np.float32)[None, :].repeat(HV, 0)
-    dt_bias[0] = rng.uniform(-3, 1, K)
-    dt_bias = jnp.asarray(dt_bias.reshape(-1))
+    HK, HV, K = 1, 2, 32
+    q, k, v, a, b, h0, cu, A_log, dt_bias = _kda_spanning_raw_inputs(24, F32, A_log_1=1.0)
     spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True, raw_gates=True,
                  gate_lower_bound=lower_bound)
     o, hT, _, _ = _run(mode, q, k, v, a, b, cu, spec, initial_state=h0, A_log=A_log,
@@ -1933,14 +1942,8 @@ def test_kda_raw_softplus_gates_bf16_flag_from_reference_rows(mode, exact_only, 
     mild (its diagonal blocks factored), head 1's span channels near 0 and channels at the gate
     floor (its blocks far past the limit: flagged, formed again exactly); and the same call with
     every item flagged. Equal to float64 within the bf16 bounds, finite."""
-    lens, HK, HV, K = [150, 64, 9], 1, 2, 32
-    q, k, v, _, b, h0, cu = _kda_inputs(28, lens, HK=HK, HV=HV, K=K, dtype=BF16)
-    rng = np.random.default_rng(29)
-    a = jnp.asarray(rng.standard_normal((sum(lens), HV, K)), F32)
-    A_log = jnp.asarray([-2.0, 2.0], F32)
-    dt_bias = np.linspace(-30.0, 30.0, K, dtype=np.float32)[None, :].repeat(HV, 0)
-    dt_bias[0] = rng.uniform(-3, 1, K)
-    dt_bias = jnp.asarray(dt_bias.reshape(-1))
+    HK, HV, K = 1, 2, 32
+    q, k, v, a, b, h0, cu, A_log, dt_bias = _kda_spanning_raw_inputs(28, BF16, A_log_1=2.0)
     spec = _spec(HK, HV, K, K, has_initial_state=True, per_channel_gate=True, raw_gates=True,
                  precise=False)
     assert kern._monotone_gate_sums(spec) and kern._intra_diagonal(spec) == "flagged"
