@@ -1340,21 +1340,19 @@ def _kda_intra_item(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, 
                 kk_d, qk_d = lax.cond(jnp.max(jnp.abs(mid)) <= limit, factored, exact)
             else:
                 kk_d, qk_d = factored()
-                if diagonal == "flagged":
+                if diagonal == "flagged" and monotone:
+                    # The blocks' exponents from their reference rows alone, a [1, block_k]
+                    # reduction instead of a [C, block_k] one: the first block's sums lie
+                    # between the chunk's start (G = 0) and its last row's, the second's
+                    # between the first block's last row's and the chunk's last row's
+                    (m0, m1), = mid_rows
+                    l0, l1 = first_last[0], chunk_last[0]
+                    span = jnp.maximum(jnp.maximum(-m0, m0 - l0), jnp.maximum(l0 - m1, m1 - l1))
+                    over = jnp.maximum(over, jnp.max(span, axis=1))
+                elif diagonal == "flagged":
                     # each row's largest exponent, reduced across the tile's rows once after
                     # the last step (a reduction along a row stays inside a warp)
-                    if monotone:
-                        # The block's exponents from its reference rows alone, a [1, block_k]
-                        # reduction instead of a [C, block_k] one: the first block lies between
-                        # the chunk's start (G = 0) and its last row, the second between the
-                        # first block's last row and the chunk's
-                        (m0, m1), = mid_rows
-                        l0, l1 = first_last[0], chunk_last[0]
-                        span = jnp.maximum(jnp.maximum(-m0, m0 - l0),
-                                           jnp.maximum(l0 - m1, m1 - l1))
-                        over = jnp.maximum(over, jnp.max(span, axis=1))
-                    else:
-                        over = jnp.maximum(over, jnp.max(jnp.abs(mid), axis=1))
+                    over = jnp.maximum(over, jnp.max(jnp.abs(mid), axis=1))
             kk = jnp.where(same_block, kk + kk_d, kk)
             qk = jnp.where(same_block, qk + qk_d, qk)
             return kk, qk, over
