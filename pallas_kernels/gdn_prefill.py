@@ -57,16 +57,17 @@ other gates the kernel factors every diagonal block and flags the (chunk, head) 
 exponents went past the limit, and a second launch over the flagged items only forms their
 k k^T and q k^T again, exactly where needed (`_intra_diagonal`). The same program writes the
 decayed q e^G and k e^{G_C - G} (the scan takes them instead of row factors), e^G k (for W),
-the masked k k^T and q k^T (k k^T without beta) and the chunk's total decay per channel. The prep then loads k k^T, forms A and T beta
-and stores W = (T beta) (e^G k) and U = (T beta) v, and the scan takes the deltas as U - W S:
-with T beta in the Triton scan instead, KDA's scan would load the e^G k rows besides its
-decayed q and k rows, and lost more time than its prep saved (BENCHMARKS.md). With bf16 inputs
-at K = V = 128 and every sequence starting at a multiple of CHUNK (`PrefillSpec.aligned_chunks`),
-W and U come from the Mosaic GPU prep (`gdn_prefill_mgpu.kda_prep`, `_mosaic_kda_prep`)
-instead, and the Triton prep, in its `redo_only` form, forms again only the chunks whose fp16
-inverse it flagged. For the Mosaic GPU KDA scan (`PrefillBlockSizes.mosaic_kda_scan`) the
-Mosaic prep writes T beta's halves only and the scan forms the deltas from them, e^G k and v
-(the redo pass then forms the flagged chunks' T beta again).
+the masked k k^T and q k^T (k k^T without beta) and the chunk's total decay per channel. The
+prep then loads k k^T, forms A and T beta and stores W = (T beta) (e^G k) and U = (T beta) v,
+and the scan takes the deltas as U - W S: with T beta in the Triton scan instead, KDA's scan
+would load the e^G k rows besides its decayed q and k rows, and lost more time than its prep
+saved (BENCHMARKS.md). With bf16 inputs at K = V = 128 and every sequence starting at a
+multiple of CHUNK (`PrefillSpec.aligned_chunks`), W and U come from the Mosaic GPU prep
+(`gdn_prefill_mgpu.kda_prep`, `_mosaic_kda_prep`) instead, and the Triton prep, in its
+`redo_only` form, forms again only the chunks whose fp16 inverse it flagged. For the Mosaic
+GPU KDA scan (`PrefillBlockSizes.mosaic_kda_scan`) the Mosaic prep writes T beta's halves only
+and the scan forms the deltas from them, e^G k and v (the redo pass then forms the flagged
+chunks' T beta again).
 
 The inverse T = (I + A)^-1 takes one of two forms, neither forming powers of A (a truncated
 series I - A + A^2 - ... loses about three digits for repeated keys with beta near 1):
