@@ -14,10 +14,12 @@ the next item's rows while they form one (`PREP_PROGRAMS`). The per-row values i
 (cumulative gates, beta) and the scan's row factors come from a small Triton launch before it
 (`gdn_prefill._prep_rows_kernel`); with the L2 norm the prep takes the rows' sums of squares
 from the diagonals of k k^T and of q q^T (a third product) and applies the L2 factors to its
-products and to the scan's row factors, so q and k get no pass of their own. A tile that holds
-a row too large to square in fp32 is tamed in shared memory before the products (as
-`gdn_prefill.tame_rows` does, same bits), and the launcher then gives the scan tamed copies of
-q and k. Its outputs are laid by chunk slot (row
+products and to the scan's row factors, so q and k get no pass of their own. An item whose
+sums of squares pass `SUSPECT_SQUARES` (or are NaN) may hold a row too large to square in
+fp32: a second launch forms only those items again, in place, looking at their tiles and
+taming such a row in shared memory before the products (as `gdn_prefill.tame_rows` does, same
+bits), and the launcher then gives the scan tamed copies of q and k. Its outputs are laid by
+chunk slot (row
 s * CHUNK + i for row i of slot s), so that no two items write the same rows (the chunks of
 packed sequences may share token rows), and each is one bulk copy.
 
@@ -1090,6 +1092,11 @@ F16 = jnp.float16
 # next item's rows fetched while it forms one (one program an item was 12-17% slower;
 # BENCHMARKS.md)
 PREP_PROGRAMS = 264
+# With the L2 norm, an item whose rows' sums of squares (the diagonals of q q^T and k k^T) are
+# all below this holds no row above the tame bound (2**50, whose square is 2**100) and no NaN:
+# the prep forms it without looking at its tiles. Any other item is formed again, with the
+# look and the taming, by a second launch over those items only (`prep`).
+SUSPECT_SQUARES = 2.0 ** 96
 
 
 def _items_in_turn(num_items: int, num_programs: int, num_v_heads: int):
@@ -1106,20 +1113,24 @@ def _items_in_turn(num_items: int, num_programs: int, num_v_heads: int):
 
 def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_k_heads: int,
                  num_items: int, num_programs: int, max_a: float, max_t: float, l2norm: bool,
-                 interpret: bool):
+                 look: bool, redo: bool, interpret: bool):
+    """`prep`'s programs. With the L2 norm, look: every item looks for huge rows in its tiles
+    (`_prep_item`'s check_tiles); redo: the second launch, over the items that item_ref
+    [S, HV] int32 names (none unless count_ref [1] is not 0), each formed with the look; its
+    outputs are the first launch's, written in place."""
     C = CHUNK
     # with the L2 norm: the factors in and out
     fac_ref, *refs = refs if l2norm else (None, *refs)
+    item_ref, count_ref, *refs = refs if redo else (None, None, *refs)
     aqk_ref, tb_ref, flag_ref, *refs = refs
     fac_out_ref, *refs = refs if l2norm else (None, *refs)
     (q_s, inverse_s, tb_s), k_s, vec_s, fac_s, nrm_s, aqk_o, flag_o, fac_o, bar = refs
-    # the next item's rows are fetched into the other buffer while this one is formed
     mine, slot_and_head = _items_in_turn(num_items, num_programs, num_v_heads)
 
-    def fetch(it):
+    def fetch(it, buf):
         s, h = slot_and_head(it)
         hk = h // (num_v_heads // num_k_heads)
-        rows, buf = pl.ds(pl.multiple_of(start_ref[s], ALIGN), C), it % 2
+        rows = pl.ds(pl.multiple_of(start_ref[s], ALIGN), C)
         plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s.at[buf], bar.at[buf])
         plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s.at[buf], bar.at[buf])
         for axis in range(2):
@@ -1128,22 +1139,12 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
             plgpu.copy_gmem_to_smem(fac_ref.at[:, h, pl.ds(pl.multiple_of(s * C, C), C)],
                                     fac_s.at[buf], bar.at[buf])
 
-    @pl.when(mine > 0)
-    def _():
-        fetch(0)
-
-    def step(it, carry):
+    def wait_stores_read():
+        # an item stores T beta from its q tile's memory, which the next fetch overwrites
         if not interpret:
-            # the item before this one stored T beta from its q tile's memory, which the fetch
-            # below overwrites: its stores' reads first
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        @pl.when(it + 1 < mine)
-        def _():
-            fetch(it + 1)   # into the buffer the item before this one used
-
-        buf = it % 2
-        plgpu.barrier_wait(bar.at[buf])
+    def form(it, buf, check_tiles):
         # the inverse's operand tiles, and then T beta's halves, in the memory of this item's q
         # tile, whose reads are done by then; their index a traced value (a constant index of
         # a ref that a `run_state` update reads becomes an operand of it, which its lowering
@@ -1153,12 +1154,45 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
         _prep_item(*slot_and_head(it), q_s.at[buf], k_s.at[buf], vec_s.at[buf], fac_s.at[buf],
                    nrm_s, d_s, p_s, tb_s.at[buf], aqk_o, flag_o, fac_o, aqk_ref, tb_ref,
                    flag_ref, fac_out_ref, max_a=max_a, max_t=max_t, l2norm=l2norm,
-                   interpret=interpret)
+                   check_tiles=check_tiles, interpret=interpret)
+
+    if redo:
+        # rare (a huge or NaN row), so one item at a time: fetch, wait, form
+        @pl.when(count_ref[0] != 0)
+        def _():
+            def step(it, carry):
+                @pl.when(item_ref[slot_and_head(it)] != 0)
+                def _():
+                    wait_stores_read()
+                    buf = it - it
+                    fetch(it, buf)
+                    plgpu.barrier_wait(bar.at[buf])
+                    form(it, buf, check_tiles=True)
+                return carry
+
+            lax.fori_loop(0, mine, step, 0)
+            wait_stores_read()
+        return
+
+    # the next item's rows are fetched into the other buffer while this one is formed
+    @pl.when(mine > 0)
+    def _():
+        fetch(0, 0)
+
+    def step(it, carry):
+        wait_stores_read()   # of the item before this one, whose buffer the fetch refills
+
+        @pl.when(it + 1 < mine)
+        def _():
+            fetch(it + 1, (it + 1) % 2)
+
+        buf = it % 2
+        plgpu.barrier_wait(bar.at[buf])
+        form(it, buf, check_tiles=look)
         return carry
 
     lax.fori_loop(0, mine, step, 0)
-    if not interpret:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    wait_stores_read()
 
 
 def _inverse_fp16(A, i, j, d_s, p_s, interpret):
@@ -1191,21 +1225,23 @@ def _unfit_rows(A, D, max_a, max_t):
 
 def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, tb_s, aqk_o, flag_o, fac_o,
                aqk_ref, tb_ref, flag_ref, fac_out_ref, *, max_a: float, max_t: float,
-               l2norm: bool, interpret: bool):
+               l2norm: bool, check_tiles: bool, interpret: bool):
     """One chunk slot and value head of `prep`, from its rows in q_s, k_s, vec_s (and with the
     L2 norm the scan's row factors without it in fac_s); the inverse's operand tiles d_s, p_s
-    and T beta's halves tb_s in the memory of q_s."""
+    and T beta's halves tb_s in the memory of q_s. With the L2 norm, check_tiles: look for huge
+    rows in the tiles and tame them, flagging them [HUGE]; else flag [HUGE] the rows whose sums
+    of squares say they may hold one (`SUSPECT_SQUARES`), for `prep`'s second launch."""
     C = CHUNK
     i, j = _iota((C, C), 0, interpret), _iota((C, C), 1, interpret)
     row_layout = None if interpret else plgpu.Layout.WGMMA.reduce(1)
-    if l2norm:
-        # rows too large to square in fp32 (max |x| > 2**50): tamed in place as `tame_rows`
-        # does (same bits), only in a tile that holds one (no product waits on a branch)
+    if l2norm and check_tiles:
+        # (the second launch) rows too large to square in fp32 (max |x| > 2**50): tamed in
+        # place as `tame_rows` does (same bits), only in a tile that holds one
         tiles = [_load(x_s, None if interpret else plgpu.Layout.WGMMA, interpret)
                  for x_s in (q_s, k_s)]
         marks = [huge_rows(x) for x in tiles]     # (huge [C], factor [C]) a tile
-        huge_here = marks[0][0] | marks[1][0]
-        nrm_s[0] = jnp.where(huge_here, 1.0, 0.0)
+        huge_flags = jnp.where(marks[0][0] | marks[1][0], 1.0, 0.0)
+        nrm_s[0] = huge_flags
         _commit_smem(interpret)
         any_huge = nrm_s[0, 0]
         for r in range(1, C):
@@ -1226,6 +1262,9 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, tb_s, aqk_o, flag_
                                     interpret=interpret)
         on_diagonal = i == j
         sq, sk = (jnp.sum(jnp.where(on_diagonal, x, 0.0), axis=1) for x in (qq, kk))
+        if not check_tiles:
+            # (NaN fails the comparisons too)
+            huge_flags = jnp.where((sq < SUSPECT_SQUARES) & (sk < SUSPECT_SQUARES), 0.0, 1.0)
         nrm_s[1] = sk    # k's, for the columns' layout
         _commit_smem(interpret)
     else:
@@ -1262,7 +1301,7 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, tb_s, aqk_o, flag_
     D = _inverse_fp16(A, i, j, d_s, p_s, interpret)
     unfit = _unfit_rows(A, D, max_a, max_t)
     flag_o[UNFIT] = unfit
-    flag_o[HUGE] = jnp.where(huge_here, 1.0, 0.0) if l2norm else unfit * 0.0  # (zeros by rows)
+    flag_o[HUGE] = huge_flags if l2norm else unfit * 0.0  # (zeros by rows)
     # T beta's halves over the inverse's operand tiles (its last product's wait is done)
     tb_hi, tb_lo = split_bf16(D * vector(BETA, 1))
     tb_s[0] = tb_hi
@@ -1289,8 +1328,9 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
     cumulative log decays' parts, BETA, RQ (the scale), RK (1), all 0 on the rows that are not
     the chunk's. factors: None, or the scan's row factors [3, HV, S * CHUNK] fp32 without the
     L2 norm, which the prep then applies: q's and k's L2 factors from the diagonals of q q^T
-    and k k^T, of the rows as `tame_rows` leaves them (an item whose tiles hold a huge row
-    tames them in shared memory before its products).
+    and k k^T, of the rows as `tame_rows` leaves them (an item whose sums of squares may hide
+    a huge row is formed again by a second launch, which tames such rows in shared memory
+    before its products).
     Returns (aqk [S * CHUNK, HV, CHUNK] aqk_dtype, q k^T e^{G_i - G_j} scaled on and below the
     diagonal; T beta's bf16 halves [2, S * CHUNK, HV, CHUNK]; flags [S, HV, 2, CHUNK] fp32:
     [UNFIT] 1 on the rows where the fp16 inverse may not have held (|A| > max_a or
@@ -1322,9 +1362,43 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
                 jax.ShapeDtypeStruct((S, HV, 2, C), F32))
     if l2norm:
         out_type += (jax.ShapeDtypeStruct(factors.shape, F32),)
-    call = _launch(kernel, out_type=out_type, scratch=scratch, num_programs=num_programs,
-                   name="gdn_prefill_mgpu_prep", interpret=interpret)
-    return call(start, q, k, rows, *(() if factors is None else (factors,)))
+    launch = lambda name, out_type, **kw: _launch(
+        functools.partial(kernel, **kw), out_type=out_type, scratch=scratch,
+        num_programs=num_programs, name=name, interpret=interpret)
+    first = launch("gdn_prefill_mgpu_prep", out_type=out_type, look=False, redo=False)
+    if not l2norm:
+        return first(start, q, k, rows)
+    redo = launch("gdn_prefill_mgpu_prep_redo", out_type=(), look=True, redo=True)
+    look_in_every_item = launch("gdn_prefill_mgpu_prep", out_type=out_type, look=True,
+                                redo=False)
+
+    @jax.custom_batching.custom_vmap
+    def two_launches(start, q, k, rows, factors):
+        inputs = (start, q, k, rows, factors)
+        outs = first(*inputs)
+        # the items whose sums of squares flagged a row, formed again with the look at their
+        # tiles (a huge row, NaN); in the usual call none, and the second launch's programs
+        # each read the count and end. (The look in every item cost the prep more than this
+        # launch does; under a branch inside the first launch, more still: BENCHMARKS.md, GDN
+        # prefill.)
+        items = (jnp.max(outs[2][:, :, HUGE], axis=2) != 0).astype(jnp.int32)
+        count = jnp.sum(items, dtype=jnp.int32).reshape(1)
+        # the first launch's outputs as refs, which the second writes in place (`run_state`
+        # keeps their state effects inside it: a ref made by `jax.new_ref` would have the whole
+        # enclosing jit discharged, and a caller's jit may hold primitives without a discharge
+        # rule)
+        return pl.run_state(lambda refs: redo(*inputs, items, count, *refs))(outs)
+
+    @two_launches.def_vmap
+    def _(axis_size, in_batched, *args):
+        # `run_state` has no batching rule: batched, one launch that looks in every item (the
+        # same bits), batched as every kernel here is (a grid axis)
+        del axis_size
+        outs = jax.vmap(look_in_every_item, in_axes=[0 if b else None for b in in_batched])(
+            *args)
+        return outs, (True,) * len(outs)
+
+    return two_launches(start, q, k, rows, factors)
 
 
 # --------------------------------------------------------------------------- KDA's chunk prep

@@ -532,6 +532,59 @@ def test_mosaic_prep_programs_take_items_in_turn(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_mosaic_prep_second_launch_forms_items_with_the_same_bits(mode, monkeypatch):
+    """With the L2 norm the Mosaic GPU prep's first launch flags the items whose sums of squares
+    may hide a huge row, and a second launch forms those again with the look at their tiles,
+    in place. Every item forced through it (every row's sum of squares taken as suspect): the
+    same bits as the first launch alone gives where no row is huge, and the [HUGE] flags
+    written again by it (all 0: it formed every item); programs taking items in turn."""
+    from pallas_kernels import gdn_prefill_mgpu as mgpu
+    T, HK, HV, S = 320, 1, 2, 5
+    kq, kk, kr, kf = jax.random.split(jax.random.PRNGKey(12), 4)
+    q = jax.random.normal(kq, (T, HK, 128), F32).astype(BF16)
+    k = jax.random.normal(kk, (T, HK, 128), F32).astype(BF16)
+    rows = 0.1 * jax.random.uniform(kr, (S, HV, mgpu.NUM_ROW_VECTORS, 64), F32)
+    start = jnp.array([0, 64, 136, 200, 256], jnp.int32)
+    factors = jax.random.uniform(kf, (3, HV, S * 64), F32) + 0.5
+    prep = functools.partial(mgpu.prep, start, q, k, rows, factors, num_v_heads=HV,
+                             aqk_dtype=F32, max_a=kern.HALF_INVERSE_MAX_A,
+                             max_t=kern.HALF_INVERSE_MAX_T, num_programs=3,
+                             interpret=mode == "interpret")
+    usual = prep()
+    monkeypatch.setattr(mgpu, "SUSPECT_SQUARES", 0.0)
+    redone = prep()
+    assert not np.any(np.asarray(usual[2][:, :, mgpu.HUGE]))
+    for a, b in zip(usual, redone):
+        assert np.all(np.isfinite(np.asarray(a, F32)))
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mosaic_prep_under_vmap_equals_its_calls_one_by_one(mode):
+    """Batched, the Mosaic GPU prep with the L2 norm runs one launch that looks for huge rows in
+    every item (its second launch writes in place, which `jax.vmap` cannot batch): each slice
+    equals the unbatched two launches on it, bit for bit, with a huge k row in one slice."""
+    from pallas_kernels import gdn_prefill_mgpu as mgpu
+    E, T, HK, HV, S = 2, 256, 1, 2, 4
+    kq, kk, kr, kf = jax.random.split(jax.random.PRNGKey(13), 4)
+    q = jax.random.normal(kq, (E, T, HK, 128), F32).astype(BF16)
+    k = jax.random.normal(kk, (E, T, HK, 128), F32).at[1, 100].multiply(2.0 ** 60).astype(BF16)
+    rows = 0.1 * jax.random.uniform(kr, (E, S, HV, mgpu.NUM_ROW_VECTORS, 64), F32)
+    factors = jax.random.uniform(kf, (E, 3, HV, S * 64), F32) + 0.5
+    start = jnp.array([0, 64, 128, 192], jnp.int32)
+    prep = lambda q, k, rows, factors: mgpu.prep(
+        start, q, k, rows, factors, num_v_heads=HV, aqk_dtype=F32, max_a=kern.HALF_INVERSE_MAX_A,
+        max_t=kern.HALF_INVERSE_MAX_T, num_programs=3, interpret=mode == "interpret")
+    batched = jax.jit(jax.vmap(prep))(q, k, rows, factors)
+    assert np.asarray(batched[2][1, 1, :, mgpu.HUGE]).sum() == HV     # row 100: slot 1, row 36
+    for e in range(E):
+        one = jax.jit(prep)(q[e], k[e], rows[e], factors[e])
+        for a, b in zip(batched, one):
+            assert np.all(np.isfinite(np.asarray(b, F32)))
+            assert np.array_equal(np.asarray(a[e]), np.asarray(b))
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_mosaic_prep_applies_the_l2_norm_and_flags_huge_rows(mode):
     """With the row factors given, the Mosaic GPU prep returns them times q's and k's L2 factors
     (FQ by q's, FK and FW by k's), from the rows as `tame_rows` leaves them, and flags [HUGE]
