@@ -8,7 +8,7 @@ products (wgmma) and bulk copies (TMA).
 `prep`: one warpgroup per (chunk slot, value head) item forms q k^T and k k^T, the
 intra-chunk matrix and A from them with the decays e^{G_i - G_j}, and T = (I + A)^-1 by the
 recursive doubling of `gdn_prefill._invert_unit_lower` with fp16 operands, every product a
-wgmma; it flags the rows where fp16 may not have held, and the launcher forms those chunks again
+wgmma (`_inverse_fp16`: D L D as (D A) masked, times D); it flags the rows where fp16 may not have held, and the launcher forms those chunks again
 in TF32 (`gdn_prefill._prep_redo_kernel`). Two programs an SM take the items in turn and fetch
 the next item's rows while they form one (`PREP_PROGRAMS`). The per-row values it reads
 (cumulative gates, beta) and the scan's row factors come from a small Triton launch before it
@@ -1150,9 +1150,9 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
         # a ref that a `run_state` update reads becomes an operand of it, which its lowering
         # cannot return)
         zero = buf - buf
-        d_s, p_s = inverse_s.at[buf, zero], inverse_s.at[buf, zero + 1]
+        d_s, a_s = inverse_s.at[buf, zero], inverse_s.at[buf, zero + 1]
         _prep_item(*slot_and_head(it), q_s.at[buf], k_s.at[buf], vec_s.at[buf], fac_s.at[buf],
-                   nrm_s, d_s, p_s, tb_s.at[buf], aqk_o, flag_o, fac_o, aqk_ref, tb_ref,
+                   nrm_s, d_s, a_s, tb_s.at[buf], aqk_o, flag_o, fac_o, aqk_ref, tb_ref,
                    flag_ref, fac_out_ref, max_a=max_a, max_t=max_t, l2norm=l2norm,
                    check_tiles=check_tiles, interpret=interpret)
 
@@ -1195,23 +1195,33 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
     wait_stores_read()
 
 
-def _inverse_fp16(A, i, j, d_s, p_s, interpret):
+def _inverse_fp16(A, i, j, d_s, a_s, interpret):
     """(I + A)^-1 for a strictly lower-triangular [C, C] A in registers, by recursive doubling
     with fp16 operands, as `gdn_prefill._invert_unit_lower` (half=True): D the inverse on the
     diagonal blocks of size b, L A's entries below them inside the blocks of size 2b;
-    D <- D - D (L D), each product a wgmma from shared memory (the fp16 tiles d_s and p_s).
-    i, j: the tile's row and column indices."""
+    D <- D - (D L) D, each product a wgmma with its right operand from shared memory (the fp16
+    tiles d_s and a_s). D is block-diagonal with blocks of size b, so (D L)_ij sums over i's
+    block only, where L's mask is the one of (i, j): D L is D A masked, and A goes to shared
+    memory once. A doubling then stores D alone, while D A runs, where D (L D) had a store and
+    its wait before each of its two products. |D L| has the bound of |L D|
+    (`gdn_prefill._half_inverse_fits`). i, j: the tile's row and column indices."""
     C = A.shape[0]
     D = jnp.where(i == j, 1.0, 0.0) - jnp.where((i // 2 == j // 2) & (i != j), A, 0.0)
+    a_s[...] = A.astype(F16)
     b = 2
     while b < C:
-        L = jnp.where((i // (2 * b) == j // (2 * b)) & (i // b != j // b), A, 0.0)
-        d_s[...] = D.astype(F16)
-        _commit_smem(interpret)
-        (LD,), _ = _products([[(L.astype(F16), d_s)]], (C, C), interpret=interpret)
-        p_s[...] = LD.astype(F16)
-        _commit_smem(interpret)
-        (D,), _ = _products([[((-D).astype(F16), p_s)]], (C, C), [D], interpret=interpret)
+        d16 = D.astype(F16)
+
+        def store_d(d16=d16):
+            d_s[...] = d16
+            _commit_smem(interpret)
+
+        if b == 2:
+            store_d()   # a_s committed with it, before the first product reads it
+        (DA,), _ = _products([[(d16, a_s)]], (C, C), interpret=interpret,
+                             during=None if b == 2 else store_d)
+        DL = jnp.where((i // (2 * b) == j // (2 * b)) & (i // b != j // b), DA, 0.0)
+        (D,), _ = _products([[((-DL).astype(F16), d_s)]], (C, C), [D], interpret=interpret)
         b *= 2
     return D
 
@@ -1223,11 +1233,11 @@ def _unfit_rows(A, D, max_a, max_t):
     return jnp.max(jnp.where(fits, 0.0, 1.0), axis=1)
 
 
-def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, tb_s, aqk_o, flag_o, fac_o,
+def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, a_s, tb_s, aqk_o, flag_o, fac_o,
                aqk_ref, tb_ref, flag_ref, fac_out_ref, *, max_a: float, max_t: float,
                l2norm: bool, check_tiles: bool, interpret: bool):
     """One chunk slot and value head of `prep`, from its rows in q_s, k_s, vec_s (and with the
-    L2 norm the scan's row factors without it in fac_s); the inverse's operand tiles d_s, p_s
+    L2 norm the scan's row factors without it in fac_s); the inverse's operand tiles d_s, a_s
     and T beta's halves tb_s in the memory of q_s. With the L2 norm, check_tiles: look for huge
     rows in the tiles and tame them, flagging them [HUGE]; else flag [HUGE] the rows whose sums
     of squares say they may hold one (`SUSPECT_SQUARES`), for `prep`'s second launch."""
@@ -1298,7 +1308,7 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, p_s, tb_s, aqk_o, flag_
     kk = kk * (rk_rows * rk_cols)
     A = jnp.where((i > j) & own, vector(BETA, 0) * kk * decay, 0.0)
 
-    D = _inverse_fp16(A, i, j, d_s, p_s, interpret)
+    D = _inverse_fp16(A, i, j, d_s, a_s, interpret)
     unfit = _unfit_rows(A, D, max_a, max_t)
     flag_o[UNFIT] = unfit
     flag_o[HUGE] = huge_flags if l2norm else unfit * 0.0  # (zeros by rows)
