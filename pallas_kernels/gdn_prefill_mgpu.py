@@ -1144,7 +1144,7 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
         if not interpret:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    def form(it, buf, check_tiles):
+    def form(it, buf, check_tiles, during_products=None):
         # the inverse's operand tiles, and then T beta's halves, in the memory of this item's q
         # tile, whose reads are done by then; their index a traced value (a constant index of
         # a ref that a `run_state` update reads becomes an operand of it, which its lowering
@@ -1154,7 +1154,8 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
         _prep_item(*slot_and_head(it), q_s.at[buf], k_s.at[buf], vec_s.at[buf], fac_s.at[buf],
                    nrm_s, d_s, a_s, tb_s.at[buf], aqk_o, flag_o, fac_o, aqk_ref, tb_ref,
                    flag_ref, fac_out_ref, max_a=max_a, max_t=max_t, l2norm=l2norm,
-                   check_tiles=check_tiles, interpret=interpret)
+                   check_tiles=check_tiles, during_products=during_products,
+                   interpret=interpret)
 
     if redo:
         # rare (a huge or NaN row), so one item at a time: fetch, wait, form
@@ -1180,15 +1181,18 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
         fetch(0, 0)
 
     def step(it, carry):
-        wait_stores_read()   # of the item before this one, whose buffer the fetch refills
+        def prefetch():
+            # while this item's products run: the wait for the item before this one's stores,
+            # long issued by then, whose buffer the fetch refills
+            wait_stores_read()
 
-        @pl.when(it + 1 < mine)
-        def _():
-            fetch(it + 1, (it + 1) % 2)
+            @pl.when(it + 1 < mine)
+            def _():
+                fetch(it + 1, (it + 1) % 2)
 
         buf = it % 2
         plgpu.barrier_wait(bar.at[buf])
-        form(it, buf, check_tiles=look)
+        form(it, buf, check_tiles=look, during_products=prefetch)
         return carry
 
     lax.fori_loop(0, mine, step, 0)
@@ -1235,7 +1239,7 @@ def _unfit_rows(A, D, max_a, max_t):
 
 def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, a_s, tb_s, aqk_o, flag_o, fac_o,
                aqk_ref, tb_ref, flag_ref, fac_out_ref, *, max_a: float, max_t: float,
-               l2norm: bool, check_tiles: bool, interpret: bool):
+               l2norm: bool, check_tiles: bool, during_products=None, interpret: bool):
     """One chunk slot and value head of `prep`, from its rows in q_s, k_s, vec_s (and with the
     L2 norm the scan's row factors without it in fac_s); the inverse's operand tiles d_s, a_s
     and T beta's halves tb_s in the memory of q_s. With the L2 norm, check_tiles: look for huge
@@ -1269,7 +1273,7 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, a_s, tb_s, aqk_o, flag_
         # the rows' sums of squares: the diagonals of q q^T and k k^T (fp32 sums of exact
         # products)
         (kk, qk, qq), _ = _products(groups + [[(q_s, ("T", q_s))]], (C, C),
-                                    interpret=interpret)
+                                    interpret=interpret, during=during_products)
         on_diagonal = i == j
         sq, sk = (jnp.sum(jnp.where(on_diagonal, x, 0.0), axis=1) for x in (qq, kk))
         if not check_tiles:
@@ -1278,7 +1282,7 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, a_s, tb_s, aqk_o, flag_
         nrm_s[1] = sk    # k's, for the columns' layout
         _commit_smem(interpret)
     else:
-        (kk, qk), _ = _products(groups, (C, C), interpret=interpret)
+        (kk, qk), _ = _products(groups, (C, C), interpret=interpret, during=during_products)
 
     def vector(r, axis):
         """Row vector r of the chunk's, broadcast along axis of a [C, C] tile (from the copy of
