@@ -5,23 +5,23 @@ The same chunked form as `gdn_prefill` (see that module for the math and the Tri
 for Gated DeltaNet with bf16 inputs and K = 128, written for Hopper's asynchronous tensor-core
 products (wgmma) and bulk copies (TMA).
 
-`prep`: one warpgroup per (chunk slot, value head) item forms q k^T and k k^T, the
-intra-chunk matrix and A from them with the decays e^{G_i - G_j}, and T = (I + A)^-1 by the
-recursive doubling of `gdn_prefill._invert_unit_lower` with fp16 operands, every product a
-wgmma (`_inverse_fp16`: D L D as (D A) masked, times D); it flags the rows where fp16 may not have held, and the launcher forms those chunks again
-in TF32 (`gdn_prefill._prep_redo_kernel`). Two programs an SM take the items in turn and fetch
-the next item's rows while they form one (`PREP_PROGRAMS`). The per-row values it reads
-(cumulative gates, beta) and the scan's row factors come from a small Triton launch before it
-(`gdn_prefill._prep_rows_kernel`); with the L2 norm the prep takes the rows' sums of squares
-from the diagonals of k k^T and of q q^T (a third product) and applies the L2 factors to its
-products and to the scan's row factors, so q and k get no pass of their own. An item whose
-sums of squares pass `SUSPECT_SQUARES` (or are NaN) may hold a row too large to square in
-fp32: a second launch forms only those items again, in place, looking at their tiles and
-taming such a row in shared memory before the products (as `gdn_prefill.tame_rows` does, same
-bits), and the launcher then gives the scan tamed copies of q and k. Its outputs are laid by
-chunk slot (row
-s * CHUNK + i for row i of slot s), so that no two items write the same rows (the chunks of
-packed sequences may share token rows), and each is one bulk copy.
+`prep`: one warpgroup per (chunk slot, value head) item forms q k^T and k k^T, the intra-chunk
+matrix and A from them with the decays e^{G_i - G_j}, and T = (I + A)^-1 by the recursive
+doubling of `gdn_prefill._invert_unit_lower` with fp16 operands, every product a wgmma
+(`_inverse_fp16`: D L D as (D A) masked, times D); it flags the rows where fp16 may not have
+held, and the launcher forms those chunks again in TF32 (`gdn_prefill._prep_redo_kernel`). Two
+programs an SM take the items in turn and fetch the next item's rows while they form one
+(`PREP_PROGRAMS`). The per-row values it reads (cumulative gates, beta) and the scan's row
+factors come from a small Triton launch before it (`gdn_prefill._prep_rows_kernel`); with the
+L2 norm the prep takes the rows' sums of squares from the diagonals of k k^T and of q q^T (a
+third product) and applies the L2 factors to its products and to the scan's row factors, so q
+and k get no pass of their own. An item whose sums of squares pass `SUSPECT_SQUARES` (or are
+NaN) may hold a row too large to square in fp32: a second launch forms only those items again,
+in place, looking at their tiles and taming such a row in shared memory before the products (as
+`gdn_prefill.tame_rows` does, same bits), and the launcher then gives the scan tamed copies of
+q and k. Its outputs are laid by chunk slot (row s * CHUNK + i for row i of slot s), so that no
+two items write the same rows (the chunks of packed sequences may share token rows), and each
+is one bulk copy.
 
 `kda_prep`: KDA's T beta, one warpgroup per (chunk slot, value head), from the Triton
 intra-chunk kernel's k k^T: the same fp16 inverse as `prep`, written as T beta's bf16 halves
