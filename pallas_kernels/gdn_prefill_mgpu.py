@@ -15,13 +15,13 @@ programs an SM take the items in turn and fetch the next item's rows while they 
 factors come from a small Triton launch before it (`gdn_prefill._prep_rows_kernel`); with the
 L2 norm the prep takes the rows' sums of squares from the diagonals of k k^T and of q q^T (a
 third product) and applies the L2 factors to its products and to the scan's row factors, so q
-and k get no pass of their own. An item whose sums of squares pass `SUSPECT_SQUARES` (or are
-NaN) may hold a row too large to square in fp32: a second launch forms only those items again,
-in place, looking at their tiles and taming such a row in shared memory before the products (as
-`gdn_prefill.tame_rows` does, same bits), and the launcher then gives the scan tamed copies of
-q and k. Its outputs are laid by chunk slot (row s * CHUNK + i for row i of slot s), so that no
-two items write the same rows (the chunks of packed sequences may share token rows), and each
-is one bulk copy.
+and k get no pass of their own. A row too large to square in fp32 is tamed in shared memory
+before the products (as `gdn_prefill.tame_rows` does, same bits), and the launcher then gives
+the scan tamed copies of q and k. Each item looks for such rows in its tiles; in calls of
+`TWO_LAUNCHES_MIN_ITEMS` items or more the look moves to a second launch, which forms again, in
+place, only the items whose sums of squares pass `SUSPECT_SQUARES` (or are NaN). Its outputs
+are laid by chunk slot (row s * CHUNK + i for row i of slot s), so that no two items write the
+same rows (the chunks of packed sequences may share token rows), and each is one bulk copy.
 
 `kda_prep`: KDA's T beta, one warpgroup per (chunk slot, value head), from the Triton
 intra-chunk kernel's k k^T: the same fp16 inverse as `prep`, written as T beta's bf16 halves
@@ -1094,9 +1094,15 @@ F16 = jnp.float16
 PREP_PROGRAMS = 264
 # With the L2 norm, an item whose rows' sums of squares (the diagonals of q q^T and k k^T) are
 # all below this holds no row above the tame bound (2**50, whose square is 2**100) and no NaN:
-# the prep forms it without looking at its tiles. Any other item is formed again, with the
-# look and the taming, by a second launch over those items only (`prep`).
+# in the two-launch form the first launch forms it without looking at its tiles, and any other
+# item is formed again, with the look and the taming, by the second (`prep`).
 SUSPECT_SQUARES = 2.0 ** 96
+# The second launch costs a call a few microseconds whatever its size (its launch, and the
+# flags' reduction before it), the look it saves a small part of every item: with L2 norm
+# calls of at least this many items take the two launches (measured: 4096 items, B=1 T=8192 at
+# 32 value heads, 0.99-1.00x the one launch; 16384, 0.97x), smaller ones the one launch that
+# looks in every item (BENCHMARKS.md, GDN prefill).
+TWO_LAUNCHES_MIN_ITEMS = 4096
 
 
 def _items_in_turn(num_items: int, num_programs: int, num_v_heads: int):
@@ -1342,9 +1348,9 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
     cumulative log decays' parts, BETA, RQ (the scale), RK (1), all 0 on the rows that are not
     the chunk's. factors: None, or the scan's row factors [3, HV, S * CHUNK] fp32 without the
     L2 norm, which the prep then applies: q's and k's L2 factors from the diagonals of q q^T
-    and k k^T, of the rows as `tame_rows` leaves them (an item whose sums of squares may hide
-    a huge row is formed again by a second launch, which tames such rows in shared memory
-    before its products).
+    and k k^T, of the rows as `tame_rows` leaves them (huge rows tamed in shared memory before
+    the products: by every item, or, in calls of `TWO_LAUNCHES_MIN_ITEMS` items or more, by a
+    second launch over the items whose sums of squares may hide one).
     Returns (aqk [S * CHUNK, HV, CHUNK] aqk_dtype, q k^T e^{G_i - G_j} scaled on and below the
     diagonal; T beta's bf16 halves [2, S * CHUNK, HV, CHUNK]; flags [S, HV, 2, CHUNK] fp32:
     [UNFIT] 1 on the rows where the fp16 inverse may not have held (|A| > max_a or
@@ -1412,6 +1418,8 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
             *args)
         return outs, (True,) * len(outs)
 
+    if num_items < TWO_LAUNCHES_MIN_ITEMS:
+        return look_in_every_item(start, q, k, rows, factors)
     return two_launches(start, q, k, rows, factors)
 
 
