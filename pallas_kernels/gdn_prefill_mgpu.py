@@ -1121,7 +1121,7 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
                  num_items: int, num_programs: int, max_a: float, max_t: float, l2norm: bool,
                  look: bool, redo: bool, interpret: bool):
     """`prep`'s programs. With the L2 norm, look: every item looks for huge rows in its tiles
-    (`_prep_item`'s check_tiles); redo: the second launch, over the items that item_ref
+    (`_prep_item`); redo (with look): the second launch, over the items that item_ref
     [S, HV] int32 names (none unless count_ref [1] is not 0), each formed with the look; its
     outputs are the first launch's, written in place."""
     C = CHUNK
@@ -1150,7 +1150,7 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
         if not interpret:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    def form(it, buf, check_tiles, during_products=None):
+    def form(it, buf, during_products=None):
         # the inverse's operand tiles, and then T beta's halves, in the memory of this item's q
         # tile, whose reads are done by then; their index a traced value (a constant index of
         # a ref that a `run_state` update reads becomes an operand of it, which its lowering
@@ -1160,7 +1160,7 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
         _prep_item(*slot_and_head(it), q_s.at[buf], k_s.at[buf], vec_s.at[buf], fac_s.at[buf],
                    nrm_s, d_s, a_s, tb_s.at[buf], aqk_o, flag_o, fac_o, aqk_ref, tb_ref,
                    flag_ref, fac_out_ref, max_a=max_a, max_t=max_t, l2norm=l2norm,
-                   check_tiles=check_tiles, during_products=during_products,
+                   look=look, during_products=during_products,
                    interpret=interpret)
 
     if redo:
@@ -1174,7 +1174,7 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
                     buf = it - it
                     fetch(it, buf)
                     plgpu.barrier_wait(bar.at[buf])
-                    form(it, buf, check_tiles=True)
+                    form(it, buf)
                 return carry
 
             lax.fori_loop(0, mine, step, 0)
@@ -1198,7 +1198,7 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
 
         buf = it % 2
         plgpu.barrier_wait(bar.at[buf])
-        form(it, buf, check_tiles=look, during_products=prefetch)
+        form(it, buf, during_products=prefetch)
         return carry
 
     lax.fori_loop(0, mine, step, 0)
@@ -1245,18 +1245,18 @@ def _unfit_rows(A, D, max_a, max_t):
 
 def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, a_s, tb_s, aqk_o, flag_o, fac_o,
                aqk_ref, tb_ref, flag_ref, fac_out_ref, *, max_a: float, max_t: float,
-               l2norm: bool, check_tiles: bool, during_products=None, interpret: bool):
+               l2norm: bool, look: bool, during_products=None, interpret: bool):
     """One chunk slot and value head of `prep`, from its rows in q_s, k_s, vec_s (and with the
     L2 norm the scan's row factors without it in fac_s); the inverse's operand tiles d_s, a_s
-    and T beta's halves tb_s in the memory of q_s. With the L2 norm, check_tiles: look for huge
-    rows in the tiles and tame them, flagging them [HUGE]; else flag [HUGE] the rows whose sums
-    of squares say they may hold one (`SUSPECT_SQUARES`), for `prep`'s second launch."""
+    and T beta's halves tb_s in the memory of q_s. With the L2 norm, look: look for huge rows in
+    the tiles and tame them, flagging them [HUGE]; else flag [HUGE] the rows whose sums of
+    squares say they may hold one (`SUSPECT_SQUARES`), for `prep`'s second launch."""
     C = CHUNK
     i, j = _iota((C, C), 0, interpret), _iota((C, C), 1, interpret)
     row_layout = None if interpret else plgpu.Layout.WGMMA.reduce(1)
-    if l2norm and check_tiles:
-        # (the second launch) rows too large to square in fp32 (max |x| > 2**50): tamed in
-        # place as `tame_rows` does (same bits), only in a tile that holds one
+    if l2norm and look:
+        # rows too large to square in fp32 (max |x| > 2**50): tamed in place as `tame_rows`
+        # does (same bits), only in a tile that holds one
         tiles = [_load(x_s, None if interpret else plgpu.Layout.WGMMA, interpret)
                  for x_s in (q_s, k_s)]
         marks = [huge_rows(x) for x in tiles]     # (huge [C], factor [C]) a tile
@@ -1282,7 +1282,7 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, a_s, tb_s, aqk_o, flag_
                                     interpret=interpret, during=during_products)
         on_diagonal = i == j
         sq, sk = (jnp.sum(jnp.where(on_diagonal, x, 0.0), axis=1) for x in (qq, kk))
-        if not check_tiles:
+        if not look:
             # (NaN fails the comparisons too)
             huge_flags = jnp.where((sq < SUSPECT_SQUARES) & (sk < SUSPECT_SQUARES), 0.0, 1.0)
         nrm_s[1] = sk    # k's, for the columns' layout
@@ -1398,9 +1398,9 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
         outs = first(*inputs)
         # the items whose sums of squares flagged a row, formed again with the look at their
         # tiles (a huge row, NaN); in the usual call none, and the second launch's programs
-        # each read the count and end. (The look in every item cost the prep more than this
-        # launch does; under a branch inside the first launch, more still: BENCHMARKS.md, GDN
-        # prefill.)
+        # each read the count and end. (In calls of many items the look in every item costs
+        # the prep more than this launch does, `TWO_LAUNCHES_MIN_ITEMS`; under a branch inside
+        # the first launch, more still: BENCHMARKS.md, GDN prefill.)
         items = (jnp.max(outs[2][:, :, HUGE], axis=2) != 0).astype(jnp.int32)
         count = jnp.sum(items, dtype=jnp.int32).reshape(1)
         # the first launch's outputs as refs, which the second writes in place (`run_state`
