@@ -141,8 +141,27 @@ def split_bf16(x):
     hi's fp32 value is the mask itself, so no fp32 -> bf16 -> fp32 round trip: with one
     (hi = x rounded to bf16, then widened for lo) the compiler formed hi one value at a time
     (`F2F`, a quarter-rate conversion) to widen each back; here both halves convert in pairs."""
-    hi = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(-65536), F32)
+    hi = _top_half(x)
     return hi.astype(BF16), (x - hi).astype(BF16)
+
+
+def _top_half(x):
+    """x's top 16 bits as fp32 (`split_bf16`'s hi before its conversion)."""
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(-65536), F32)
+
+
+def _split_lazily(x):
+    """`split_bf16(x)` as (hi, lo): lo a function that forms it when first called (the same
+    value again after), so that a product can be issued on hi before lo is formed."""
+    hi = _top_half(x)
+    lo = []
+
+    def get_lo():
+        if not lo:
+            lo.append((x - hi).astype(BF16))
+        return lo[0]
+
+    return hi.astype(BF16), get_lo
 
 
 def _swizzled(shape, dtype=BF16, swizzle=128):
@@ -153,27 +172,36 @@ def _swizzled(shape, dtype=BF16, swizzle=128):
 
 
 def _products(groups, shape, init=None, *, interpret, during=None):
-    """For each group of terms, init + sum of a @ b over its terms (a: a register bf16 array or
-    a shared-memory ref; b: a shared-memory ref, or ("T", ref) for its transpose), in fp32;
-    init: None (from zero) or one array a group. Compiled: one wgmma a term, one accumulator a
-    group, then `during()` while they run, then one wait for all. Returns ([one array a group],
-    during's result)."""
+    """For each group of terms, init + sum of a @ b over its terms (a: a register bf16 array, a
+    function that returns one, called when its product is issued (after the terms before it),
+    or a shared-memory ref; b: a shared-memory ref, or ("T", ref) for its transpose), in fp32;
+    init: None (from zero) or one array a group. A term (a, b, before) calls before() just
+    before its product is issued, and then the terms go out every group's first, then every
+    group's second, ... (a store that a later term reads can wait until the earlier products
+    are issued). Compiled: one wgmma a term, one accumulator a group, then `during()` while they
+    run, then one wait for all. Returns ([one array a group], during's result)."""
+    hooked = any(len(t) == 3 for terms in groups for t in terms)
     if interpret:
-        outs = []
-        for g, terms in enumerate(groups):
-            out = jnp.zeros(shape, F32) if init is None else init[g]
-            for a, b in terms:
-                a = a if isinstance(a, jax.Array) else a[...]
-                b = b[1][...].T if isinstance(b, tuple) else b[...]
-                out = out + jnp.dot(a.astype(F32), b.astype(F32),
-                                    precision=lax.Precision.HIGHEST, preferred_element_type=F32)
-            outs.append(out)
+        outs = [jnp.zeros(shape, F32) if init is None else init[g] for g in range(len(groups))]
+        for g, term in _issue_order(groups, hooked):
+            a, b, *before = term
+            if before:
+                before[0]()
+            a = a() if callable(a) else a
+            a = a if isinstance(a, jax.Array) else a[...]
+            b = b[1][...].T if isinstance(b, tuple) else b[...]
+            outs[g] = outs[g] + jnp.dot(a.astype(F32), b.astype(F32),
+                                        precision=lax.Precision.HIGHEST,
+                                        preferred_element_type=F32)
         return outs, (None if during is None else during())
 
     def issue(*accs):
-        for acc, terms in zip(accs, groups):
-            for a, b in terms:
-                plgpu.wgmma(acc, a, b[1].transpose((1, 0)) if isinstance(b, tuple) else b)
+        for g, term in _issue_order(groups, hooked):
+            a, b, *before = term
+            if before:
+                before[0]()
+            a = a() if callable(a) else a
+            plgpu.wgmma(accs[g], a, b[1].transpose((1, 0)) if isinstance(b, tuple) else b)
         result = None if during is None else during()
         plgpu.wgmma_wait(0)
         return result
@@ -192,6 +220,16 @@ def _products(groups, shape, init=None, *, interpret, during=None):
     return list(pl.run_state(update)(tuple(plgpu.ACC.init(x) for x in init))), None
 
 
+def _issue_order(groups, by_term: bool):
+    """(group, term) in issue order: group by group, or with by_term every group's first term,
+    then every group's second, ... (each accumulator's own order kept)."""
+    if not by_term:
+        return [(g, t) for g, terms in enumerate(groups) for t in terms]
+    longest = max(len(terms) for terms in groups)
+    return [(g, groups[g][n]) for n in range(longest) for g in range(len(groups))
+            if n < len(groups[g])]
+
+
 def _commit_smem(interpret):
     """Ordinary stores to shared memory made visible to the tensor cores and bulk copies (the
     interpreter has no such ordering to make)."""
@@ -203,15 +241,20 @@ def _store_halves(ref, halves, *, interpret, commit=True, transposed=False):
     """The (hi, lo) halves into ref[0] and ref[1], or a pair of refs (transposed: x [m, n] into
     [n, m]), committed unless told otherwise."""
     for i, x in enumerate(halves):
-        to = ref[i] if isinstance(ref, tuple) else ref.at[i]
-        if not transposed:
-            to[...] = x
-        elif interpret:
-            to[...] = x.T
-        else:
-            to.transpose((1, 0))[...] = x
+        _store_tile(ref[i] if isinstance(ref, tuple) else ref.at[i], x, interpret=interpret,
+                    transposed=transposed)
     if commit:
         _commit_smem(interpret)
+
+
+def _store_tile(to, x, *, interpret, transposed=False):
+    """x into the shared-memory ref `to` (transposed: x [m, n] into [n, m]), not committed."""
+    if not transposed:
+        to[...] = x
+    elif interpret:
+        to[...] = x.T
+    else:
+        to.transpose((1, 0))[...] = x
 
 
 def _load(ref, layout, interpret):
@@ -470,14 +513,15 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         valid = in_sequence(tok_index, c)
         fac = fac_s.at[slot]
         zero_other_rows(c, slot)
-        s_hi, s_lo = split_bf16(S)
+        # each product's lo halves formed after its hi products are issued (`_split_lazily`)
+        s_hi, s_lo = _split_lazily(S)
 
         def publish_state_and_load():
             # while (k S)^T runs: the chunk's starting state for the output warpgroup (once it
             # is done with the previous chunk's; committed with the deltas, before the output
             # warpgroup is told), and the loads the next steps take
             wait_output_done(c)
-            _store_halves(s_pub(0), (s_hi, s_lo), interpret=interpret, commit=False)
+            _store_halves(s_pub(0), (s_hi, s_lo()), interpret=interpret, commit=False)
             v_t = _load(v_s.at[slot].transpose((1, 0)) if not interpret else v_s.at[slot],
                         wgmma_layout, interpret)
             fw = _load(fac.at[FW], None, interpret)
@@ -488,7 +532,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
                                       interpret=interpret, during=publish_state_and_load)
         x = jnp.where(valid, _minus_product(v_t.astype(F32), ks, _columns(fw, (BV, C), interpret)),
                       0.0)
-        x_hi, x_lo = split_bf16(x)
+        x_hi, x_lo = _split_lazily(x)
         tb_hi, tb_lo = ("T", tb_s.at[slot, 0]), ("T", tb_s.at[slot, 1])
         # D^T; while it runs, the k factors and the decayed state the update starts from
         (d,), (fk, S_decayed) = _products([[(x_hi, tb_hi), (x_hi, tb_lo), (x_lo, tb_hi)]],
@@ -497,7 +541,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
                                                           S * decay))
         d = jnp.where(valid, d, 0.0)
         # where, not a product with the masked d: the factors past the sequence may be anything
-        u_hi, u_lo = split_bf16(
+        u_hi, u_lo = _split_lazily(
             jnp.where(valid, d * _columns(fk, (BV, C), interpret), 0.0))
 
         def publish_deltas():
@@ -890,27 +934,50 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         plgpu.barrier_wait(ek_loaded.at[ebuf])
         plgpu.barrier_wait(v_loaded)
         wait_read(c, S_PUB)
-        for b, Sb in enumerate(S):
-            _store_halves(s_pub.at[:, :, pl.ds(b * KB, KB)], split_bf16(Sb),
-                          interpret=interpret, commit=False, transposed=True)
-        _commit_smem(interpret)
-        publish(S_PUB)
+        # each product's right operand published half by half: its lo half formed and stored
+        # after the products of its hi half are issued (one more commit a product)
+        s_halves = [_split_lazily(Sb) for Sb in S]
+
+        # (the halves' refs indexed by the traced hi and lo: the stores run inside products)
+        def publish_state(half):
+            def store():
+                for b, (s_hi, s_lo) in enumerate(s_halves):
+                    _store_tile(s_pub.at[(hi, lo)[half], :, pl.ds(b * KB, KB)],
+                                s_hi if half == 0 else s_lo(), interpret=interpret,
+                                transposed=True)
+                _commit_smem(interpret)
+                if half == 1:
+                    publish(S_PUB)
+            return store
+
+        def half_by_half(ref, halves, then=None):
+            """Stores of halves (hi, a function that forms lo) into ref[hi] and ref[lo], each a
+            function to call; then() after the second."""
+            def store(half):
+                def run():
+                    _store_tile(ref.at[(hi, lo)[half]], halves[0] if half == 0 else halves[1](),
+                                interpret=interpret, transposed=True)
+                    _commit_smem(interpret)
+                    if half == 1 and then is not None:
+                        then()
+                return run
+            return store(0), store(1)
+
         neg_v = -_load(v_s, wgmma_layout, interpret).astype(F32)
         ek_hi, ek_lo = ek_s.at[ebuf, hi], ek_s.at[ebuf, lo]
-        (acc,), _ = _products([[(ek_hi, ("T", s_pub.at[hi])), (ek_hi, ("T", s_pub.at[lo])),
+        (acc,), _ = _products([[(ek_hi, ("T", s_pub.at[hi]), publish_state(0)),
+                                (ek_hi, ("T", s_pub.at[lo]), publish_state(1)),
                                 (ek_lo, ("T", s_pub.at[hi]))]], (C, BV), [neg_v],
                               interpret=interpret, during=lambda: refill(fetch_v, c + 1))
-        _store_halves(x_pub, split_bf16(jnp.where(valid, -acc, 0.0)),
-                      interpret=interpret, transposed=True)
+        x_hi, x_lo = half_by_half(x_pub, _split_lazily(jnp.where(valid, -acc, 0.0)))
         plgpu.barrier_wait(tb_loaded)
-        (d,), _ = _products([[(tb_s.at[0], ("T", x_pub.at[0])),
-                              (tb_s.at[0], ("T", x_pub.at[1])),
+        (d,), _ = _products([[(tb_s.at[0], ("T", x_pub.at[0]), x_hi),
+                              (tb_s.at[0], ("T", x_pub.at[1]), x_lo),
                               (tb_s.at[1], ("T", x_pub.at[0]))]], (C, BV),
                             interpret=interpret, during=lambda: refill(fetch_ek, c + 2))
         d = jnp.where(valid, d, 0.0)
         wait_read(c, D_PUB)
-        _store_halves(d_pub, split_bf16(d), interpret=interpret, transposed=True)
-        publish(D_PUB)
+        d_hi, d_lo = half_by_half(d_pub, _split_lazily(d), then=lambda: publish(D_PUB))
         plgpu.barrier_wait(kd_loaded)
 
         def kt(part, b):
@@ -918,7 +985,8 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
             x = _load(block if interpret else block.transpose((1, 0)), wgmma_layout, interpret)
             return x.T if interpret else x
 
-        terms = [[(kt(hi, b), ("T", d_pub.at[hi])), (kt(hi, b), ("T", d_pub.at[lo])),
+        terms = [[(kt(hi, b), ("T", d_pub.at[hi])) + ((d_hi,) if b == 0 else ()),
+                  (kt(hi, b), ("T", d_pub.at[lo])) + ((d_lo,) if b == 0 else ()),
                   (kt(lo, b), ("T", d_pub.at[hi]))] for b in range(2)]
         decays = [_rows(_load(decay_s.at[pl.ds(b * KB, KB)], None, interpret), (KB, BV),
                         interpret) for b in range(2)]
@@ -1274,12 +1342,25 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, a_s, tb_s, aqk_o, flag_
 
         _commit_smem(interpret)   # the tamed tiles for the products, and nrm_s read
 
+    def vector(r, axis):
+        """Row vector r of the chunk's, broadcast along axis of a [C, C] tile (from the copy of
+        the vectors kept for that axis's layout)."""
+        return _spread_vector(vec_s.at[axis, r], axis, (C, C), interpret)
+
+    def during():
+        # while the products run: e^{G_i - G_j} on and below the diagonal, from the cumulative
+        # gates' (hi, lo) parts (the row vectors alone)
+        if during_products is not None:
+            during_products()
+        seg = (vector(G_HI, 0) - vector(G_HI, 1)) + (vector(G_LO, 0) - vector(G_LO, 1))
+        return jnp.exp(jnp.where(i >= j, seg, -jnp.inf))
+
     groups = [[(k_s, ("T", k_s))], [(q_s, ("T", k_s))]]
     if l2norm:
         # the rows' sums of squares: the diagonals of q q^T and k k^T (fp32 sums of exact
         # products)
-        (kk, qk, qq), _ = _products(groups + [[(q_s, ("T", q_s))]], (C, C),
-                                    interpret=interpret, during=during_products)
+        (kk, qk, qq), decay = _products(groups + [[(q_s, ("T", q_s))]], (C, C),
+                                        interpret=interpret, during=during)
         on_diagonal = i == j
         sq, sk = (jnp.sum(jnp.where(on_diagonal, x, 0.0), axis=1) for x in (qq, kk))
         if not look:
@@ -1288,12 +1369,7 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, a_s, tb_s, aqk_o, flag_
         nrm_s[1] = sk    # k's, for the columns' layout
         _commit_smem(interpret)
     else:
-        (kk, qk), _ = _products(groups, (C, C), interpret=interpret, during=during_products)
-
-    def vector(r, axis):
-        """Row vector r of the chunk's, broadcast along axis of a [C, C] tile (from the copy of
-        the vectors kept for that axis's layout)."""
-        return _spread_vector(vec_s.at[axis, r], axis, (C, C), interpret)
+        (kk, qk), decay = _products(groups, (C, C), interpret=interpret, during=during)
 
     rq_rows, rk_rows, rk_cols = vector(RQ, 0), vector(RK, 0), vector(RK, 1)
     # The rows that are not the chunk's (zero row vectors: another sequence's rows in the
@@ -1311,9 +1387,6 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, a_s, tb_s, aqk_o, flag_
         rk_cols = rk_cols * _columns(nk_cols, (C, C), interpret)
         for f, n in zip((FQ, FK, FW), (nq, nk, nk)):
             fac_o[f] = _load(fac_s.at[f], row_layout, interpret) * n
-    # e^{G_i - G_j} on and below the diagonal, from the cumulative gates' (hi, lo) parts
-    seg = (vector(G_HI, 0) - vector(G_HI, 1)) + (vector(G_LO, 0) - vector(G_LO, 1))
-    decay = jnp.exp(jnp.where(i >= j, seg, -jnp.inf))
     aqk_o[...] = jnp.where(own, qk * (rq_rows * rk_cols) * decay, 0.0).astype(aqk_o.dtype)
     kk = kk * (rk_rows * rk_cols)
     A = jnp.where((i > j) & own, vector(BETA, 0) * kk * decay, 0.0)
