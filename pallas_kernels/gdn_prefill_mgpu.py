@@ -17,9 +17,9 @@ L2 norm the prep takes the rows' sums of squares from the diagonals of k k^T and
 third product) and applies the L2 factors to its products and to the scan's row factors, so q
 and k get no pass of their own. A row too large to square in fp32 is tamed in shared memory
 before the products (as `gdn_prefill.tame_rows` does, same bits), and the launcher then gives
-the scan tamed copies of q and k. Each item looks for such rows in its tiles; in calls of
-`TWO_LAUNCHES_MIN_ITEMS` items or more the look moves to a second launch, which forms again, in
-place, only the items whose sums of squares pass `SUSPECT_SQUARES` (or are NaN). Its outputs
+the scan tamed copies of q and k. The look for such rows is a second launch, which forms again,
+in place, only the items whose sums of squares pass `SUSPECT_SQUARES` (or are NaN); under
+`jax.vmap` one launch looks in every item's tiles instead. Its outputs
 are laid by chunk slot (row s * CHUNK + i for row i of slot s), so that no two items write the
 same rows (the chunks of packed sequences may share token rows), and each is one bulk copy.
 
@@ -1162,15 +1162,9 @@ F16 = jnp.float16
 PREP_PROGRAMS = 264
 # With the L2 norm, an item whose rows' sums of squares (the diagonals of q q^T and k k^T) are
 # all below this holds no row above the tame bound (2**50, whose square is 2**100) and no NaN:
-# in the two-launch form the first launch forms it without looking at its tiles, and any other
-# item is formed again, with the look and the taming, by the second (`prep`).
+# the first launch forms it without looking at its tiles, and any other item is formed again,
+# with the look and the taming, by the second (`prep`).
 SUSPECT_SQUARES = 2.0 ** 96
-# The second launch costs a call a few microseconds whatever its size (its launch, and the
-# flags' reduction before it), the look it saves a small part of every item: with L2 norm
-# calls of at least this many items take the two launches (measured: 4096 items, B=1 T=8192 at
-# 32 value heads, 0.99-1.00x the one launch; 16384, 0.97x), smaller ones the one launch that
-# looks in every item (BENCHMARKS.md, GDN prefill).
-TWO_LAUNCHES_MIN_ITEMS = 4096
 
 
 def _items_in_turn(num_items: int, num_programs: int, num_v_heads: int):
@@ -1422,8 +1416,8 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
     the chunk's. factors: None, or the scan's row factors [3, HV, S * CHUNK] fp32 without the
     L2 norm, which the prep then applies: q's and k's L2 factors from the diagonals of q q^T
     and k k^T, of the rows as `tame_rows` leaves them (huge rows tamed in shared memory before
-    the products: by every item, or, in calls of `TWO_LAUNCHES_MIN_ITEMS` items or more, by a
-    second launch over the items whose sums of squares may hide one).
+    the products: by a second launch over the items whose sums of squares may hide one, or,
+    under `jax.vmap`, by every item).
     Returns (aqk [S * CHUNK, HV, CHUNK] aqk_dtype, q k^T e^{G_i - G_j} scaled on and below the
     diagonal; T beta's bf16 halves [2, S * CHUNK, HV, CHUNK]; flags [S, HV, 2, CHUNK] fp32:
     [UNFIT] 1 on the rows where the fp16 inverse may not have held (|A| > max_a or
@@ -1471,9 +1465,9 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
         outs = first(*inputs)
         # the items whose sums of squares flagged a row, formed again with the look at their
         # tiles (a huge row, NaN); in the usual call none, and the second launch's programs
-        # each read the count and end. (In calls of many items the look in every item costs
-        # the prep more than this launch does, `TWO_LAUNCHES_MIN_ITEMS`; under a branch inside
-        # the first launch, more still: BENCHMARKS.md, GDN prefill.)
+        # each read the count and end. (The look in every item costs the prep more than this
+        # launch does at every size measured; under a branch inside the first launch, more
+        # still: BENCHMARKS.md, GDN prefill.)
         items = (jnp.max(outs[2][:, :, HUGE], axis=2) != 0).astype(jnp.int32)
         count = jnp.sum(items, dtype=jnp.int32).reshape(1)
         # the first launch's outputs as refs, which the second writes in place (`run_state`
@@ -1491,8 +1485,6 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
             *args)
         return outs, (True,) * len(outs)
 
-    if num_items < TWO_LAUNCHES_MIN_ITEMS:
-        return look_in_every_item(start, q, k, rows, factors)
     return two_launches(start, q, k, rows, factors)
 
 

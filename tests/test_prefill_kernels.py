@@ -550,7 +550,6 @@ def test_mosaic_prep_second_launch_forms_items_with_the_same_bits(mode, monkeypa
                              aqk_dtype=F32, max_a=kern.HALF_INVERSE_MAX_A,
                              max_t=kern.HALF_INVERSE_MAX_T, num_programs=3,
                              interpret=mode == "interpret")
-    monkeypatch.setattr(mgpu, "TWO_LAUNCHES_MIN_ITEMS", 0)    # a call this small takes one
     usual = prep()
     monkeypatch.setattr(mgpu, "SUSPECT_SQUARES", 0.0)
     redone = prep()
@@ -561,12 +560,11 @@ def test_mosaic_prep_second_launch_forms_items_with_the_same_bits(mode, monkeypa
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_mosaic_prep_under_vmap_equals_its_calls_one_by_one(mode, monkeypatch):
+def test_mosaic_prep_under_vmap_equals_its_calls_one_by_one(mode):
     """Batched, the Mosaic GPU prep with the L2 norm runs one launch that looks for huge rows in
     every item (its second launch writes in place, which `jax.vmap` cannot batch): each slice
     equals the unbatched two launches on it, bit for bit, with a huge k row in one slice."""
     from pallas_kernels import gdn_prefill_mgpu as mgpu
-    monkeypatch.setattr(mgpu, "TWO_LAUNCHES_MIN_ITEMS", 0)    # a call this small takes one
     E, T, HK, HV, S = 2, 256, 1, 2, 4
     kq, kk, kr, kf = jax.random.split(jax.random.PRNGKey(13), 4)
     q = jax.random.normal(kq, (E, T, HK, 128), F32).astype(BF16)
@@ -588,16 +586,15 @@ def test_mosaic_prep_under_vmap_equals_its_calls_one_by_one(mode, monkeypatch):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("launches", [1, 2])
-def test_mosaic_prep_applies_the_l2_norm_and_flags_huge_rows(mode, launches, monkeypatch):
+def test_mosaic_prep_applies_the_l2_norm_and_flags_huge_rows(mode, launches):
     """With the row factors given, the Mosaic GPU prep returns them times q's and k's L2 factors
     (FQ by q's, FK and FW by k's), from the rows as `tame_rows` leaves them, and flags [HUGE]
     exactly the rows above the tame bound of each item's window (one huge k row, one huge q row
     and a row of squares above 2**100 whose entries are below the bound, which is not huge);
-    its q and k are left as they were. In one launch that looks in every item, and in two (the
-    second forming the items whose sums of squares may hide a huge row)."""
+    its q and k are left as they were. In two launches (the second forming the items whose sums
+    of squares may hide a huge row), and in the one that looks in every item (under vmap)."""
     from pallas_kernels import gdn_prefill_mgpu as mgpu
     from pallas_kernels.gdn_decode import tame_huge_rows
-    monkeypatch.setattr(mgpu, "TWO_LAUNCHES_MIN_ITEMS", 0 if launches == 2 else 1 << 30)
     T, HK, HV, S = 256, 1, 2, 3
     kq, kk, kr, kf = jax.random.split(jax.random.PRNGKey(11), 4)
     q = np.array(jax.random.normal(kq, (T, HK, 128), F32))
@@ -610,9 +607,13 @@ def test_mosaic_prep_applies_the_l2_norm_and_flags_huge_rows(mode, launches, mon
     start = jnp.array([0, 64, 136], jnp.int32)
     rows = 0.1 * jax.random.uniform(kr, (S, HV, mgpu.NUM_ROW_VECTORS, 64), F32)
     factors = jax.random.uniform(kf, (3, HV, S * 64), F32) + 0.5
-    aqk, tb, flags, got = mgpu.prep(start, q, k, rows, factors, num_v_heads=HV, aqk_dtype=F32,
-                                    max_a=kern.HALF_INVERSE_MAX_A, max_t=kern.HALF_INVERSE_MAX_T,
-                                    num_programs=2, interpret=mode == "interpret")
+    prep = lambda q, k: mgpu.prep(start, q, k, rows, factors, num_v_heads=HV, aqk_dtype=F32,
+                                  max_a=kern.HALF_INVERSE_MAX_A, max_t=kern.HALF_INVERSE_MAX_T,
+                                  num_programs=2, interpret=mode == "interpret")
+    if launches == 2:
+        aqk, tb, flags, got = prep(q, k)
+    else:   # a batch of one
+        aqk, tb, flags, got = (x[0] for x in jax.vmap(prep)(q[None], k[None]))
     assert np.array_equal(np.asarray(q), q_before) and np.array_equal(np.asarray(k), k_before)
     norm = lambda x: 1.0 / np.sqrt(np.sum(np.square(np.asarray(tame_huge_rows(x), np.float64)),
                                           -1)[:, 0] + kern.L2NORM_EPS)
