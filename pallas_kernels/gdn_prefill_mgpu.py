@@ -175,11 +175,12 @@ def _products(groups, shape, init=None, *, interpret, during=None):
     """For each group of terms, init + sum of a @ b over its terms (a: a register bf16 array, a
     function that returns one, called when its product is issued (after the terms before it),
     or a shared-memory ref; b: a shared-memory ref, or ("T", ref) for its transpose), in fp32;
-    init: None (from zero) or one array a group. A term (a, b, before) calls before() just
-    before its product is issued, and then the terms go out every group's first, then every
-    group's second, ... (a store that a later term reads can wait until the earlier products
-    are issued). Compiled: one wgmma a term, one accumulator a group, then `during()` while they
-    run, then one wait for all. Returns ([one array a group], during's result)."""
+    init: None (from zero) or one array a group. A term may carry a third item, before: called
+    just before its product is issued (a store of an operand that this term reads first, made
+    once the earlier products are issued). The terms are issued group by group, or, when any
+    term carries a before, every group's first term, then every group's second, ... Compiled:
+    one wgmma a term, one accumulator a group, then `during()` while they run, then one wait
+    for all. Returns ([one array a group], during's result)."""
     hooked = any(len(t) == 3 for terms in groups for t in terms)
     if interpret:
         outs = [jnp.zeros(shape, F32) if init is None else init[g] for g in range(len(groups))]
