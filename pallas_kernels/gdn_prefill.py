@@ -1597,13 +1597,12 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
     )(start, length, q, k, g, A_log, dt_bias)
     if flagged:
         redo = ((flags != 0) & (length[:, None] > 0)).astype(jnp.int32)
+        redo_block_k = min(block.block_k, INTRA_REDO_BLOCK_K)
         kk, aqk, *rest = outputs
         kk, aqk, _ = pl.pallas_call(
-            functools.partial(kernel, block_k=min(block.block_k, INTRA_REDO_BLOCK_K),
-                              diagonal="redo"),
+            functools.partial(kernel, block_k=redo_block_k, diagonal="redo"),
             out_shape=(jax.ShapeDtypeStruct(kk.shape, kk.dtype),
-                       jax.ShapeDtypeStruct(aqk.shape, aqk.dtype),
-                       scratch(min(block.block_k, INTRA_REDO_BLOCK_K))),
+                       jax.ShapeDtypeStruct(aqk.shape, aqk.dtype), scratch(redo_block_k)),
             grid=_redo_grid(num_slots, HV),
             input_output_aliases={8: 0, 9: 1},
             compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_intra,

@@ -181,14 +181,9 @@ def _products(groups, shape, init=None, *, interpret, during=None):
     term carries a before, every group's first term, then every group's second, ... Compiled:
     one wgmma a term, one accumulator a group, then `during()` while they run, then one wait
     for all. Returns ([one array a group], during's result)."""
-    hooked = any(len(t) == 3 for terms in groups for t in terms)
     if interpret:
         outs = [jnp.zeros(shape, F32) if init is None else init[g] for g in range(len(groups))]
-        for g, term in _issue_order(groups, hooked):
-            a, b, *before = term
-            if before:
-                before[0]()
-            a = a() if callable(a) else a
+        for g, a, b in _issued_terms(groups):
             a = a if isinstance(a, jax.Array) else a[...]
             b = b[1][...].T if isinstance(b, tuple) else b[...]
             outs[g] = outs[g] + jnp.dot(a.astype(F32), b.astype(F32),
@@ -197,11 +192,7 @@ def _products(groups, shape, init=None, *, interpret, during=None):
         return outs, (None if during is None else during())
 
     def issue(*accs):
-        for g, term in _issue_order(groups, hooked):
-            a, b, *before = term
-            if before:
-                before[0]()
-            a = a() if callable(a) else a
+        for g, a, b in _issued_terms(groups):
             plgpu.wgmma(accs[g], a, b[1].transpose((1, 0)) if isinstance(b, tuple) else b)
         result = None if during is None else during()
         plgpu.wgmma_wait(0)
@@ -221,14 +212,19 @@ def _products(groups, shape, init=None, *, interpret, during=None):
     return list(pl.run_state(update)(tuple(plgpu.ACC.init(x) for x in init))), None
 
 
-def _issue_order(groups, by_term: bool):
-    """(group, term) in issue order: group by group, or with by_term every group's first term,
-    then every group's second, ... (each accumulator's own order kept)."""
-    if not by_term:
-        return [(g, t) for g, terms in enumerate(groups) for t in terms]
-    longest = max(len(terms) for terms in groups)
-    return [(g, groups[g][n]) for n in range(longest) for g in range(len(groups))
-            if n < len(groups[g])]
+def _issued_terms(groups):
+    """`_products`' terms as (group, a, b) in issue order (each accumulator's own order kept),
+    each term's before() called, and a formed if it is a function, as the term comes up."""
+    if any(len(t) == 3 for terms in groups for t in terms):
+        longest = max(len(terms) for terms in groups)
+        order = [(g, groups[g][n]) for n in range(longest) for g in range(len(groups))
+                 if n < len(groups[g])]
+    else:
+        order = [(g, t) for g, terms in enumerate(groups) for t in terms]
+    for g, (a, b, *before) in order:
+        if before:
+            before[0]()
+        yield g, (a() if callable(a) else a), b
 
 
 def _commit_smem(interpret):
@@ -937,40 +933,34 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         wait_read(c, S_PUB)
         # each product's right operand published half by half: its lo half formed and stored
         # after the products of its hi half are issued (one more commit a product)
-        s_halves = [_split_lazily(Sb) for Sb in S]
-
-        # (the halves' refs indexed by the traced hi and lo: the stores run inside products)
-        def publish_state(half):
-            def store():
-                for b, (s_hi, s_lo) in enumerate(s_halves):
-                    _store_tile(s_pub.at[(hi, lo)[half], :, pl.ds(b * KB, KB)],
-                                s_hi if half == 0 else s_lo(), interpret=interpret,
-                                transposed=True)
-                _commit_smem(interpret)
-                if half == 1:
-                    publish(S_PUB)
-            return store
-
-        def half_by_half(ref, halves, then=None):
-            """Stores of halves (hi, a function that forms lo) into ref[hi] and ref[lo], each a
-            function to call; then() after the second."""
+        def half_by_half(tiles, then=None):
+            """The stores of tiles [(to, (hi, a function that forms lo))], transposed, as two
+            functions to call: every tile's hi half into to(hi), then every lo half into
+            to(lo), each committed; then() after the second. (The halves' refs are indexed by
+            the traced hi and lo: the stores run inside products.)"""
             def store(half):
                 def run():
-                    _store_tile(ref.at[(hi, lo)[half]], halves[0] if half == 0 else halves[1](),
-                                interpret=interpret, transposed=True)
+                    for to, (x_hi, x_lo) in tiles:
+                        _store_tile(to((hi, lo)[half]), x_hi if half == 0 else x_lo(),
+                                    interpret=interpret, transposed=True)
                     _commit_smem(interpret)
                     if half == 1 and then is not None:
                         then()
                 return run
             return store(0), store(1)
 
+        s_tiles = [(lambda part, b=b: s_pub.at[part, :, pl.ds(b * KB, KB)], _split_lazily(Sb))
+                   for b, Sb in enumerate(S)]
+        s_hi, s_lo = half_by_half(s_tiles, then=lambda: publish(S_PUB))
+
         neg_v = -_load(v_s, wgmma_layout, interpret).astype(F32)
         ek_hi, ek_lo = ek_s.at[ebuf, hi], ek_s.at[ebuf, lo]
-        (acc,), _ = _products([[(ek_hi, ("T", s_pub.at[hi]), publish_state(0)),
-                                (ek_hi, ("T", s_pub.at[lo]), publish_state(1)),
+        (acc,), _ = _products([[(ek_hi, ("T", s_pub.at[hi]), s_hi),
+                                (ek_hi, ("T", s_pub.at[lo]), s_lo),
                                 (ek_lo, ("T", s_pub.at[hi]))]], (C, BV), [neg_v],
                               interpret=interpret, during=lambda: refill(fetch_v, c + 1))
-        x_hi, x_lo = half_by_half(x_pub, _split_lazily(jnp.where(valid, -acc, 0.0)))
+        x_hi, x_lo = half_by_half([(lambda part: x_pub.at[part],
+                                    _split_lazily(jnp.where(valid, -acc, 0.0)))])
         plgpu.barrier_wait(tb_loaded)
         (d,), _ = _products([[(tb_s.at[0], ("T", x_pub.at[0]), x_hi),
                               (tb_s.at[0], ("T", x_pub.at[1]), x_lo),
@@ -978,7 +968,8 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
                             interpret=interpret, during=lambda: refill(fetch_ek, c + 2))
         d = jnp.where(valid, d, 0.0)
         wait_read(c, D_PUB)
-        d_hi, d_lo = half_by_half(d_pub, _split_lazily(d), then=lambda: publish(D_PUB))
+        d_hi, d_lo = half_by_half([(lambda part: d_pub.at[part], _split_lazily(d))],
+                                  then=lambda: publish(D_PUB))
         plgpu.barrier_wait(kd_loaded)
 
         def kt(part, b):
