@@ -381,10 +381,11 @@ def reference_states_after(q, k, v, g, beta, states_after, *, scale=None, initia
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",
                                              "output_final_state", "chunk_states", "kernel",
-                                             "even_starts", "aligned_chunks", "interpret"))
+                                             "even_starts", "aligned_chunks", "dense_len",
+                                             "interpret"))
 def _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, positions, *, scale, use_qk_l2norm,
          raw_gates, lower_bound, output_final_state, chunk_states, kernel, even_starts,
-         aligned_chunks, interpret):
+         aligned_chunks, dense_len, interpret):
     B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
     N = cu.shape[0] - 1
@@ -403,8 +404,8 @@ def _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, positions, *, scal
         o, final, bounds, (_, _, first) = kern.chunk_prefill(
             _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
             block=kern.PrefillBlockSizes.get_default(spec, N, v.dtype), A_log=A_log,
-            dt_bias=dt_bias,
-            initial_state=initial_state, state_dtype=state_dtype, interpret=interpret)
+            dt_bias=dt_bias, initial_state=initial_state, state_dtype=state_dtype,
+            dense_len=dense_len, interpret=interpret)
     at = None
     if positions is not None:
         at = _advance_to_positions(q, k, v, g, beta, cu, positions, initial_state, bounds, first,
@@ -494,19 +495,21 @@ def _start_align(B: int, T: int, cu_seqlens) -> int:
 
 def _start_facts(B: int, T: int, cu_seqlens) -> dict:
     """The kernels' static facts about where sequences start: even_starts (what the Mosaic GPU
-    scan's narrow form needs) and aligned_chunks (every start a multiple of CHUNK: what the
-    Mosaic GPU KDA prep needs)."""
+    scan's narrow form needs), aligned_chunks (every start a multiple of CHUNK: what the
+    Mosaic GPU KDA prep needs) and, for a dense batch, dense_len = T (the chunk table is then
+    built at trace time: `chunk_prefill`)."""
     align = _start_align(B, T, cu_seqlens)
-    return dict(even_starts=align % 2 == 0, aligned_chunks=align == CHUNK)
+    return dict(even_starts=align % 2 == 0, aligned_chunks=align == CHUNK,
+                dense_len=T if cu_seqlens is None else None)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",
                                              "kernel", "even_starts", "aligned_chunks",
-                                             "interpret"),
+                                             "dense_len", "interpret"),
                    donate_argnames=("pool",))
 def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, positions, *, scale,
               use_qk_l2norm, raw_gates, lower_bound, kernel, even_starts, aligned_chunks,
-              interpret):
+              dense_len, interpret):
     B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
     static = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, raw_gates=raw_gates,
@@ -528,7 +531,7 @@ def _run_pool(q, k, v, g, beta, cu, pool, slots, A_log, dt_bias, positions, *, s
         o, pool, bounds, (_, _, first) = kern.chunk_prefill(
             _pack(q), _pack(k), _pack(v), _pack(g), _pack(beta), cu, spec=spec,
             block=kern.PrefillBlockSizes.get_default(spec, cu.shape[0] - 1, v.dtype), A_log=A_log,
-            dt_bias=dt_bias, pool=pool, slots=slots, interpret=interpret)
+            dt_bias=dt_bias, pool=pool, slots=slots, dense_len=dense_len, interpret=interpret)
     if positions is None:
         return o.reshape(B, T, HV, V), pool, None
     at = _advance_to_positions(q, k, v, g, beta, cu, positions, h0, bounds, first, A_log,

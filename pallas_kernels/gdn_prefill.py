@@ -122,6 +122,7 @@ import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -425,10 +426,11 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
 
 # --------------------------------------------------------------------------- chunk bookkeeping
 
-def chunk_table(cu_seqlens: jax.Array, total_tokens: int, align: int = 1):
-    """Chunks of every packed sequence, as XLA arrays (works on traced offsets).
+def chunk_table(cu_seqlens, total_tokens: int, align: int = 1):
+    """Chunks of every packed sequence: XLA arrays for traced offsets, numpy arrays (built at
+    trace time, constants of the program) for a numpy cu_seqlens.
 
-    Returns (chunk_start [S], chunk_end [S], first_chunk [N], chunk_lead [S]) for
+    Returns (chunk_start [S], chunk_end [S], first_chunk [N], chunk_lead [S]) int32 for
     S = ceil((T_total + (align - 1) N) / C) + N chunk slots, an upper bound of the number of
     chunks: slot s holds rows [chunk_start[s] + chunk_lead[s], chunk_start[s] + chunk_end[s]) of
     one sequence (chunk_end <= C); unused slots have chunk_end 0. Sequence n's chunks are slots
@@ -441,24 +443,30 @@ def chunk_table(cu_seqlens: jax.Array, total_tokens: int, align: int = 1):
 
     Loop-free (a scatter and two log-depth prefix sums): `jnp.searchsorted` lowers to a while
     loop, whose trip count an XLA GPU program reads back to the host every iteration."""
-    cu = cu_seqlens.astype(jnp.int32)
+    concrete = isinstance(cu_seqlens, np.ndarray)
+    xp = np if concrete else jnp
+    cu = cu_seqlens.astype(np.int32)
     n = cu.shape[0] - 1
     num_slots = pl.cdiv(total_tokens + (align - 1) * n, CHUNK) + n
-    prefix_sum = lambda x: lax.associative_scan(jnp.add, x)
+    prefix_sum = ((lambda x: np.cumsum(x).astype(np.int32)) if concrete
+                  else (lambda x: lax.associative_scan(jnp.add, x)))
     base = cu[:-1] - cu[:-1] % align
-    span = jnp.where(cu[1:] > cu[:-1], cu[1:] - base, 0)
+    span = xp.where(cu[1:] > cu[:-1], cu[1:] - base, 0)
     nch = (span + CHUNK - 1) // CHUNK
     ends = prefix_sum(nch)
     first = ends - nch
-    s = jnp.arange(num_slots, dtype=jnp.int32)
+    s = xp.arange(num_slots, dtype=np.int32)
     # seq[s] = #{n : ends[n] <= s}, the sequence slot s belongs to (ends[n] = S lies past every s)
-    ends_at = jnp.zeros((num_slots,), jnp.int32).at[ends].add(1, mode="drop")
-    seq = jnp.minimum(prefix_sum(ends_at), n - 1)
+    if concrete:
+        ends_at = np.bincount(ends[ends < num_slots], minlength=num_slots)
+    else:
+        ends_at = jnp.zeros((num_slots,), jnp.int32).at[ends].add(1, mode="drop")
+    seq = xp.minimum(prefix_sum(ends_at), n - 1)
     start = base[seq] + (s - first[seq]) * CHUNK
     used = s < ends[-1]
-    end = jnp.where(used, jnp.clip(cu[seq + 1] - start, 0, CHUNK), 0)
-    lead = jnp.where(used, jnp.clip(cu[seq] - start, 0, CHUNK), 0)
-    return start, end.astype(jnp.int32), first.astype(jnp.int32), lead.astype(jnp.int32)
+    end = xp.where(used, xp.clip(cu[seq + 1] - start, 0, CHUNK), 0)
+    lead = xp.where(used, xp.clip(cu[seq] - start, 0, CHUNK), 0)
+    return tuple(x.astype(np.int32) for x in (start, end, first, lead))
 
 
 # --------------------------------------------------------------------------- in-kernel math
@@ -1861,8 +1869,11 @@ def pool_rows(pool, slots):
 
 
 def _longest_first(cu):
-    """Sequence indices [N] int32 by decreasing length (ties in index order)."""
+    """Sequence indices [N] int32 by decreasing length (ties in index order); numpy for a
+    numpy cu."""
     lens = cu[1:] - cu[:-1]
+    if isinstance(cu, np.ndarray):
+        return np.argsort(-lens, kind="stable").astype(np.int32)
     if lens.shape[0] == 1:
         return jnp.zeros((1,), jnp.int32)
     return jnp.argsort(-lens, stable=True).astype(jnp.int32)
@@ -2011,11 +2022,13 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
 
 
 @default_config
-@functools.partial(jax.jit, static_argnames=("spec", "block", "state_dtype", "interpret"),
+@functools.partial(jax.jit, static_argnames=("spec", "block", "state_dtype", "dense_len",
+                                             "interpret"),
                    donate_argnames=("pool",))
 def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: PrefillBlockSizes,
                   A_log=None, dt_bias=None, initial_state=None, pool=None, slots=None,
-                  state_dtype=jnp.float32, interpret: bool = False):
+                  state_dtype=jnp.float32, dense_len: int | None = None,
+                  interpret: bool = False):
     """Run the kernels on packed, validated inputs (the caller checks shapes; see the module
     docstring): prep and scan, KDA's intra-chunk kernel before them, and for GDN the q/k tame
     pass first (with the L2 norm; on the Mosaic GPU path instead a tamed copy for the scan only
@@ -2026,10 +2039,19 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
     place) and slots [N] int32 (outside [0, P): padding, nothing read or written, zero outputs).
     Returns (o [T, HV, V] in v's dtype, final [N, HV, K, V] or the pool or None,
     boundary [S, HV, K, V] fp32 or None — slot first_chunk[n] + c holds sequence n's state after its
-    chunk c — and the chunk table (start, length, first_chunk))."""
+    chunk c — and the chunk table (start, length, first_chunk)).
+    dense_len: every sequence is this many tokens long, cu_seqlens = [0, L, 2L, ...] (a dense
+    batch): the chunk table and the scan's launch order are then built at trace time, constants
+    of the program, rather than by small XLA kernels ahead of the prep in every call."""
     HV = v.shape[1]
     N = cu_seqlens.shape[0] - 1
-    cu = cu_seqlens.astype(jnp.int32)
+    if dense_len is not None:
+        if N * dense_len != q.shape[0]:
+            raise ValueError(f"dense_len={dense_len}: {N} sequences of it are not the "
+                             f"{q.shape[0]} rows of q")
+        cu = np.arange(N + 1, dtype=np.int32) * np.int32(dense_len)
+    else:
+        cu = cu_seqlens.astype(jnp.int32)
     tamed = None
     if spec.use_qk_l2norm and not spec.per_channel_gate and not block.mosaic_scan:
         # GDN's raw q, k rows go into dot products and are normalised afterwards, so rows whose

@@ -1429,7 +1429,7 @@ def test_mosaic_kda_prep_dispatch_rule():
 def test_front_door_start_facts():
     """What the front door tells the kernels about where sequences start: the largest of 64, 2
     and 1 dividing every start, from B and T for a dense batch, from concrete cu_seqlens, and 1
-    for traced ones."""
+    for traced ones; dense_len (the chunk table built at trace time) for a dense batch only."""
     from gdn_jax.prefill import _start_align, _start_facts
     assert _start_align(1, 300, None) == 64            # one sequence starts at 0
     assert _start_align(4, 128, None) == 64
@@ -1439,8 +1439,12 @@ def test_front_door_start_facts():
     assert _start_align(1, 0, np.array([0, 64, 70, 200])) == 2
     assert _start_align(1, 0, np.array([0, 3, 200])) == 1
     assert jax.jit(lambda cu: jnp.int32(_start_align(1, 0, cu)))(jnp.array([0, 64])) == 1
-    assert _start_facts(8, 4096, None) == dict(even_starts=True, aligned_chunks=True)
-    assert _start_facts(2, 300, None) == dict(even_starts=True, aligned_chunks=False)
+    assert _start_facts(8, 4096, None) == dict(even_starts=True, aligned_chunks=True,
+                                               dense_len=4096)
+    assert _start_facts(2, 300, None) == dict(even_starts=True, aligned_chunks=False,
+                                              dense_len=300)
+    assert _start_facts(1, 0, np.array([0, 64, 128])) == dict(even_starts=True,
+                                                              aligned_chunks=True, dense_len=None)
 
 
 def test_front_door_takes_the_mosaic_kda_prep_for_aligned_calls(monkeypatch):
@@ -1552,6 +1556,67 @@ def test_chunk_table_matches_a_walk_over_the_sequences(seed, align):
         assert not (start[end > 0] % align).any()
     program = table.lower(jnp.asarray(cu), total, align).as_text()
     assert "while" not in program and "scan" not in program
+    # built at trace time from a numpy cu (`chunk_prefill`'s dense batches): the same table,
+    # as numpy int32 arrays, every slot; the same launch order
+    for got, want in zip(kern.chunk_table(cu, total, align), (start, end, first, lead)):
+        assert isinstance(got, np.ndarray) and got.dtype == np.int32
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(kern._longest_first(cu),
+                                  np.asarray(kern._longest_first(jnp.asarray(cu))))
+
+
+def _top_level_primitives(fn, *args):
+    """The primitives of fn's program outside its kernels (calls followed, kernel bodies not)."""
+    names = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            names.add(eqn.primitive.name)
+            if eqn.primitive.name == "pallas_call":
+                continue
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return names
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_dense_batch_chunk_table_built_at_trace_time(kda):
+    """chunk_prefill(dense_len=T) for a dense batch: the same outputs and final states, bit
+    for bit, as from the traced cu_seqlens, and no chunk-table kernels (scatter, sort) left in
+    the program; a dense_len that does not tile q is refused."""
+    B, T, HK, HV, K = 3, 80, 1, 2, 32
+    ks = jax.random.split(jax.random.PRNGKey(7), 6)
+    q = jax.random.normal(ks[0], (B * T, HK if not kda else HV, K), F32)
+    k = jax.random.normal(ks[1], q.shape, F32)
+    v = jax.random.normal(ks[2], (B * T, HV, K), F32)
+    g = -0.2 * jax.nn.softplus(jax.random.normal(ks[3], (B * T, HV) + ((K,) if kda else ())))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B * T, HV)))
+    h0 = jax.random.normal(ks[5], (B, HV, K, K), F32)
+    cu = jnp.arange(B + 1, dtype=jnp.int32) * T
+    spec = kern.PrefillSpec(num_k_heads=q.shape[1], num_v_heads=HV, head_k_dim=K, head_v_dim=K,
+                            scale=K ** -0.5, use_qk_l2norm=True, per_channel_gate=kda,
+                            has_initial_state=True, precise=True)
+    block = kern.PrefillBlockSizes.get_default(spec, B, F32)
+
+    def run(q, k, v, g, beta, cu, h0, dense_len):
+        return kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
+                                  initial_state=h0, dense_len=dense_len, interpret=True)[:2]
+
+    args = (q, k, v, g, beta, cu, h0)
+    traced, dense = run(*args, None), run(*args, T)
+    for a, b in zip(traced, dense):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.isnan(np.asarray(dense[0])).any()
+    with_table = _top_level_primitives(functools.partial(run, dense_len=None), *args)
+    without = _top_level_primitives(functools.partial(run, dense_len=T), *args)
+    assert {"scatter-add", "sort"} & with_table and not {"scatter-add", "sort"} & without
+    with pytest.raises(ValueError, match="dense_len=79"):
+        run(*args, T - 1)
 
 # --------------------------------------------------------------------------- Triton lowering on CPU
 
