@@ -118,6 +118,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 
 import jax
@@ -1808,45 +1809,58 @@ def _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, *, spec, bl
     return (tb, unused, unused, aqk, factors, unused, unused, decay), use_tamed
 
 
+PREP_ROWS_HEADS = 16   # `_mosaic_prep_rows`: value heads a program (at most; a power of two)
+
+
 def _prep_rows_kernel(start_ref, len_ref, lead_ref, g_ref, beta_ref, A_log_ref, dt_ref,
-                      rows_ref, fac_ref, decay_ref, *, spec: PrefillSpec):
-    """`_mosaic_prep_rows` for one chunk slot and value head."""
-    s, h = _slot_and_head(True)
+                      rows_ref, fac_ref, decay_ref, *, spec: PrefillSpec, block_h: int):
+    """`_mosaic_prep_rows` for one chunk slot and block_h value heads, as [C, block_h] tiles
+    (g and beta rows are token-major: one load of each takes the chunk's rows of every head in
+    the block)."""
+    s, hb = pl.program_id(0), pl.program_id(1)
+    heads = pl.ds(hb * block_h, block_h)
     t0, n, lead = start_ref[s], len_ref[s], lead_ref[s]
     C = CHUNK
-    rows = _chunk_rows(lead, n)
+    rows = jnp.broadcast_to(_chunk_rows(lead, n)[:, None], (C, block_h))
     tok = pl.ds(t0, C)
-    beta = _chunk_beta(beta_ref, tok, h, rows, spec)
-    G_hi, G_lo = _split_cumsum(_chunk_log_decay(g_ref, A_log_ref, dt_ref, tok, h, rows, spec))
+    beta = plgpu.load(beta_ref.at[tok, heads], mask=rows, other=0).astype(F32)
+    g = plgpu.load(g_ref.at[tok, heads], mask=rows, other=0).astype(F32)
+    if spec.raw_gates:
+        beta = jnp.where(rows, jax.nn.sigmoid(beta), 0.0)
+        per_head = lambda ref: ref[heads].astype(F32)[None, :]
+        g = jnp.where(rows, _raw_log_decay(g, per_head(A_log_ref), per_head(dt_ref), spec), 0.0)
+    G_hi, G_lo = _split_cumsum(g)
     rk = jnp.where(rows, 1.0, 0.0)
     rq = rk * jnp.float32(spec.scale)
     for r, x in enumerate((G_hi, G_lo, beta, rq, rk)):
-        plgpu.store(rows_ref.at[s, h, jnp.int32(r), :], x)
-    last = lax.broadcasted_iota(jnp.int32, (C,), 0) == C - 1
-    last_hi = jnp.sum(jnp.where(last, G_hi, 0.0))
-    last_lo = jnp.sum(jnp.where(last, G_lo, 0.0))
+        plgpu.store(rows_ref.at[s, heads, jnp.int32(r), :], x.T)
+    last = lax.broadcasted_iota(jnp.int32, (C, block_h), 0) == C - 1
+    last_hi = jnp.sum(jnp.where(last, G_hi, 0.0), axis=0, keepdims=True)
+    last_lo = jnp.sum(jnp.where(last, G_lo, 0.0), axis=0, keepdims=True)
     eG = jnp.exp(G_hi + G_lo)
     at = pl.ds(s * C, C)
     for f, x in enumerate((rq * eG, rk * jnp.exp((last_hi - G_hi) + (last_lo - G_lo)),
                            rk * eG)):
-        plgpu.store(fac_ref.at[jnp.int32(f), h, at], x)
-    decay_ref[s, h] = jnp.exp(last_hi + last_lo)
+        plgpu.store(fac_ref.at[jnp.int32(f), heads, at], x.T)
+    decay_ref[s, heads] = jnp.exp(last_hi + last_lo)[0]
 
 
 def _mosaic_prep_rows(g, beta, start, length, lead, A_log, dt_bias, *, spec, interpret=False):
-    """`_mosaic_prep`'s per-row part, one small Triton program per chunk slot and value head:
-    (the prep's per-row values [S, HV, NUM_ROW_VECTORS, C], 0 on the rows that are not the
-    chunk's; the scan's row factors [3, HV, S * C] without the L2 norm, which the Mosaic prep
-    applies; e^{G_C} [S, HV]). One launch: as XLA's gathers, cumulative sums and transposes of
-    these small arrays it took a good part of the prep's time (BENCHMARKS.md)."""
+    """`_mosaic_prep`'s per-row part, one small Triton program per chunk slot and block of up to
+    PREP_ROWS_HEADS value heads: (the prep's per-row values [S, HV, NUM_ROW_VECTORS, C], 0 on
+    the rows that are not the chunk's; the scan's row factors [3, HV, S * C] without the L2
+    norm, which the Mosaic prep applies; e^{G_C} [S, HV]). One launch: as XLA's gathers,
+    cumulative sums and transposes of these small arrays it took a good part of the prep's time
+    (BENCHMARKS.md)."""
     S, HV, C = start.shape[0], g.shape[1], CHUNK
+    block_h = math.gcd(HV, PREP_ROWS_HEADS)
     return pl.pallas_call(
-        functools.partial(_prep_rows_kernel, spec=spec),
+        functools.partial(_prep_rows_kernel, spec=spec, block_h=block_h),
         out_shape=(jax.ShapeDtypeStruct((S, HV, mgpu_scan.NUM_ROW_VECTORS, C), F32),
                    jax.ShapeDtypeStruct((3, HV, S * C), F32),
                    jax.ShapeDtypeStruct((S, HV), F32)),
-        grid=_chunk_grid(S, HV, True),
-        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        grid=(S, HV // block_h),
+        compiler_params=plgpu.CompilerParams(num_warps=2, num_stages=1),
         interpret=interpret,
         name="gdn_prefill_prep_rows",
     )(start, length, lead, g, beta, A_log, dt_bias)

@@ -1620,6 +1620,21 @@ def test_dense_batch_chunk_table_built_at_trace_time(kda):
 
 # --------------------------------------------------------------------------- Triton lowering on CPU
 
+@pytest.mark.parametrize("HV,raw", [(32, False), (6, True)])
+def test_mosaic_prep_rows_lowers_to_triton_ir(lower_for_h200, HV, raw):
+    """The Mosaic prep's per-row launch, PREP_ROWS_HEADS value heads a program where HV has
+    them (else HV's largest power-of-two divisor), lowers to Triton IR for an H200."""
+    T = 200
+    spec = _spec(2, HV, 128, 128, raw_gates=raw)
+    start, length, _, lead = kern.chunk_table(np.array([0, 70, T], np.int32), T, 8)
+    gate = jnp.ones((T, HV))
+    A_log, dt = (jnp.ones(HV), jnp.ones(HV)) if raw else (jnp.zeros(HV), jnp.zeros(HV))
+    hlo = jax.jit(functools.partial(kern._mosaic_prep_rows, spec=spec)).trace(
+        gate, gate, start, length, lead, A_log, dt).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("gdn_prefill_prep_rows") >= 1
+
+
 @pytest.mark.parametrize("raw,pooled,boundary,dtype,kda,blocked",
                          [(False, False, False, BF16, False, None),
                           (True, True, True, F32, False, None),
