@@ -1809,7 +1809,10 @@ def _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, *, spec, bl
     return (tb, unused, unused, aqk, factors, unused, unused, decay), use_tamed
 
 
-PREP_ROWS_HEADS = 16   # `_mosaic_prep_rows`: value heads a program (at most; a power of two)
+# `_mosaic_prep_rows`: value heads a program (at most; HV's largest power-of-two divisor up to
+# this): a [64, 16] fp32 tile reads 64 bytes of each token's g and beta row. One program a head
+# was slower at B=8 (BENCHMARKS.md, GDN prefill); other widths were not measured
+PREP_ROWS_HEADS = 16
 
 
 def _prep_rows_kernel(start_ref, len_ref, lead_ref, g_ref, beta_ref, A_log_ref, dt_ref,

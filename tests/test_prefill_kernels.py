@@ -1620,7 +1620,7 @@ def test_dense_batch_chunk_table_built_at_trace_time(kda):
 
 # --------------------------------------------------------------------------- Triton lowering on CPU
 
-@pytest.mark.parametrize("HV,raw", [(32, False), (6, True)])
+@pytest.mark.parametrize("HV,raw", [(32, False), (6, True), (1, False)])
 def test_mosaic_prep_rows_lowers_to_triton_ir(lower_for_h200, HV, raw):
     """The Mosaic prep's per-row launch, PREP_ROWS_HEADS value heads a program where HV has
     them (else HV's largest power-of-two divisor), lowers to Triton IR for an H200."""
