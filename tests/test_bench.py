@@ -139,6 +139,24 @@ def test_prefill_smoke_times_the_chunked_prefill_kernel(tmp_path, capsys):
     assert "ours impl=pallas" in who and "ours impl=chunked" in who
 
 
+def test_kernels_option_records_each_timed_call(tmp_path, capsys):
+    """--kernels: one per-kernel entry in the JSON report for each of our timed calls (prefill:
+    every case and impl; kda: the prefill cases), and off a GPU one line saying the times need
+    one (the smoke run's kernels run in interpret mode, so no GPU kernel is traced there)."""
+    from gdn_jax.bench import kda, prefill
+    for mod, extra, want in ((prefill, ["--no-varlen"], {"B=1 T=64 impl=pallas",
+                                                          "B=2 T=40 impl=pallas"}),
+                             (kda, [], {"prefill B=1 T=40 impl=pallas"})):
+        path = tmp_path / "k.json"
+        assert mod.main(["--smoke", "--kernels", "--impls", "pallas", "--json", str(path), *extra]) == 0
+        kernels = json.loads(path.read_text())["meta"]["kernels"]
+        assert set(kernels) == want
+        out = capsys.readouterr().out
+        if jax.default_backend() != "gpu":
+            assert all(v == {} for v in kernels.values())
+            assert out.count("no GPU kernels traced") == len(want)
+
+
 def test_write_section_replaces_only_its_section(tmp_path):
     p = tmp_path / "x.md"
     p.write_text("# T\n\n## A\n\nold a\n\n## B\n\nb\n")

@@ -601,3 +601,15 @@ def print_kernel_times(label: str, times: dict[str, float], wall_us: float | Non
     print(f"[profile] {label}: {len(times)} kernels, {total:.1f} us of kernel time{extra}", flush=True)
     for name, us in times.items():
         print(f"[profile]   {us:8.1f} us  {name[:90]}", flush=True)
+
+
+def report_kernel_times(rep: "Report", label: str, fn, *args, wall_us: float) -> None:
+    """`--kernels`: fn's device time per kernel (10 calls under the JAX profiler, after the
+    timing) printed beside its wall time and kept in the JSON report's meta["kernels"][label];
+    one line saying so where no GPU kernel was traced (off GPU)."""
+    times = kernel_times(fn, *args, calls=10)
+    rep.meta.setdefault("kernels", {})[label] = times
+    if not times:
+        rep.progress(f"{label}: no GPU kernels traced (the per-kernel times need a GPU)")
+        return
+    print_kernel_times(label, times, wall_us=wall_us)

@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--short", action="store_true",
                    help="short prompts: KDA's token-serial vs chunked kernel and their crossover "
                         "per batch (as `bench prefill --short`)")
+    p.add_argument("--kernels", action="store_true",
+                   help="also print each of our prefill calls' device time per kernel (JAX "
+                        "profiler)")
     return p
 
 
@@ -210,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rep.add(case=label, mode="prefill", B=1, T=c["T"], who=f"ours impl={impl}",
                         us=sec * 1e6, TFLOPs=flops / sec / 1e12, rel_err_vs_first=err, chained=False)
                 rep.progress(f"{label}: ours impl={impl} {sec * 1e6:.0f} us")
+                if args.kernels:
+                    common.report_kernel_times(rep, f"{label} impl={impl}", fn, q, k, v, g, beta,
+                                               wall_us=sec * 1e6)
             if ours is not None:
                 o, st = (np.asarray(a, np.float32) for a in ours)
                 peer_row(c, label, {"head": o[:, :SAMPLE], "tail": o[:, -SAMPLE:], "state": st}, flops=flops)

@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--short", action="store_true",
                    help="short prompts: the token-serial vs the chunked kernel and their "
                         "crossover per batch (see the description)")
+    p.add_argument("--kernels", action="store_true",
+                   help="also print each of our calls' device time per kernel (JAX profiler)")
     return p
 
 
@@ -303,6 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                           rel_err_vs_first=err, chained=False)
             rep.progress(f"{label}: {row['who']} {row['us']:.0f} us, {row['TFLOPs']:.1f} TFLOP/s"
                          + ("" if err is None else f", vs first impl {err:.1e}"))
+            if args.kernels:
+                common.report_kernel_times(rep, f"{label} impl={impl}", fn, q, k, v, g, beta,
+                                           wall_us=sec * 1e6)
         if ours is None:
             continue
         o, st = (np.asarray(a, np.float32) for a in ours)
