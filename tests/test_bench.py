@@ -157,6 +157,20 @@ def test_kernels_option_records_each_timed_call(tmp_path, capsys):
             assert out.count("no GPU kernels traced") == len(want)
 
 
+@pytest.mark.gpu
+def test_kernels_option_names_the_prefill_kernels_on_gpu(tmp_path):
+    """bench prefill --kernels on a GPU (one small dense case, no peers): the entry of the
+    pallas call holds the Mosaic prep and scan with positive device times."""
+    from gdn_jax.bench import prefill
+    path = tmp_path / "k.json"
+    assert prefill.main(["--batches", "2", "--seq-lens", "512", "--peers", "none", "--no-varlen",
+                         "--impls", "pallas", "--repeats", "1", "--kernels",
+                         "--json", str(path)]) == 0
+    times = json.loads(path.read_text())["meta"]["kernels"]["B=2 T=512 impl=pallas"]
+    for name in ("gdn_prefill_mgpu_prep", "gdn_prefill_mgpu_scan"):
+        assert any(n.startswith(name) and us > 0 for n, us in times.items()), times
+
+
 def test_write_section_replaces_only_its_section(tmp_path):
     p = tmp_path / "x.md"
     p.write_text("# T\n\n## A\n\nold a\n\n## B\n\nb\n")
