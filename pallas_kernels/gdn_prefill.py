@@ -909,14 +909,15 @@ def _slot_and_head(heads_fastest: bool):
 
 def _chunk_beta(beta_ref, tok, h, rows, spec: PrefillSpec):
     """The chunk's write strengths [C] (sigmoid of the raw projection when spec.raw_gates),
-    0 past the chunk."""
+    0 past the chunk; for h a slice of heads, [C, heads] (rows then [C, heads] too)."""
     beta = plgpu.load(beta_ref.at[tok, h], mask=rows, other=0).astype(F32)
     return jnp.where(rows, jax.nn.sigmoid(beta), 0.0) if spec.raw_gates else beta
 
 
 def _chunk_log_decay(g_ref, A_log_ref, dt_ref, tok, h, rows, spec: PrefillSpec):
     """GDN: the chunk's per-token log decays [C] (from the raw projection when
-    spec.raw_gates), 0 past the chunk. KDA's per-channel ones are the intra kernel's."""
+    spec.raw_gates), 0 past the chunk; for h a slice of heads, [C, heads] (as `_chunk_beta`).
+    KDA's per-channel ones are the intra kernel's."""
     g = plgpu.load(g_ref.at[tok, h], mask=rows, other=0).astype(F32)
     if not spec.raw_gates:
         return g
@@ -1826,13 +1827,8 @@ def _prep_rows_kernel(start_ref, len_ref, lead_ref, g_ref, beta_ref, A_log_ref, 
     C = CHUNK
     rows = jnp.broadcast_to(_chunk_rows(lead, n)[:, None], (C, block_h))
     tok = pl.ds(t0, C)
-    beta = plgpu.load(beta_ref.at[tok, heads], mask=rows, other=0).astype(F32)
-    g = plgpu.load(g_ref.at[tok, heads], mask=rows, other=0).astype(F32)
-    if spec.raw_gates:
-        beta = jnp.where(rows, jax.nn.sigmoid(beta), 0.0)
-        per_head = lambda ref: ref[heads].astype(F32)[None, :]
-        g = jnp.where(rows, _raw_log_decay(g, per_head(A_log_ref), per_head(dt_ref), spec), 0.0)
-    G_hi, G_lo = _split_cumsum(g)
+    beta = _chunk_beta(beta_ref, tok, heads, rows, spec)
+    G_hi, G_lo = _split_cumsum(_chunk_log_decay(g_ref, A_log_ref, dt_ref, tok, heads, rows, spec))
     rk = jnp.where(rows, 1.0, 0.0)
     rq = rk * jnp.float32(spec.scale)
     for r, x in enumerate((G_hi, G_lo, beta, rq, rk)):

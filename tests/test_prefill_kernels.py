@@ -1598,9 +1598,7 @@ def test_dense_batch_chunk_table_built_at_trace_time(kda):
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B * T, HV)))
     h0 = jax.random.normal(ks[5], (B, HV, K, K), F32)
     cu = jnp.arange(B + 1, dtype=jnp.int32) * T
-    spec = kern.PrefillSpec(num_k_heads=q.shape[1], num_v_heads=HV, head_k_dim=K, head_v_dim=K,
-                            scale=K ** -0.5, use_qk_l2norm=True, per_channel_gate=kda,
-                            has_initial_state=True, precise=True)
+    spec = _spec(q.shape[1], HV, K, K, per_channel_gate=kda, has_initial_state=True)
     block = kern.PrefillBlockSizes.get_default(spec, B, F32)
 
     def run(q, k, v, g, beta, cu, h0, dense_len):
