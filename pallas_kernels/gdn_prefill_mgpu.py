@@ -19,9 +19,9 @@ and k get no pass of their own. A row too large to square in fp32 is tamed in sh
 before the products (as `gdn_prefill.tame_rows` does, same bits), and the launcher then gives
 the scan tamed copies of q and k. The look for such rows is a second launch, which forms again,
 in place, only the items whose sums of squares pass `SUSPECT_SQUARES` (or are NaN); under
-`jax.vmap` one launch looks in every item's tiles instead. Its outputs
-are laid by chunk slot (row s * CHUNK + i for row i of slot s), so that no two items write the
-same rows (the chunks of packed sequences may share token rows), and each is one bulk copy.
+`jax.vmap` one launch looks in every item's tiles instead. Its outputs are laid by chunk slot
+(row s * CHUNK + i for row i of slot s), so that no two items write the same rows (the chunks
+of packed sequences may share token rows), and each is one bulk copy.
 
 `kda_prep`: KDA's T beta, one warpgroup per (chunk slot, value head), from the Triton
 intra-chunk kernel's k k^T: the same fp16 inverse as `prep`, written as T beta's bf16 halves
