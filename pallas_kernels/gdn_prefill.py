@@ -1083,24 +1083,38 @@ def _prep_kernel(start_ref, len_ref, lead_ref, q_ref, k_ref, v_ref, g_ref, beta_
         chunk(*_slot_and_head(heads_fastest))
 
 
-def _each_flagged_chunk(redo_ref, chunk):
-    """chunk(s, h) for each chunk slot s of value head h that redo_ref [S, HV] flags, for the
+def _each_flagged_chunk(redo_ref, chunk, plane: int | None = None):
+    """chunk(s, h) for each chunk slot s of value head h that redo_ref flags, for the
     REDO_SLOTS slots of this program (grid (cdiv(S, REDO_SLOTS), HV), `_redo_grid`), their
     flags read in one load and walked only in the rare case that one is set: with a program a
     chunk, a pass that usually does nothing spent its time on each program's dependent loads of
-    its flag (tens of microseconds at a few thousand chunks)."""
+    its flag (tens of microseconds at a few thousand chunks).
+
+    redo_ref: [S, HV] (a chunk's flag), or the Mosaic GPU preps' per-row flags [S, HV, C], or
+    plane `plane` of [S, HV, P, C]: a chunk is flagged where any of its rows is. Read here
+    rather than reduced to [S, HV] by XLA ahead of the launch: one kernel less a call. A flag
+    is anything but 0 (NaN included), and chunk(s, h) itself skips empty slots, so the
+    unwritten flags of empty slots can cost a walk but never a wrong chunk."""
     blk, h = pl.program_id(0), pl.program_id(1)
     num_slots = redo_ref.shape[0]
     s0 = blk * REDO_SLOTS
     here = s0 + lax.broadcasted_iota(jnp.int32, (REDO_SLOTS,), 0) < num_slots
-    flags = plgpu.load(redo_ref.at[pl.ds(s0, REDO_SLOTS), h], mask=here, other=0)
+    per_row = redo_ref.ndim > 2
+    at = ((h,) + ((jnp.int32(plane),) if redo_ref.ndim == 4 else ())
+          + ((slice(None),) if per_row else ()))
 
-    @pl.when(jnp.max(flags) != 0)
+    def any_set(x):
+        return (x != 0) if x.ndim == 0 else jnp.max((x != 0).astype(jnp.int32)) != 0
+
+    flags = plgpu.load(redo_ref.at[(pl.ds(s0, REDO_SLOTS),) + at],
+                       mask=here[:, None] if per_row else here, other=0)
+
+    @pl.when(any_set(flags))
     def _():
         def slot(i, carry):
             s = jnp.minimum(s0 + i, num_slots - 1)
 
-            @pl.when((s0 + i < num_slots) & (redo_ref[s, h] != 0))
+            @pl.when((s0 + i < num_slots) & any_set(redo_ref[(s,) + at]))
             def _():
                 chunk(s, h)
             return carry
@@ -1139,13 +1153,14 @@ def _prep_inverse_kernel(start_ref, len_ref, lead_ref, beta_ref, a_ref, tb_ref, 
 
 def _prep_redo_kernel(start_ref, len_ref, lead_ref, k_ref, g_ref, beta_ref, A_log_ref, dt_ref,
                       redo_ref, tb_in_ref, tb_ref, *, spec: PrefillSpec, slot_rows: bool,
-                      interpret: bool):
+                      plane: int | None, interpret: bool):
     """T beta again, with the one-pass TF32 inverse, for the GDN chunks `_prep_inverse_kernel`
     or the Mosaic GPU prep flagged (their fp16 inverse did not fit: `_half_inverse_fits`;
     slot_rows: T beta by chunk slot, as the Mosaic prep lays it, from k rows as given, whose
     huge rows it tames itself with the L2 norm); the other chunks' rows stay
     as they are (tb_ref aliases tb_in_ref). One program per REDO_SLOTS chunk slots of one value
-    head (`_each_flagged_chunk`)."""
+    head (`_each_flagged_chunk`, which reads redo_ref's plane `plane` where it holds per-row
+    flags)."""
     del tb_in_ref
 
     def chunk(s, h):
@@ -1164,7 +1179,7 @@ def _prep_redo_kernel(start_ref, len_ref, lead_ref, k_ref, g_ref, beta_ref, A_lo
             at = pl.ds(s * CHUNK if slot_rows else t0, CHUNK)
             _store_split(tb_ref, (at, h, slice(None)), T * beta[None, :], rows)
 
-    _each_flagged_chunk(redo_ref, chunk)
+    _each_flagged_chunk(redo_ref, chunk, plane)
 
 
 # ---------------------------------------------------------------- KDA: intra-chunk products
@@ -1211,9 +1226,9 @@ def _kda_intra_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref
     - "factored": always factored (the gate form bounds every exponent: refs are kk, aqk, fq,
       fk, ek, decay, rows and an unused flag_ref);
     - "flagged": always factored, and flag_ref [S, HV] int32 set to 1 where some
-      channel step's exponents exceed the limit (NaN included), 0 elsewhere (left unwritten
-      for empty chunk slots): that item's kk and aqk may hold overflowed terms and are formed
-      again by the "redo" pass;
+      channel step's exponents exceed the limit (NaN included), 0 elsewhere (empty chunk
+      slots included, so the "redo" pass reads the flags as they are): that item's kk and aqk
+      may hold overflowed terms and are formed again by the "redo" pass;
     - "redo": for the chunk slots redo_ref [S, HV] flags only (a grid of `_redo_grid`,
       `_each_flagged_chunk`), each channel step's diagonal blocks factored where its exponents
       allow it, else exact (`_exact_diagonal_blocks`); it stores kk and aqk only (refs:
@@ -1378,6 +1393,11 @@ def _kda_intra_item(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, 
                     mask=live)
         plgpu.store(aqk_ref.at[tok, h, :], jnp.where(j <= i, qk, 0.0).astype(aqk_ref.dtype),
                     mask=out_live)
+
+    if diagonal == "flagged":
+        @pl.when(n == 0)
+        def _():
+            flag_ref[s, h] = jnp.zeros((), flag_ref.dtype)
 
 
 class _BlockRowExchange:
@@ -1596,8 +1616,8 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
                    jax.ShapeDtypeStruct((parts, prep_rows, HV, K), rows_dtype),
                    jax.ShapeDtypeStruct((num_slots, HV, K), F32),    # e^{G_C}
                    scratch(block.block_k))
-        # 1 where the item's exponents exceed the factored form's limit (unwritten for
-        # empty chunk slots), or a placeholder
+        # 1 where the item's exponents exceed the factored form's limit (0 for empty chunk
+        # slots), or a placeholder
         + (jax.ShapeDtypeStruct((num_slots, HV) if flagged else (1, 1), jnp.int32),),
         grid=_chunk_grid(num_slots, HV, block.heads_fastest),
         compiler_params=plgpu.CompilerParams(num_warps=block.num_warps_intra,
@@ -1606,7 +1626,7 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
         name="kda_prefill_intra",
     )(start, length, q, k, g, A_log, dt_bias)
     if flagged:
-        redo = ((flags != 0) & (length[:, None] > 0)).astype(jnp.int32)
+        redo = flags   # (written for every slot: `_each_flagged_chunk` reads them as they are)
         redo_block_k = min(block.block_k, INTRA_REDO_BLOCK_K)
         kk, aqk, *rest = outputs
         kk, aqk, _ = pl.pallas_call(
@@ -1734,9 +1754,9 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
 def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, t_beta=False, interpret):
     """KDA's W and U from `gdn_prefill_mgpu.kda_prep` (spec.aligned_chunks: slot s holds tokens
     64 s .., so its rows by slot are its rows by token), and the chunks to form again:
-    (redo flags [S, HV] int32, W [2, S * C, HV, K] bf16, U [S * C, HV, V] fp32) for `_prep`'s
-    redo_only pass; with t_beta, for the Mosaic GPU KDA scan (flags, T beta's halves
-    [2, S * C, HV, C] bf16, a placeholder).
+    (its per-row redo flags [S, HV, C] fp32, W [2, S * C, HV, K] bf16, U [S * C, HV, V] fp32)
+    for `_prep`'s redo_only pass (`_each_flagged_chunk`); with t_beta, for the Mosaic GPU KDA
+    scan (flags, T beta's halves [2, S * C, HV, C] bf16, a placeholder).
     kk, ek: the intra kernel's, with v's rows aligned."""
     C = CHUNK
     i = jnp.arange(C, dtype=jnp.int32)
@@ -1761,16 +1781,16 @@ def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, t_beta=False, inte
         outs = mgpu_scan.kda_prep(at_start, length, kk, ek, _aligned_rows(v), beta_rows,
                                   **limits, num_programs=num_programs, interpret=interpret)
         *outs, flags = outs
-    redo = ((jnp.max(flags, axis=2) > 0) & (length[:, None] > 0)).astype(jnp.int32)
-    return (redo, *outs)
+    return (flags, *outs)
 
 
 def _redo(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb, *, spec, block, slot_rows,
-          interpret):
-    """T beta with the chunks flagged in redo [S, HV] formed again in TF32
-    (`_prep_redo_kernel`), in place."""
+          plane=None, interpret):
+    """T beta with the chunks flagged in redo formed again in TF32 (`_prep_redo_kernel`), in
+    place. redo: [S, HV], or per-row flags [S, HV, P, C] of which plane `plane` says
+    (`_each_flagged_chunk`)."""
     return pl.pallas_call(
-        functools.partial(_prep_redo_kernel, spec=spec, slot_rows=slot_rows,
+        functools.partial(_prep_redo_kernel, spec=spec, slot_rows=slot_rows, plane=plane,
                           interpret=interpret),
         out_shape=jax.ShapeDtypeStruct(tb.shape, tb.dtype),
         grid=_redo_grid(start.shape[0], redo.shape[1]),
@@ -1800,12 +1820,9 @@ def _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, *, spec, bl
     aqk, tb, flags = out[:3]
     use_tamed = None
     if l2norm:
-        factors = out[3]
-        use_tamed = jnp.max(flags[:, :, mgpu_scan.HUGE]).astype(jnp.int32).reshape(1)
-    redo = ((jnp.max(flags[:, :, mgpu_scan.UNFIT], axis=2) > 0)
-            & (length[:, None] > 0)).astype(jnp.int32)
-    tb = _redo(start, length, lead, k, g, beta, A_log, dt_bias, redo, tb, spec=spec,
-               block=block, slot_rows=True, interpret=interpret)
+        factors, use_tamed = out[3:]
+    tb = _redo(start, length, lead, k, g, beta, A_log, dt_bias, flags, tb, spec=spec,
+               block=block, slot_rows=True, plane=mgpu_scan.UNFIT, interpret=interpret)
     unused = jnp.zeros((1, 1, 1), F32)
     return (tb, unused, unused, aqk, factors, unused, unused, decay), use_tamed
 

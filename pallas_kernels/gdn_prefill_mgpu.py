@@ -1414,7 +1414,11 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
     diagonal; T beta's bf16 halves [2, S * CHUNK, HV, CHUNK]; flags [S, HV, 2, CHUNK] fp32:
     [UNFIT] 1 on the rows where the fp16 inverse may not have held (|A| > max_a or
     |T| > max_t), [HUGE] 1 on the rows tamed (`scan` must then read tamed copies of q and k)),
-    and with factors, the factors with the L2 norm applied."""
+    and with factors, the factors with the L2 norm applied and [1] int32, not 0 where the scan
+    must read tamed copies of q and k: the second launch's count of items whose sums of squares
+    may hide a huge row (a row that is not huge comes through the tamed copy unchanged, so a
+    count that no tamed row bears out costs a copy, not a bit); under vmap, of items that hold
+    one."""
     S, HV = start.shape[0], num_v_heads
     C, K = CHUNK, HEAD_K_DIM
     l2norm = factors is not None
@@ -1466,7 +1470,8 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
         # keeps their state effects inside it: a ref made by `jax.new_ref` would have the whole
         # enclosing jit discharged, and a caller's jit may hold primitives without a discharge
         # rule)
-        return pl.run_state(lambda refs: redo(*inputs, items, count, *refs))(outs)
+        outs = pl.run_state(lambda refs: redo(*inputs, items, count, *refs))(outs)
+        return (*outs, count)
 
     @two_launches.def_vmap
     def _(axis_size, in_batched, *args):
@@ -1475,6 +1480,9 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
         del axis_size
         outs = jax.vmap(look_in_every_item, in_axes=[0 if b else None for b in in_batched])(
             *args)
+        tamed = jnp.sum(jnp.max(outs[2][:, :, :, HUGE], axis=-1) != 0, axis=(1, 2),
+                        dtype=jnp.int32)[:, None]
+        outs = (*outs, tamed)
         return outs, (True,) * len(outs)
 
     return two_launches(start, q, k, rows, factors)

@@ -525,7 +525,7 @@ def test_mosaic_prep_programs_take_items_in_turn(mode):
                                  aqk_dtype=F32, max_a=kern.HALF_INVERSE_MAX_A,
                                  max_t=kern.HALF_INVERSE_MAX_T, interpret=mode == "interpret")
         one_each, in_turn = prep(num_programs=None), prep(num_programs=3)
-        assert len(one_each) == (3 if fac is None else 4)
+        assert len(one_each) == (3 if fac is None else 5)
         for a, b in zip(one_each, in_turn):
             assert np.all(np.isfinite(np.asarray(a, F32)))
             assert np.array_equal(np.asarray(a), np.asarray(b))
@@ -537,7 +537,8 @@ def test_mosaic_prep_second_launch_forms_items_with_the_same_bits(mode, monkeypa
     may hide a huge row, and a second launch forms those again with the look at their tiles,
     in place. Every item forced through it (every row's sum of squares taken as suspect): the
     same bits as the first launch alone gives where no row is huge, and the [HUGE] flags
-    written again by it (all 0: it formed every item); programs taking items in turn."""
+    written again by it (all 0: it formed every item); programs taking items in turn. The
+    count of items taken by the second launch comes last: 0, then every item."""
     from pallas_kernels import gdn_prefill_mgpu as mgpu
     T, HK, HV, S = 320, 1, 2, 5
     kq, kk, kr, kf = jax.random.split(jax.random.PRNGKey(12), 4)
@@ -554,7 +555,8 @@ def test_mosaic_prep_second_launch_forms_items_with_the_same_bits(mode, monkeypa
     monkeypatch.setattr(mgpu, "SUSPECT_SQUARES", 0.0)
     redone = prep()
     assert not np.any(np.asarray(usual[2][:, :, mgpu.HUGE]))
-    for a, b in zip(usual, redone):
+    assert int(usual[-1][0]) == 0 and int(redone[-1][0]) == S * HV
+    for a, b in zip(usual[:-1], redone[:-1]):
         assert np.all(np.isfinite(np.asarray(a, F32)))
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
@@ -563,7 +565,8 @@ def test_mosaic_prep_second_launch_forms_items_with_the_same_bits(mode, monkeypa
 def test_mosaic_prep_under_vmap_equals_its_calls_one_by_one(mode):
     """Batched, the Mosaic GPU prep with the L2 norm runs one launch that looks for huge rows in
     every item (its second launch writes in place, which `jax.vmap` cannot batch): each slice
-    equals the unbatched two launches on it, bit for bit, with a huge k row in one slice."""
+    equals the unbatched two launches on it, bit for bit, with a huge k row in one slice; the
+    count that sends the scan to tamed copies is set for that slice alone."""
     from pallas_kernels import gdn_prefill_mgpu as mgpu
     E, T, HK, HV, S = 2, 256, 1, 2, 4
     kq, kk, kr, kf = jax.random.split(jax.random.PRNGKey(13), 4)
@@ -611,9 +614,10 @@ def test_mosaic_prep_applies_the_l2_norm_and_flags_huge_rows(mode, launches):
                                   max_a=kern.HALF_INVERSE_MAX_A, max_t=kern.HALF_INVERSE_MAX_T,
                                   num_programs=2, interpret=mode == "interpret")
     if launches == 2:
-        aqk, tb, flags, got = prep(q, k)
+        aqk, tb, flags, got, tamed = prep(q, k)
     else:   # a batch of one
-        aqk, tb, flags, got = (x[0] for x in jax.vmap(prep)(q[None], k[None]))
+        aqk, tb, flags, got, tamed = (x[0] for x in jax.vmap(prep)(q[None], k[None]))
+    assert int(tamed[0]) != 0
     assert np.array_equal(np.asarray(q), q_before) and np.array_equal(np.asarray(k), k_before)
     norm = lambda x: 1.0 / np.sqrt(np.sum(np.square(np.asarray(tame_huge_rows(x), np.float64)),
                                           -1)[:, 0] + kern.L2NORM_EPS)
@@ -1266,10 +1270,12 @@ def test_mosaic_kda_prep_redoes_the_chunks_whose_fp16_inverse_overflows(mode):
                                          block=kern.PrefillBlockSizes(block_k=32),
                                          interpret=mode == "interpret",
                                          prep_rows=kern._aligned_rows(v).shape[0])
-    redo = np.asarray(kern._mosaic_kda_prep(v, beta, start, length, kk, ek, spec=spec,
-                                            interpret=mode == "interpret")[0])
+    # (per row; the redo pass reads them as they are, and skips empty slots itself)
+    flags = np.asarray(kern._mosaic_kda_prep(v, beta, start, length, kk, ek, spec=spec,
+                                             interpret=mode == "interpret")[0])
     used = np.asarray(length) > 0
-    assert np.all(redo[used, 0] == 1) and np.all(redo[:, 1] == 0) and np.all(redo[~used] == 0)
+    flagged = np.max(flags, axis=2) != 0
+    assert np.all(flagged[used, 0]) and not np.any(flagged[used, 1])
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -1631,6 +1637,28 @@ def test_mosaic_prep_rows_lowers_to_triton_ir(lower_for_h200, HV, raw):
         gate, gate, start, length, lead, A_log, dt).lower(
         lowering_platforms=("cuda",)).as_text()
     assert hlo.count("gdn_prefill_prep_rows") >= 1
+
+
+@pytest.mark.parametrize("per_row", [None, 3, 4])
+def test_redo_pass_lowers_to_triton_ir_with_each_flag_layout(lower_for_h200, per_row):
+    """The TF32 redo pass takes its flags as they come: [S, HV] chunk flags, the Mosaic KDA
+    prep's per-row [S, HV, C], or a plane of the Mosaic GDN prep's [S, HV, 2, C]; each lowers
+    to Triton IR for an H200 (the per-row ones reduced in the kernel)."""
+    T, HK, HV = 200, 2, 4
+    spec = _spec(HK, HV, 128, 128)
+    start, length, _, lead = kern.chunk_table(np.array([0, 70, T], np.int32), T, 8)
+    S, C = start.shape[0], kern.CHUNK
+    flags = {None: jnp.zeros((S, HV), jnp.int32), 3: jnp.zeros((S, HV, C), F32),
+             4: jnp.zeros((S, HV, 2, C), F32)}[per_row]
+    plane = kern.mgpu_scan.UNFIT if per_row == 4 else None
+    k = jnp.ones((T, HK, 128), BF16)
+    gate = jnp.ones((T, HV))
+    tb = jnp.zeros((2, S * C, HV, C), BF16)
+    redo = functools.partial(kern._redo, spec=spec, block=kern.PrefillBlockSizes(),
+                             slot_rows=True, plane=plane, interpret=False)
+    hlo = jax.jit(redo).trace(start, length, lead, k, gate, gate, jnp.zeros(HV), jnp.zeros(HV),
+                              flags, tb).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("gdn_prefill_prep_tf32") >= 1
 
 
 @pytest.mark.parametrize("raw,pooled,boundary,dtype,kda,blocked",
