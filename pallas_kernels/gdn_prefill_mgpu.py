@@ -1259,6 +1259,12 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
     wait_stores_read()
 
 
+def _huge_flagged_items(flags):
+    """[..., S, HV] bool: the items whose [HUGE] row flags in flags [..., S, HV, 2, CHUNK] hold
+    a row (the first launch's suspects, or the rows the look tamed)."""
+    return jnp.max(flags[..., HUGE, :], axis=-1) != 0
+
+
 def _inverse_fp16(A, i, j, d_s, a_s, interpret):
     """(I + A)^-1 for a strictly lower-triangular [C, C] A in registers, by recursive doubling
     with fp16 operands, as `gdn_prefill._invert_unit_lower` (half=True): D the inverse on the
@@ -1464,7 +1470,7 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
         # each read the count and end. (The look in every item costs the prep more than this
         # launch does at every size measured; under a branch inside the first launch, more
         # still: BENCHMARKS.md, GDN prefill.)
-        items = (jnp.max(outs[2][:, :, HUGE], axis=2) != 0).astype(jnp.int32)
+        items = _huge_flagged_items(outs[2]).astype(jnp.int32)
         count = jnp.sum(items, dtype=jnp.int32).reshape(1)
         # the first launch's outputs as refs, which the second writes in place (`run_state`
         # keeps their state effects inside it: a ref made by `jax.new_ref` would have the whole
@@ -1480,8 +1486,7 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
         del axis_size
         outs = jax.vmap(look_in_every_item, in_axes=[0 if b else None for b in in_batched])(
             *args)
-        tamed = jnp.sum(jnp.max(outs[2][:, :, :, HUGE], axis=-1) != 0, axis=(1, 2),
-                        dtype=jnp.int32)[:, None]
+        tamed = jnp.sum(_huge_flagged_items(outs[2]), axis=(1, 2), dtype=jnp.int32)[:, None]
         outs = (*outs, tamed)
         return outs, (True,) * len(outs)
 
