@@ -1626,7 +1626,7 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
         name="kda_prefill_intra",
     )(start, length, q, k, g, A_log, dt_bias)
     if flagged:
-        redo = flags   # (written for every slot: `_each_flagged_chunk` reads them as they are)
+        # the flags are written for every slot: `_each_flagged_chunk` reads them as they are
         redo_block_k = min(block.block_k, INTRA_REDO_BLOCK_K)
         kk, aqk, *rest = outputs
         kk, aqk, _ = pl.pallas_call(
@@ -1639,7 +1639,7 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
                                                  num_stages=block.num_stages_intra),
             interpret=interpret,
             name="kda_prefill_intra_redo",
-        )(start, length, q, k, g, A_log, dt_bias, redo, kk, aqk)
+        )(start, length, q, k, g, A_log, dt_bias, flags, kk, aqk)
         outputs = (kk, aqk, *rest)
     return tuple(outputs)
 
