@@ -96,8 +96,9 @@ registers); products between fp32 matrices (KDA's products of decayed rows, GDN'
 v - (e^G k) S, the intra-chunk matrix times the deltas, KDA's block-inverse merges) are one-pass
 TF32, except where fp16 operands round as finely and are known to fit fp16's range (twice the
 tensor-core rate): GDN's block inverse (`_half_inverse_fits`: checked per chunk, formed again
-in TF32 by the redo pass when the chunk's inverse is large) and, with q/k L2 norm, KDA's
-products below the diagonal blocks (operands bounded by 1).
+in TF32 by the redo pass when the chunk's inverse is large) and, with 16-bit inputs, KDA's
+products below the diagonal blocks (operands bounded by 1: the L2-normalised rows, or without
+the norm rows scaled by powers of two, `_intra_rows_bounded`).
 fp16 inputs take one-pass TF32 where bf16 inputs split (fp16 halves cannot hold a state's range).
 Between the kernels KDA's decayed q rows are stored in the input dtype, its W and e^G k too, but
 for bf16 inputs as two bf16 parts, hi and lo (`_kda_parts`: W S then takes three bf16 products;
@@ -844,24 +845,49 @@ def _bounded_dtype(spec: PrefillSpec):
     return jnp.float16 if _bounded_by_one(spec) else F32
 
 
+def _intra_rows_bounded(spec: PrefillSpec) -> bool:
+    """Whether KDA's intra kernel forms its products from rows bounded by one, with one-pass
+    products (16-bit inputs, scale <= 1): the L2-normalised rows (`_bounded_by_one`), or
+    without the norm each raw row scaled by the power of two that brings its largest entry
+    into [0.5, 1) (`_pow2_row_scale`; q then times the scale), the products and decayed rows
+    scaled back before they are stored. The scalings are exact, so the results keep the
+    rounding of the bounded form relative to the rows' scale, and the kernel takes
+    `_diag_exp_limit`'s larger limit and fp16 operands whatever the rows' scale: with the raw
+    rows' limit most chunks of a strong gate were flagged and formed again exactly
+    (BENCHMARKS.md, KDA prefill)."""
+    return not spec.precise and spec.scale <= 1.0
+
+
+def _pow2_row_scale(m):
+    """(scale, unscale) per row from its largest |entry| m (fp32): exact powers of two, inverse
+    to each other and both normal numbers, scale bringing a normal m into [0.5, 1) (m below
+    2^-125, zero included, below 0.5; m of 2^126 or more into [1, 4), inf and NaN left to
+    the row). x * scale * unscale is x bit for bit wherever neither product leaves fp32's
+    normal range."""
+    biased = (lax.bitcast_convert_type(m, jnp.int32) >> 23) & 0xFF
+    e = jnp.clip(biased - 126, -125, 126)          # a normal m lies in [2^(e - 1), 2^e)
+    return (lax.bitcast_convert_type((127 - e) << 23, F32),
+            lax.bitcast_convert_type((127 + e) << 23, F32))
+
+
 def _diag_exp_limit(spec: PrefillSpec) -> float:
     """The largest |G_ic - G_mc| (natural units) for which KDA's intra kernel factors its
     diagonal blocks through their middle rows m, e^{G_i - G_m} on one side and e^{G_m - G_j}
     on the other.
-    - Rows bounded by one with single-pass products (`_bounded_by_one`): DIAG_EXP_LIMIT_BOUNDED
+    - Rows bounded by one with single-pass products (`_intra_rows_bounded`): DIAG_EXP_LIMIT_BOUNDED
       (80: the lower-bound gate -5 over the 16 rows between a 32-row block's ends and its
       middle). Every factor stays below e^80 < 3e38. A side that drops below fp32's normal
       range (a factor near e^-80 on a channel entry below ~5e-4) can lose a term of at most
       2^-11 of the other row's channel entry: less than the bf16 rounding of such an entry.
     - Otherwise DIAG_EXP_LIMIT (40): a factor times any row that fp32 can square stays finite,
       and no term nears fp32's subnormals (the fp32 inputs' 3-pass products keep 2^-22)."""
-    return DIAG_EXP_LIMIT_BOUNDED if _bounded_by_one(spec) else DIAG_EXP_LIMIT
+    return DIAG_EXP_LIMIT_BOUNDED if _intra_rows_bounded(spec) else DIAG_EXP_LIMIT
 
 
 def _factored_diagonal_always_safe(spec: PrefillSpec) -> bool:
     """Whether the gate form alone bounds every diagonal-block exponent by `_diag_exp_limit`:
     the lower-bound gate g >= lb spans at most SUB // 2 * |lb| between a row and its block's
-    middle row (GLM-5.3-Flash's lb = -5 gives exactly 80, the bound for normalised rows with
+    middle row (GLM-5.3-Flash's lb = -5 gives exactly 80, the bound for the kernel's rows with
     16-bit inputs)."""
     return (spec.raw_gates and spec.gate_lower_bound is not None
             and -spec.gate_lower_bound * (SUB // 2) <= _diag_exp_limit(spec))
@@ -1267,11 +1293,13 @@ def _kda_intra_item(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, 
         tok = pl.ds(t0, C)
         load = lambda ref: plgpu.load(ref, mask=live, other=0).astype(F32)
         dot = functools.partial(_dot, precise=spec.precise, interpret=interpret, trans_b=True)
-        # The products below the diagonal blocks take operands bounded by the rows' norms (the
-        # decays there are <= 1): L2-normalised, fp16 holds them with one-pass TF32's
-        # significand at twice its tensor-core rate. The diagonal blocks' factors e^{+-(G - G_m)}
-        # reach e^80, beyond fp16: those stay TF32.
-        bounded = lambda x: x.astype(_bounded_dtype(spec))
+        # The products below the diagonal blocks take operands bounded by the rows' scale (the
+        # decays there are <= 1): with 16-bit inputs the rows are bounded by one
+        # (`_intra_rows_bounded`), and fp16 holds them with one-pass TF32's significand at
+        # twice its tensor-core rate. The diagonal blocks' factors e^{+-(G - G_m)} reach e^80,
+        # beyond fp16: those stay TF32.
+        rows_bounded = _intra_rows_bounded(spec)
+        bounded = lambda x: x.astype(jnp.float16 if rows_bounded else F32)
         limit = _diag_exp_limit(spec) * LOG2E
         monotone = _monotone_gate_sums(spec)
         # The gates and their sums run in log2 units: every decay is then one exp2 (the
@@ -1303,9 +1331,33 @@ def _kda_intra_item(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, 
             tk, rk = _tamed_l2_factor(*sums[:3])
             tq, rq = _tamed_l2_factor(*sums[3:])
             rq = rq * jnp.float32(spec.scale)
+        elif rows_bounded:
+            # the raw rows bounded by one (`_intra_rows_bounded`): each scaled by the power of
+            # two that brings its largest entry into [0.5, 1), and every product and decayed
+            # row scaled back before it is stored
+            def row_max(c, m):
+                cols = pl.ds(c * block_k, block_k)
+                k, q = load(k_ref.at[tok, hk, cols]), load(q_ref.at[tok, hk, cols])
+                return (jnp.maximum(m[0], jnp.max(jnp.abs(k), axis=1)),
+                        jnp.maximum(m[1], jnp.max(jnp.abs(q), axis=1)))
+
+            zero = jnp.zeros((C,), F32)
+            mk, mq = lax.fori_loop(0, K // block_k, row_max, (zero, zero))
+            (tk, unscale_k), (tq, unscale_q) = _pow2_row_scale(mk), _pow2_row_scale(mq)
+            rk, rq = jnp.ones((C,), F32), jnp.full((C,), spec.scale, F32)
         else:
             tk = tq = jnp.ones((C,), F32)
             rk, rq = jnp.ones((C,), F32), jnp.full((C,), spec.scale, F32)
+        if spec.use_qk_l2norm or not rows_bounded:
+            unscale_k = unscale_q = None
+
+        def raw(x, row_factor, col_factor=None):
+            """x's rows (and columns) at the raw rows' scale: times their `_pow2_row_scale`
+            inverses (exact), or x itself where the kernel's rows are the raw ones."""
+            if row_factor is None:
+                return x
+            x = x * row_factor[:, None]
+            return x if col_factor is None else x * col_factor[None, :]
 
         i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
         j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
@@ -1337,10 +1389,11 @@ def _kda_intra_item(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, 
                 # operands and results are formed, so fewer registers spill (ptxas;
                 # BENCHMARKS.md)
                 eG = jnp.exp2(sum(G[1:], G[0]))
-                plgpu.store(fq_ref.at[tok, h, cols], (qn * eG).astype(fq_ref.dtype),
-                            mask=out_live)
-                _store_parts(ek_ref, (tok, h, cols), kn * eG, live)
-                _store_split(fk_ref, (tok, h, cols), kn * jnp.exp2(_gate_diff(chunk_last, G)),
+                plgpu.store(fq_ref.at[tok, h, cols],
+                            raw(qn * eG, unscale_q).astype(fq_ref.dtype), mask=out_live)
+                _store_parts(ek_ref, (tok, h, cols), raw(kn * eG, unscale_k), live)
+                _store_split(fk_ref, (tok, h, cols),
+                             raw(kn * jnp.exp2(_gate_diff(chunk_last, G)), unscale_k),
                              out_live)
                 # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
                 decay_ref[s, h, cols] = jnp.exp2(sum(chunk_last[1:], chunk_last[0]))[0]
@@ -1389,6 +1442,7 @@ def _kda_intra_item(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, 
         if diagonal == "flagged":
             # the redo's test, per step there (a NaN fails it)
             flag_ref[s, h] = jnp.where(jnp.max(over) <= limit, 0, 1).astype(flag_ref.dtype)
+        kk, qk = raw(kk, unscale_k, unscale_k), raw(qk, unscale_q, unscale_k)
         plgpu.store(kk_ref.at[tok, h, :], jnp.where(j < i, kk, 0.0).astype(kk_ref.dtype),
                     mask=live)
         plgpu.store(aqk_ref.at[tok, h, :], jnp.where(j <= i, qk, 0.0).astype(aqk_ref.dtype),

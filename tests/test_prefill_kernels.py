@@ -1698,15 +1698,18 @@ def test_variants_lower_to_triton_ir(lower_for_h200, raw, pooled, boundary, dtyp
                                                  + 2 * (spec.use_qk_l2norm and not kda))
 
 
-@pytest.mark.parametrize("K,block_k", [(64, 64), (128, 16), (256, 32), (256, 64)])
-def test_kda_intra_kernel_lowers_at_every_block_k(lower_for_h200, K, block_k):
+@pytest.mark.parametrize("K,block_k,l2", [(64, 64, True), (128, 16, True), (256, 32, True),
+                                         (256, 64, True), (128, 64, False)])
+def test_kda_intra_kernel_lowers_at_every_block_k(lower_for_h200, K, block_k, l2):
     """The KDA intra kernel lowers to Triton IR for the channel steps a tuning sweep tries, at
     the head dims models use (the whole call at the default blocks is the test above): its
     scratch round trip of the reference rows (masked row-index stores, the barrier, gathers),
     in the channel loop, and in the exact diagonal blocks' column loop of its redo pass (a
-    second launch: given gates do not bound the exponents)."""
+    second launch: given gates do not bound the exponents); without the L2 norm, with its rows'
+    powers of two (`_intra_rows_bounded`)."""
     T, HV = 200, 2
-    spec = _spec(1, HV, K, K, per_channel_gate=True, precise=False)
+    spec = _spec(1, HV, K, K, per_channel_gate=True, precise=False, use_qk_l2norm=l2)
+    assert kern._intra_rows_bounded(spec)
     start, length, _, _ = kern.chunk_table(jnp.array([0, 70, T], jnp.int32), T)
     x = jnp.ones((T, 1, K), BF16)
     hlo = jax.jit(lambda q, k, g, start, length: kern._kda_intra(
@@ -2186,14 +2189,16 @@ def test_kda_large_rows_factored_diagonal(mode, dtype):
     assert rel_err(hT, rs) <= (1e-5 if precise else 1e-3)
 
 
-def _kda_intra_oracle(q, k, g, cu, HV, scale):
+def _kda_intra_oracle(q, k, g, cu, HV, scale, l2=True):
     """float64 intra-chunk products and decayed rows, chunk by chunk: kk (j < i), aqk (j <= i)
-    [T, HV, C], q e^G, k e^{G_C - G}, e^G k [T, HV, K] (q, k L2-normalised, q scaled) and the
-    total decay e^{G_C} of every chunk, [chunks, HV, K] in chunk order."""
+    [T, HV, C], q e^G, k e^{G_C - G}, e^G k [T, HV, K] (q, k L2-normalised unless told
+    otherwise, q scaled) and the total decay e^{G_C} of every chunk, [chunks, HV, K] in chunk
+    order."""
     q, k, g = (np.asarray(jnp.asarray(x, F32), np.float64) for x in (q, k, g))
     g = np.maximum(g, kern.GATE_FLOOR)
     rep = HV // q.shape[1]
-    norm = lambda x: np.repeat(x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6), rep, axis=1)
+    norm = lambda x: np.repeat(x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6) if l2 else x,
+                               rep, axis=1)
     qn, kn = norm(q) * scale, norm(k)
     T, K, C = q.shape[0], q.shape[2], kern.CHUNK
     kk, aqk = np.zeros((T, HV, C)), np.zeros((T, HV, C))
@@ -2270,6 +2275,54 @@ def test_kda_intra_kernel_against_float64(mode, lens, HK, HV, K, block_k, raw):
     assert np.all(kk[:, :, :][above[:, None, :].repeat(HV, 1)] == 0)
     assert np.all(aqk[(above & (np.arange(kern.CHUNK)[None, :] > i[:, None]))[:, None, :]
                       .repeat(HV, 1)] == 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kda_intra_kernel_unnormalised_rows_of_every_scale(mode):
+    """bf16 inputs without the q/k L2 norm: the intra kernel scales each row by a power of two
+    into [0.5, 1) and its products and decayed rows back (`_intra_rows_bounded`), so it takes
+    the bounded rows' limit (80) and fp16 operands whatever the rows' scale. Rows from ~2^-40
+    to ~2^40 times a normal row, a zero row, and gates whose diagonal-block exponents pass the
+    raw rows' limit (40, that of fp32 inputs) without passing 80 (formed factored, not redone):
+    every output against a float64 einsum, each entry's error relative to the scale of the
+    rows it is made of."""
+    lens, HK, HV, K = [100, 37], 1, 2, 32
+    q, k, _, g, _, _, cu = _kda_inputs(43, lens, HK=HK, HV=HV, K=K)
+    rng = np.random.default_rng(44)
+    T = sum(lens)
+    scales = 2.0 ** rng.integers(-40, 41, (2, T, HK, 1))
+    q, k = ((x * s).astype(BF16) for x, s in zip((q, k), scales))
+    k = k.at[5].set(0)
+    g = np.asarray(g).copy()
+    g[:, 1] = -3.75 + 0.1 * rng.standard_normal((T, K))    # 16 rows span ~60
+    g = jnp.asarray(g)
+    spec = _spec(HK, HV, K, K, per_channel_gate=True, use_qk_l2norm=False, precise=False)
+    spans = _diag_spans(g, cu).reshape(-1, HV)
+    assert kern.DIAG_EXP_LIMIT < spans[:, 1].min() and spans.max() <= kern._diag_exp_limit(spec)
+    start, length, _, _ = kern.chunk_table(cu, T)
+    kk, aqk, fq, fk, ek, decay = kern._kda_intra(
+        q, k, g, start, length, jnp.zeros((HV,), F32), jnp.zeros((HV,), F32), rows_dtype=BF16,
+        spec=spec, block=kern.PrefillBlockSizes(block_k=16), interpret=mode == "interpret")
+    want = _kda_intra_oracle(q, k, g, cu, HV, spec.scale, l2=False)
+    ek = np.asarray(ek[0], F32) + np.asarray(ek[1], F32)
+    nq, nk = (np.repeat(np.linalg.norm(np.asarray(x, np.float64), axis=-1), HV // HK, axis=1)
+              for x in (q, k))                                             # [T, HV]
+    i = np.arange(T) - np.repeat(np.asarray(start)[np.asarray(length) > 0],
+                                 np.asarray(length)[np.asarray(length) > 0])
+    # each chunk's column j is the row start + j of its chunk
+    col_rows = (np.arange(T) - i)[:, None] + np.arange(kern.CHUNK)[None, :]
+    col_nk = nk[np.minimum(col_rows, T - 1)]                                # [T, C, HV]
+    for name, x, y, size in (
+            ("kk", kk, want[0], nk[:, :, None] * col_nk.transpose(0, 2, 1)),
+            ("aqk", aqk, want[1], spec.scale * nq[:, :, None] * col_nk.transpose(0, 2, 1)),
+            ("fq", fq, want[2], spec.scale * nq[:, :, None]),
+            ("fk", fk, want[3], nk[:, :, None]), ("ek", ek, want[4], nk[:, :, None])):
+        err = np.abs(np.asarray(x, np.float64) - y) / np.maximum(size, 1e-300)
+        assert np.all(np.isfinite(np.asarray(x, F32))), name
+        # (fq is stored in bf16: 2^-9 of an entry)
+        assert err.max() <= (4e-3 if name == "fq" else 2e-3), (name, err.max())
+    length = np.asarray(length)
+    assert rel_err(np.asarray(decay)[length > 0], want[5]) <= 1e-5
 
 
 @pytest.mark.parametrize("mode", MODES)
