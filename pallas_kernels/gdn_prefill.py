@@ -1318,16 +1318,22 @@ def _kda_intra_item(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, 
             return jnp.where(live, _raw_log_decay(g, A_log_ref[h].astype(F32), dt, spec,
                                                   unit=LOG2E, approx=approx_math), 0.0)
 
+        def row_pass(step, init):
+            """step(k, q, acc) over the rows' column blocks, k and q [C, block_k] fp32."""
+            def body(c, acc):
+                cols = pl.ds(c * block_k, block_k)
+                return step(load(k_ref.at[tok, hk, cols]), load(q_ref.at[tok, hk, cols]), acc)
+            return lax.fori_loop(0, K // block_k, body, init)
+
+        zero = jnp.zeros((C,), F32)
+        # the factors that scale the products and decayed rows back to the raw rows' scale
+        # (`raw`), where the kernel scales raw rows by powers of two
+        unscale_k = unscale_q = None
         if spec.use_qk_l2norm:
             # The only kernel that reads KDA's raw q and k rows (the launcher tames no rows for
             # KDA), and it only scales them: huge rows are tamed here (`_tamed_l2_factor`).
-            def squares(c, sums):
-                cols = pl.ds(c * block_k, block_k)
-                k, q = load(k_ref.at[tok, hk, cols]), load(q_ref.at[tok, hk, cols])
-                return (*_row_square_sums(k, sums[:3]), *_row_square_sums(q, sums[3:]))
-
-            zero = jnp.zeros((C,), F32)
-            sums = lax.fori_loop(0, K // block_k, squares, (zero,) * 6)
+            sums = row_pass(lambda k, q, sums: (*_row_square_sums(k, sums[:3]),
+                                                *_row_square_sums(q, sums[3:])), (zero,) * 6)
             tk, rk = _tamed_l2_factor(*sums[:3])
             tq, rq = _tamed_l2_factor(*sums[3:])
             rq = rq * jnp.float32(spec.scale)
@@ -1335,21 +1341,14 @@ def _kda_intra_item(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, 
             # the raw rows bounded by one (`_intra_rows_bounded`): each scaled by the power of
             # two that brings its largest entry into [0.5, 1), and every product and decayed
             # row scaled back before it is stored
-            def row_max(c, m):
-                cols = pl.ds(c * block_k, block_k)
-                k, q = load(k_ref.at[tok, hk, cols]), load(q_ref.at[tok, hk, cols])
-                return (jnp.maximum(m[0], jnp.max(jnp.abs(k), axis=1)),
-                        jnp.maximum(m[1], jnp.max(jnp.abs(q), axis=1)))
-
-            zero = jnp.zeros((C,), F32)
-            mk, mq = lax.fori_loop(0, K // block_k, row_max, (zero, zero))
+            mk, mq = row_pass(lambda k, q, m: (jnp.maximum(m[0], jnp.max(jnp.abs(k), axis=1)),
+                                               jnp.maximum(m[1], jnp.max(jnp.abs(q), axis=1))),
+                              (zero, zero))
             (tk, unscale_k), (tq, unscale_q) = _pow2_row_scale(mk), _pow2_row_scale(mq)
             rk, rq = jnp.ones((C,), F32), jnp.full((C,), spec.scale, F32)
         else:
             tk = tq = jnp.ones((C,), F32)
             rk, rq = jnp.ones((C,), F32), jnp.full((C,), spec.scale, F32)
-        if spec.use_qk_l2norm or not rows_bounded:
-            unscale_k = unscale_q = None
 
         def raw(x, row_factor, col_factor=None):
             """x's rows (and columns) at the raw rows' scale: times their `_pow2_row_scale`
