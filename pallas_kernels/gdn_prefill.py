@@ -1325,15 +1325,17 @@ def _kda_intra_item(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, 
                 return step(load(k_ref.at[tok, hk, cols]), load(q_ref.at[tok, hk, cols]), acc)
             return lax.fori_loop(0, K // block_k, body, init)
 
-        zero = jnp.zeros((C,), F32)
-        # the factors that scale the products and decayed rows back to the raw rows' scale
-        # (`raw`), where the kernel scales raw rows by powers of two
+        row_zero = jnp.zeros((C,), F32)
+        # The rows the products take are k tk rk and q tq rq. Without the norm rk is 1 and rq
+        # the scale; the factors that scale the products and decayed rows back to the raw rows'
+        # scale (`raw`) are set only where the kernel scales raw rows by powers of two.
+        rk, rq = jnp.ones((C,), F32), jnp.full((C,), spec.scale, F32)
         unscale_k = unscale_q = None
         if spec.use_qk_l2norm:
             # The only kernel that reads KDA's raw q and k rows (the launcher tames no rows for
             # KDA), and it only scales them: huge rows are tamed here (`_tamed_l2_factor`).
             sums = row_pass(lambda k, q, sums: (*_row_square_sums(k, sums[:3]),
-                                                *_row_square_sums(q, sums[3:])), (zero,) * 6)
+                                                *_row_square_sums(q, sums[3:])), (row_zero,) * 6)
             tk, rk = _tamed_l2_factor(*sums[:3])
             tq, rq = _tamed_l2_factor(*sums[3:])
             rq = rq * jnp.float32(spec.scale)
@@ -1343,12 +1345,10 @@ def _kda_intra_item(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, 
             # row scaled back before it is stored
             mk, mq = row_pass(lambda k, q, m: (jnp.maximum(m[0], jnp.max(jnp.abs(k), axis=1)),
                                                jnp.maximum(m[1], jnp.max(jnp.abs(q), axis=1))),
-                              (zero, zero))
+                              (row_zero, row_zero))
             (tk, unscale_k), (tq, unscale_q) = _pow2_row_scale(mk), _pow2_row_scale(mq)
-            rk, rq = jnp.ones((C,), F32), jnp.full((C,), spec.scale, F32)
         else:
             tk = tq = jnp.ones((C,), F32)
-            rk, rq = jnp.ones((C,), F32), jnp.full((C,), spec.scale, F32)
 
         def raw(x, row_factor, col_factor=None):
             """x's rows (and columns) at the raw rows' scale: times their `_pow2_row_scale`
