@@ -1176,13 +1176,13 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
                  num_items: int, num_programs: int, max_a: float, max_t: float, l2norm: bool,
                  look: bool, redo: bool, interpret: bool):
     """`prep`'s programs. With the L2 norm, look: every item looks for huge rows in its tiles
-    (`_prep_item`); redo (with look): the second launch, over the items that item_ref
-    [S, HV] int32 names (none unless count_ref [1] is not 0), each formed with the look; its
+    (`_prep_item`); redo (with look): the second launch, over the items whose [HUGE] row flags
+    the first launch set (none unless count_ref [1] is not 0), each formed with the look; its
     outputs are the first launch's, written in place."""
     C = CHUNK
     # with the L2 norm: the factors in and out
     fac_ref, *refs = refs if l2norm else (None, *refs)
-    item_ref, count_ref, *refs = refs if redo else (None, None, *refs)
+    count_ref, *refs = refs if redo else (None, *refs)
     aqk_ref, tb_ref, flag_ref, *refs = refs
     fac_out_ref, *refs = refs if l2norm else (None, *refs)
     (q_s, inverse_s, tb_s), k_s, vec_s, fac_s, nrm_s, aqk_o, flag_o, fac_o, bar = refs
@@ -1218,12 +1218,20 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
                    look=look, during_products=during_products,
                    interpret=interpret)
 
+    def suspect(s, h):
+        """Whether the first launch flagged a row of item (s, h) [HUGE] (its flags read one
+        value at a time: only a call with such a row gets here)."""
+        x = flag_ref[s, h, HUGE, 0]
+        for r in range(1, C):
+            x = jnp.maximum(x, flag_ref[s, h, HUGE, r])
+        return x != 0
+
     if redo:
         # rare (a huge or NaN row), so one item at a time: fetch, wait, form
         @pl.when(count_ref[0] != 0)
         def _():
             def step(it, carry):
-                @pl.when(item_ref[slot_and_head(it)] != 0)
+                @pl.when(suspect(*slot_and_head(it)))
                 def _():
                     wait_stores_read()
                     buf = it - it
@@ -1422,10 +1430,10 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
     [UNFIT] 1 on the rows where the fp16 inverse may not have held (|A| > max_a or
     |T| > max_t), [HUGE] 1 on the rows tamed (`scan` must then read tamed copies of q and k)),
     and with factors, the factors with the L2 norm applied and [1] int32, not 0 where the scan
-    must read tamed copies of q and k: the second launch's count of items whose sums of squares
-    may hide a huge row (a row that is not huge comes through the tamed copy unchanged, so a
-    count that no tamed row bears out costs a copy, not a bit); under vmap, of items that hold
-    one."""
+    must read tamed copies of q and k: the count of rows whose sums of squares may hide a huge
+    one, which the second launch reads too (a row that is not huge comes through the tamed copy
+    unchanged, so a count that no tamed row bears out costs a copy, not a bit); under vmap, of
+    items that hold one."""
     S, HV = start.shape[0], num_v_heads
     C, K = CHUNK, HEAD_K_DIM
     l2norm = factors is not None
@@ -1468,16 +1476,15 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
         outs = first(*inputs)
         # the items whose sums of squares flagged a row, formed again with the look at their
         # tiles (a huge row, NaN); in the usual call none, and the second launch's programs
-        # each read the count and end. (The look in every item costs the prep more than this
-        # launch does at every size measured; under a branch inside the first launch, more
-        # still: BENCHMARKS.md, GDN prefill.)
-        items = _huge_flagged_items(outs[2]).astype(jnp.int32)
-        count = jnp.sum(items, dtype=jnp.int32).reshape(1)
+        # each read the count of flagged rows (one XLA reduction) and end. (The look in every
+        # item costs the prep more than this launch does at every size measured; under a
+        # branch inside the first launch, more still: BENCHMARKS.md, GDN prefill.)
+        count = jnp.sum(outs[2][..., HUGE, :] != 0, dtype=jnp.int32).reshape(1)
         # the first launch's outputs as refs, which the second writes in place (`run_state`
         # keeps their state effects inside it: a ref made by `jax.new_ref` would have the whole
         # enclosing jit discharged, and a caller's jit may hold primitives without a discharge
         # rule)
-        outs = pl.run_state(lambda refs: redo(*inputs, items, count, *refs))(outs)
+        outs = pl.run_state(lambda refs: redo(*inputs, count, *refs))(outs)
         return (*outs, count)
 
     @two_launches.def_vmap

@@ -538,7 +538,8 @@ def test_mosaic_prep_second_launch_forms_items_with_the_same_bits(mode, monkeypa
     in place. Every item forced through it (every row's sum of squares taken as suspect): the
     same bits as the first launch alone gives where no row is huge, and the [HUGE] flags
     written again by it (all 0: it formed every item); programs taking items in turn. The
-    count of items taken by the second launch comes last: 0, then every item."""
+    count of flagged rows that sends items to the second launch comes last: 0, then every row
+    of every item."""
     from pallas_kernels import gdn_prefill_mgpu as mgpu
     T, HK, HV, S = 320, 1, 2, 5
     kq, kk, kr, kf = jax.random.split(jax.random.PRNGKey(12), 4)
@@ -555,7 +556,7 @@ def test_mosaic_prep_second_launch_forms_items_with_the_same_bits(mode, monkeypa
     monkeypatch.setattr(mgpu, "SUSPECT_SQUARES", 0.0)
     redone = prep()
     assert not np.any(np.asarray(usual[2][:, :, mgpu.HUGE]))
-    assert int(usual[-1][0]) == 0 and int(redone[-1][0]) == S * HV
+    assert int(usual[-1][0]) == 0 and int(redone[-1][0]) == S * HV * 64
     for a, b in zip(usual[:-1], redone[:-1]):
         assert np.all(np.isfinite(np.asarray(a, F32)))
         assert np.array_equal(np.asarray(a), np.asarray(b))
