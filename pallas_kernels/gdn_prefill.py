@@ -305,12 +305,6 @@ def mosaic_kda_prep_default(spec: PrefillSpec, dtype) -> bool:
     return _is_bf16(dtype) and _mosaic_kda_prep_reason(spec) is None
 
 
-def _unused(shape, dtype=F32):
-    """Zeros for an operand a kernel does not read (or a result nobody reads), as a numpy
-    array: a constant of the program, where `jnp.zeros` is a small XLA kernel in every call."""
-    return np.zeros(shape, dtype)
-
-
 def _is_bf16(dtype) -> bool:
     return dtype is not None and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
 
@@ -1648,8 +1642,8 @@ def _kda_intra(q, k, g, start, length, A_log, dt_bias, *, rows_dtype, spec, bloc
     rows = (scan_rows, HV, K)
     num_slots = start.shape[0]
     # (arrays, so that the redo pass's aliased inputs keep their indices)
-    A_log = _unused((HV,)) if A_log is None else A_log
-    dt_bias = _unused((HV * K,)) if dt_bias is None else dt_bias
+    A_log = jnp.zeros((HV,), F32) if A_log is None else A_log
+    dt_bias = jnp.zeros((HV * K,), F32) if dt_bias is None else dt_bias
     diagonal = _intra_diagonal(spec)
     flagged = diagonal == "flagged"
 
@@ -1734,7 +1728,7 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
             redo = _mosaic_kda_prep(v, beta, start, length, kk, ek, spec=spec,
                                     t_beta=block.mosaic_kda_scan, interpret=interpret)
     else:
-        kk = ek = _unused((1, 1, 1))
+        kk = ek = jnp.zeros((1, 1, 1), F32)  # unused placeholders
     # GDN stores T beta and the scan forms the deltas (T beta)(v - (e^G k) S): a [C, C] matrix
     # instead of W and U, and no [C, C] x [C, K] products here. KDA keeps W and U: its scan
     # would load e^G k rows besides its decayed q and k, and lost more than its prep gained
@@ -1748,11 +1742,11 @@ def _prep(q, k, v, g, beta, start, length, lead, A_log, dt_bias, *, spec, block,
     blocked = block.blocked_inverse_for(spec)
     kda_scratch = kda and blocked
     half_inverse = _half_inverse(spec, blocked)
-    placeholder = _unused((1, 1, 1))
+    placeholder = jnp.zeros((1, 1, 1), F32)
     # redo_only: W and U (t_beta: T beta's halves) from the Mosaic prep, the Triton prep
     # writing the flagged chunks' in place (slot rows are token rows for aligned chunks)
     t_beta = redo is not None and block.mosaic_kda_scan
-    flags, w_in, u_in = (_unused((1, 1), jnp.int32), placeholder, placeholder) if redo is None \
+    flags, w_in, u_in = (jnp.zeros((1, 1), jnp.int32), placeholder, placeholder) if redo is None \
         else redo
     aliases = {10: 8} if kda_scratch and redo is None else {}
     if redo is not None:
@@ -1817,15 +1811,13 @@ def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, t_beta=False, inte
     for `_prep`'s redo_only pass (`_each_flagged_chunk`); with t_beta, for the Mosaic GPU KDA
     scan (flags, T beta's halves [2, S * C, HV, C] bf16, a placeholder).
     kk, ek: the intra kernel's, with v's rows aligned."""
-    C, HV = CHUNK, beta.shape[1]
+    C = CHUNK
     i = jnp.arange(C, dtype=jnp.int32)
-    # beta's rows by (slot, head) in one gather of single values (a gather of token rows and
-    # a transpose were two XLA kernels a call)
-    at = jnp.clip(start[:, None, None] + i, 0, beta.shape[0] - 1)           # [S, 1, C]
-    b = beta[at, jnp.arange(HV, dtype=jnp.int32)[:, None]].astype(F32)       # [S, HV, C]
+    at = jnp.clip(start[:, None] + i, 0, beta.shape[0] - 1)                   # [S, C]
+    b = beta[at].astype(F32)                                                 # [S, C, HV]
     if spec.raw_gates:
         b = jax.nn.sigmoid(b)
-    beta_rows = jnp.where(i < length[:, None, None], b, 0.0)
+    beta_rows = jnp.where((i < length[:, None])[..., None], b, 0.0).transpose(0, 2, 1)
     # programs taking items in turn, with the next item's k k^T fetched during one, where
     # k k^T is fp16 or nothing else comes in (t_beta); an fp32 k k^T's second buffer beside
     # e^G k and v would leave one program an SM
@@ -1837,7 +1829,7 @@ def _mosaic_kda_prep(v, beta, start, length, kk, ek, *, spec, t_beta=False, inte
         tb, flags = mgpu_scan.kda_prep(at_start, length, kk, None, None, beta_rows, **limits,
                                        num_programs=num_programs, t_beta=True,
                                        interpret=interpret)
-        outs = (tb, _unused((1, 1, 1)))
+        outs = (tb, jnp.zeros((1, 1, 1), F32))
     else:
         outs = mgpu_scan.kda_prep(at_start, length, kk, ek, _aligned_rows(v), beta_rows,
                                   **limits, num_programs=num_programs, interpret=interpret)
@@ -1884,7 +1876,7 @@ def _mosaic_prep(q, k, g, beta, start, length, lead, A_log, dt_bias, *, spec, bl
         factors, use_tamed = out[3:]
     tb = _redo(start, length, lead, k, g, beta, A_log, dt_bias, flags, tb, spec=spec,
                block=block, slot_rows=True, plane=mgpu_scan.UNFIT, interpret=interpret)
-    unused = _unused((1, 1, 1))
+    unused = jnp.zeros((1, 1, 1), F32)
     return (tb, unused, unused, aqk, factors, unused, unused, decay), use_tamed
 
 
@@ -2050,7 +2042,7 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
         pool_in = h0
         if v.dtype != jnp.bfloat16:
             raise ValueError(f"the Mosaic GPU scans take bf16 inputs, got v of {v.dtype}")
-        live = np.ones((N,), np.int32)
+        live = jnp.ones((N,), jnp.int32)
         if spec.pooled:
             # the named slots' states read here and written back below (a padding slot: zeros
             # in, nothing out, and the kernel stores its sequence's outputs as zeros)
@@ -2060,7 +2052,7 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
         narrow = block.block_v == mgpu_scan.BLOCK_V_NARROW
         orient = (lambda x: x) if narrow else (lambda x: jnp.swapaxes(x, -1, -2))
         h0t = (orient(h0).astype(F32) if spec.has_initial_state or spec.pooled
-               else _unused((1, 1, 1, 1)))
+               else jnp.zeros((1, 1, 1, 1), F32))
         if block.mosaic_kda_scan:
             # KDA: the decayed q rows, k e^{G_C - G}'s and e^G k's halves (the intra kernel's,
             # in whole 8-row tiles) and v by token row, T beta's halves (the Mosaic prep's) by
@@ -2153,8 +2145,8 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
     # the Mosaic GPU scan reads each sequence's chunks from its start rounded down to ALIGN
     start, length, first, lead = chunk_table(
         cu, q.shape[0], mgpu_scan.ALIGN if block.mosaic_scan else 1)
-    A_log = _unused((HV,)) if A_log is None else A_log
-    dt_bias = _unused((HV,)) if dt_bias is None else dt_bias
+    A_log = jnp.zeros((HV,), F32) if A_log is None else A_log
+    dt_bias = jnp.zeros((HV,), F32) if dt_bias is None else dt_bias
     if block.mosaic_scan:
         # the Mosaic GPU scan takes the Mosaic GPU prep's layouts (`gdn_prefill_mgpu.prep`);
         # both read q and k rows padded once here
@@ -2172,8 +2164,8 @@ def chunk_prefill(q, k, v, g, beta, cu_seqlens, *, spec: PrefillSpec, block: Pre
     elif spec.has_initial_state:
         h0 = initial_state
     else:
-        h0 = _unused((1, 1, 1, 1))
-    slots = np.zeros((N,), np.int32) if slots is None else slots.astype(jnp.int32)
+        h0 = jnp.zeros((1, 1, 1, 1), F32)  # unused placeholder
+    slots = jnp.zeros((N,), jnp.int32) if slots is None else slots.astype(jnp.int32)
     o, final, boundary = _scan(cu, first, slots, q, k, v, *mids, h0, spec=spec,
                                block=block, state_dtype=state_dtype,
                                num_boundary=start.shape[0], tamed=tamed, interpret=interpret)

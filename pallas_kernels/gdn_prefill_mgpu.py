@@ -101,7 +101,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -313,7 +312,7 @@ def _copy_rows(refs, use_tamed, at, dst, bar):
 def _tamed_or_given(q, k, tamed):
     """The (q_tamed, k_tamed, use_tamed [1] int32) operands of `scan`: `tamed` as
     the launcher gives it, or the rows themselves with use_tamed 0."""
-    return tamed if tamed is not None else (q, k, np.zeros((1,), np.int32))
+    return tamed if tamed is not None else (q, k, jnp.zeros((1,), jnp.int32))
 
 
 def _launch(kernel, *, out_type, scratch, num_programs: int, name: str, interpret: bool,
