@@ -1267,10 +1267,10 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
     wait_stores_read()
 
 
-def _huge_flagged_items(flags):
-    """[..., S, HV] bool: the items whose [HUGE] row flags in flags [..., S, HV, 2, CHUNK] hold
-    a row (the first launch's suspects, or the rows the look tamed)."""
-    return jnp.max(flags[..., HUGE, :], axis=-1) != 0
+def _huge_flagged_rows(flags):
+    """How many rows flags [..., S, HV, 2, CHUNK] flag [HUGE] (the first launch's suspects, or
+    the rows the look tamed), int32 [...]."""
+    return jnp.sum(flags[..., HUGE, :] != 0, axis=(-3, -2, -1), dtype=jnp.int32)
 
 
 def _inverse_fp16(A, i, j, d_s, a_s, interpret):
@@ -1432,7 +1432,7 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
     must read tamed copies of q and k: the count of rows whose sums of squares may hide a huge
     one, which the second launch reads too (a row that is not huge comes through the tamed copy
     unchanged, so a count that no tamed row bears out costs a copy, not a bit); under vmap, of
-    items that hold one."""
+    the rows tamed."""
     S, HV = start.shape[0], num_v_heads
     C, K = CHUNK, HEAD_K_DIM
     l2norm = factors is not None
@@ -1478,7 +1478,7 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
         # each read the count of flagged rows (one XLA reduction) and end. (The look in every
         # item costs the prep more than this launch does at every size measured; under a
         # branch inside the first launch, more still: BENCHMARKS.md, GDN prefill.)
-        count = jnp.sum(outs[2][..., HUGE, :] != 0, dtype=jnp.int32).reshape(1)
+        count = _huge_flagged_rows(outs[2]).reshape(1)
         # the first launch's outputs as refs, which the second writes in place (`run_state`
         # keeps their state effects inside it: a ref made by `jax.new_ref` would have the whole
         # enclosing jit discharged, and a caller's jit may hold primitives without a discharge
@@ -1493,7 +1493,7 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
         del axis_size
         outs = jax.vmap(look_in_every_item, in_axes=[0 if b else None for b in in_batched])(
             *args)
-        tamed = jnp.sum(_huge_flagged_items(outs[2]), axis=(1, 2), dtype=jnp.int32)[:, None]
+        tamed = _huge_flagged_rows(outs[2])[:, None]
         outs = (*outs, tamed)
         return outs, (True,) * len(outs)
 
