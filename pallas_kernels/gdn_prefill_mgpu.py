@@ -1217,15 +1217,15 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
                    look=look, during_products=during_products,
                    interpret=interpret)
 
-    def suspect(s, h):
-        """Whether the first launch flagged a row of item (s, h) [HUGE] (its flags read one
-        value at a time: only a call with such a row gets here)."""
-        x = flag_ref[s, h, HUGE, 0]
-        for r in range(1, C):
-            x = jnp.maximum(x, flag_ref[s, h, HUGE, r])
-        return x != 0
-
     if redo:
+        def suspect(s, h):
+            """Whether the first launch flagged a row of item (s, h) [HUGE] (its flags read one
+            value at a time: only a call with such a row gets here)."""
+            x = flag_ref[s, h, HUGE, 0]
+            for r in range(1, C):
+                x = jnp.maximum(x, flag_ref[s, h, HUGE, r])
+            return x != 0
+
         # rare (a huge or NaN row), so one item at a time: fetch, wait, form
         @pl.when(count_ref[0] != 0)
         def _():
