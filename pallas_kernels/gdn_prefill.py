@@ -413,10 +413,9 @@ def unsupported_reason(spec: PrefillSpec, block: PrefillBlockSizes | None = None
             why = _mosaic_scan_reason(spec)
             if why:
                 return f"mosaic_scan: {why}"
-            widths = (mgpu_scan.BLOCK_V, mgpu_scan.BLOCK_V_NARROW, mgpu_scan.BLOCK_V_PAIRED)
+            widths = (mgpu_scan.BLOCK_V, mgpu_scan.BLOCK_V_NARROW)
             if block.block_v not in widths:
-                return (f"mosaic_scan: block_v={block.block_v} must be one of {widths} (the "
-                        f"wide, narrow and paired forms)")
+                return f"mosaic_scan: block_v={block.block_v} must be one of {widths}"
             if block.block_v == mgpu_scan.BLOCK_V_NARROW:
                 why = _narrow_reason(spec)
                 if why:
@@ -2051,7 +2050,6 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
             live = in_pool.astype(jnp.int32)
         # the Mosaic scan's wide form holds S^T: the states cross its boundary transposed
         narrow = block.block_v == mgpu_scan.BLOCK_V_NARROW
-        paired = block.block_v == mgpu_scan.BLOCK_V_PAIRED
         orient = (lambda x: x) if narrow else (lambda x: jnp.swapaxes(x, -1, -2))
         h0t = (orient(h0).astype(F32) if spec.has_initial_state or spec.pooled
                else jnp.zeros((1, 1, 1, 1), F32))
@@ -2073,7 +2071,7 @@ def _scan(cu, first, slots, q, k, v, tb, w, u, aqk, fq, fk, fw, decay, h0, *, sp
                                         num_k_heads=q.shape[1],
                                         has_initial_state=spec.has_initial_state
                                         or spec.pooled,
-                                        narrow=narrow, paired=paired, tamed=tamed,
+                                        narrow=narrow, tamed=tamed,
                                         warp_specialized=not interpret, interpret=interpret)
         o = o[:T_total]
         final = orient(final_t)

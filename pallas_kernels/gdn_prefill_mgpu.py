@@ -78,16 +78,6 @@ by key blocks as register operands (a transposed left operand from shared memory
 lower). Its chain publishes the state before `k S` reads it, so the published halves are
 double-buffered. Its output rows are 64 bytes, and a bulk copy reads shared memory at 128-byte
 aligned addresses: it takes sequences that start at even rows only.
-The *paired* form (`paired=True`, BLOCK_V_PAIRED = 128 value columns a program) runs two
-chains a program, one warpgroup each (64 columns of the wide form's S^T), on the same chunk rows,
-which the copy warpgroup fetches once for both. Each chain forms its own output from the halves
-it already holds in registers: (q S)^T = S^T q^T beside (k S)^T (the same register operands),
-then O^T = fq (q S)^T + D^T aqk^T beside the update, so nothing is published and no warpgroup
-waits for another's products; while one chain waits on its products or its elementwise steps,
-the other's keep the tensor cores busy. It stores O^T transposed into swizzled shared memory
-(a chunk with other sequences' rows goes on through an unswizzled tile, whose rows a bulk copy
-can take in pieces). The intra-chunk matrix's halves, the output tiles and the state's staging
-of a chain share memory.
 With `warp_specialized=False` one warpgroup does all three in turn (the form the interpreter
 runs: it runs no wgmma with a register operand, so with `interpret=True` the products are plain
 dots, and three simulated warpgroups stalled on a 2-core machine).
@@ -124,15 +114,13 @@ CHUNK = 64
 HEAD_K_DIM = 128         # the only K: the state slab S^T [BV, K] and q, k rows of 256 bytes
 BLOCK_V = 64             # value columns a program: wgmma's accumulators have 64 rows
 BLOCK_V_NARROW = 32      # the narrow form's: S [K, 32] as two accumulators of 64 key rows
-PAIRED_CHAINS = 2        # the paired form's chains a program, each of BLOCK_V value columns
-BLOCK_V_PAIRED = PAIRED_CHAINS * BLOCK_V   # value columns a program of the paired form
 ALIGN = 8                # chunks start at multiples of this many rows
 STAGES = 2               # chunks in flight in the copy warpgroup's buffers
 NUM_FACTORS = 3          # row factors: q (norm * scale * e^G), k (norm * e^{G_C - G}), e^G k
 FQ, FK, FW = range(NUM_FACTORS)
 _COPIES = 6              # bulk copies a chunk: q, k, v, T beta, aqk, factors
 
-__all__ = ["CHUNK", "HEAD_K_DIM", "BLOCK_V", "BLOCK_V_NARROW", "BLOCK_V_PAIRED", "ALIGN", "NUM_ROW_VECTORS", "unsupported_reason",
+__all__ = ["CHUNK", "HEAD_K_DIM", "BLOCK_V", "ALIGN", "NUM_ROW_VECTORS", "unsupported_reason",
            "scan", "prep", "kda_prep", "kda_scan"]
 
 
@@ -355,48 +343,19 @@ def _store_output(o_ref, o_s, o, c, t0, bos, eos, h, cols, interpret):
 
     @pl.when(num_rows < C)
     def _():
-        _copy_row_pieces(o_s.at[buf], o_ref, t0, lo, num_rows, h, cols)
-
-
-def _copy_row_pieces(src, o_ref, t0, lo, num_rows, h, cols):
-    """Rows lo .. lo + num_rows - 1 of the output tile src [C, BV] (unswizzled) into the output
-    rows from token t0 + lo: the sequence's own rows only, in pieces of 32, 16, ..., 1 rows (a
-    copy's size is static), the rows before and after them being other sequences'. A bulk copy
-    reads shared memory at 128-byte aligned addresses: the narrow form's rows are 64 bytes, so
-    it takes sequences that start at even rows only (then every piece does)."""
-    done = lo
-    size = CHUNK // 2
-    while size:
-        @pl.when(num_rows & size != 0)
-        def _(done=done, size=size):
-            plgpu.copy_smem_to_gmem(src.at[pl.ds(done, size)],
-                                    o_ref.at[pl.ds(t0 + done, size), h, cols])
-        done = done + (num_rows & size)
-        size //= 2
-
-
-def _store_output_transposed(o_ref, o_sw, o_pl, o_t, t0, bos, eos, h, cols, interpret):
-    """The paired form's output: o_t [BV, C] (O^T, as its chains form it) into the output rows
-    of the chunk from token t0 that are its sequence's [bos, eos). A transposed store needs
-    swizzled shared memory (o_sw [C, BV]), whose 8-row tiles a bulk copy of fewer rows cannot
-    cut: a chunk with other sequences' rows goes on through the unswizzled o_pl [C, BV]."""
-    C = CHUNK
-    if not interpret:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's store read o_sw
-    _store_tile(o_sw, o_t, interpret=interpret, transposed=True)
-    _commit_smem(interpret)
-    lo, hi = jnp.maximum(bos - t0, 0), jnp.minimum(eos - t0, C)
-    num_rows = hi - lo
-
-    @pl.when(num_rows == C)
-    def _():
-        plgpu.copy_smem_to_gmem(o_sw, o_ref.at[pl.ds(t0, C), h, cols])
-
-    @pl.when(num_rows < C)
-    def _():
-        o_pl[...] = _load(o_sw, None if interpret else plgpu.Layout.WGMMA, interpret)
-        _commit_smem(interpret)
-        _copy_row_pieces(o_pl, o_ref, t0, lo, num_rows, h, cols)
+        # the sequence's own rows only, in pieces of 32, 16, ..., 1 rows (a copy's size is
+        # static): the rows before and after them are other sequences'. A bulk copy reads
+        # shared memory at 128-byte aligned addresses: the narrow form's rows are 64 bytes,
+        # so it takes sequences that start at even rows only (then every piece does)
+        done = lo
+        size = C // 2
+        while size:
+            @pl.when(num_rows & size != 0)
+            def _(done=done, size=size):
+                plgpu.copy_smem_to_gmem(o_s.at[buf, pl.ds(done, size)],
+                                        o_ref.at[pl.ds(t0 + done, size), h, cols])
+            done = done + (num_rows & size)
+            size //= 2
 
 
 class _StateSlab:
@@ -457,17 +416,16 @@ def _store_zero_outputs(store_output, num_chunks, shape, dtype, interpret):
 
 def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_ref, kt_ref,
             tamed_ref, v_ref, tb_ref, aqk_ref, fac_ref, h0_ref, o_ref, hT_ref, q_s, k_s, v_s,
-            tb_s, aqk_s, fac_s, own, loaded, consumed, handoff, h0_bar,
+            tb_s, aqk_s, fac_s, aqk_h, pub, o_s, loaded, consumed, published, out_done, h0_bar,
             *, num_v_heads: int, num_k_heads: int, head_v_dim: int, has_initial_state: bool,
-            narrow: bool, paired: bool, warp_specialized: bool, interpret: bool):
+            narrow: bool, warp_specialized: bool, interpret: bool):
     C, K = CHUNK, HEAD_K_DIM
     BV = BLOCK_V_NARROW if narrow else BLOCK_V
     # the state's and deltas' halves for the output warpgroup: double-buffered in the narrow
     # form (its chain publishes the state before `k S` reads it, so with one buffer it would
     # wait there for the output of the chunk before)
     NB = 2 if narrow else 1
-    chains = PAIRED_CHAINS if paired else 1
-    nv = head_v_dim // (BV * chains)
+    nv = head_v_dim // BV
     p = lax.axis_index("p")
     jv, h = p % nv, (p // nv) % num_v_heads
     n = order_ref[p // (nv * num_v_heads)]
@@ -483,18 +441,11 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
     zero_chunks = span_chunks - num_chunks
     first = first_ref[n]
     use_tamed = tamed_ref[0] != 0
-    # the value columns of the program's chains
-    col_blocks = [pl.ds(pl.multiple_of((jv * chains + j) * BV, BV), BV) for j in range(chains)]
-    cols = col_blocks[0]
-    if paired:
-        aqk_h = pub = o_s = published = out_done = None
-    else:
-        aqk_h, pub, o_s = own
-        published, out_done = handoff
+    cols = pl.ds(pl.multiple_of(jv * BV, BV), BV)
     if narrow:
         (s_pubs, d_pubs), ((x_pub, u_pub), state_s) = pub
         s_pub, d_pub = (lambda buf: s_pubs.at[buf]), (lambda buf: d_pubs.at[buf])
-    elif not paired:
+    else:
         (s_one, d_one), state_s = pub
         s_pub, d_pub = (lambda buf: s_one), (lambda buf: d_one)
     wgmma_layout = None if interpret else plgpu.Layout.WGMMA
@@ -518,9 +469,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         # the prep's rows are by chunk slot (`prep`)
         at = pl.ds(pl.multiple_of((first + c) * C, C), C)
         _copy_rows((k_ref, kt_ref), use_tamed, (tok, hk), k_s.at[slot], bar)
-        for j, cols_j in enumerate(col_blocks):
-            plgpu.copy_gmem_to_smem(v_ref.at[tok, h, cols_j],
-                                    v_s.at[slot, j] if paired else v_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[tok, h, cols], v_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(tb_ref.at[:, at, h, :], tb_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(fac_ref.at[:, h, at], fac_s.at[slot], bar)
         _copy_rows((q_ref, qt_ref), use_tamed, (tok, hk), q_s.at[slot], bar)
@@ -659,57 +608,6 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
                          (KB, BV), S_decayed, interpret=interpret, during=publish_deltas)
         return tuple(S)
 
-    def chain_and_output_step(c, S, decay, j):
-        """The paired form's chain j over chunk c, S^T [BV, K] of its value columns (decay its
-        e^{G_C}), forming the chunk's output for them as well: O^T = fq (S^T q^T) + D^T aqk^T,
-        from the halves of S and of the deltas it holds in registers, with nothing published.
-        The other chain of the program runs beside it, on the same rows. Returns the next S
-        and O^T."""
-        slot = c % STAGES
-        (a_h, _, _), _ = own[j]
-        valid = in_sequence(tok_index, c)
-        fac = fac_s.at[slot]
-        # (both chains rewrite the boundary chunks' k rows, with the same values)
-        zero_other_rows(c, slot)
-        s_hi, s_lo = _split_lazily(S)
-
-        def split_aqk_and_load():
-            # while (k S)^T and (q S)^T run: the intra-chunk matrix as bf16 halves, and the
-            # loads the next steps take
-            aqk = _load(aqk_s.at[slot], wgmma_layout, interpret).astype(F32)
-            _store_halves(a_h, split_bf16(aqk), interpret=interpret)
-            v_at = v_s.at[slot, j]
-            v_t = _load(v_at.transpose((1, 0)) if not interpret else v_at, wgmma_layout,
-                        interpret)
-            return v_t.T if interpret else v_t, _load(fac.at[FW], None, interpret)
-
-        k_t, q_t = ("T", k_s.at[slot]), ("T", q_s.at[slot])
-        (ks, qs), (v_t, fw) = _products([[(s_hi, k_t), (s_lo, k_t)], [(s_hi, q_t), (s_lo, q_t)]],
-                                        (BV, C), interpret=interpret, during=split_aqk_and_load)
-        x = jnp.where(valid, _minus_product(v_t.astype(F32), ks, _columns(fw, (BV, C), interpret)),
-                      0.0)
-        x_hi, x_lo = _split_lazily(x)
-        tb_hi, tb_lo = ("T", tb_s.at[slot, 0]), ("T", tb_s.at[slot, 1])
-        (d,), (fk, fq, S_decayed) = _products(
-            [[(x_hi, tb_hi), (x_hi, tb_lo), (x_lo, tb_hi)]], (BV, C), interpret=interpret,
-            during=lambda: (_load(fac.at[FK], None, interpret), _load(fac.at[FQ], None, interpret),
-                            S * decay))
-        d = jnp.where(valid, d, 0.0)
-        u_hi, u_lo = _split_lazily(
-            jnp.where(valid, d * _columns(fk, (BV, C), interpret), 0.0))
-        d_hi, d_lo = _split_lazily(d)
-        a_hi, a_lo = ("T", a_h[0]), ("T", a_h[1])
-        (S, o_t), _ = _products([[(u_hi, k_s.at[slot]), (u_lo, k_s.at[slot])],
-                                 [(d_hi, a_hi), (d_hi, a_lo), (d_lo, a_hi)]], None,
-                                [S_decayed, qs * _columns(fq, (BV, C), interpret)],
-                                interpret=interpret)
-        return S, o_t
-
-    def store_output_paired(c, o_t, j):
-        (_, o_sw, o_pl), _ = own[j]
-        _store_output_transposed(o_ref, o_sw, o_pl, o_t.astype(o_ref.dtype), chunk_start(c),
-                                 bos, eos, h, col_blocks[j], interpret)
-
     def chain_step(c, S, decay):
         S = (chain_step_narrow if narrow else chain_step_transposed)(c, S, decay)
         if warp_specialized:
@@ -739,14 +637,6 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
 
     def store_output(c, o):
         _store_output(o_ref, o_s, o, c, chunk_start(c), bos, eos, h, cols, interpret)
-
-    if paired:
-        _paired_chains(chain_and_output_step, store_output_paired, fetch, chunk_decay,
-                       [_StateSlab(h0_ref, hT_ref, own[j][1], h0_bar.at[j], n, h, col_blocks[j],
-                                   narrow=False, interpret=interpret) for j in range(chains)],
-                       loaded, consumed, num_chunks, zero_chunks, has_initial_state,
-                       warp_specialized=warp_specialized, interpret=interpret)
-        return
 
     slab = _StateSlab(h0_ref, hT_ref, state_s, h0_bar, n, h, cols, narrow=narrow,
                       interpret=interpret)
@@ -820,90 +710,10 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         lax.fori_loop(0, num_chunks, step, 0)
 
 
-def _paired_chains(step, store_output, fetch, chunk_decay, slabs, loaded, consumed, num_chunks,
-                   zero_chunks, has_initial_state, *, warp_specialized, interpret):
-    """The paired form's program: chains j = 0, 1 (warpgroups 0 and 1), each walking the state
-    of its value columns and forming their output (`step(c, S, decay, j)`), and the copy
-    warpgroup (2) fetching the chunks' rows for both; or all of it in one warpgroup, in turn."""
-    chains = len(slabs)
-    zeros = jnp.zeros((BLOCK_V, CHUNK), F32)
-    if not interpret:
-        zeros = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
-
-    def finish(j, S):
-        # the sequence's outputs as zeros where nobody walks it, then the final state (its
-        # staging shares memory with the output tiles: their stores' reads waited for first)
-        def store_zero(c, carry):
-            store_output(c, zeros, j)
-            return carry
-
-        lax.fori_loop(0, zero_chunks, store_zero, 0)
-        if not interpret:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        slabs[j].store_final(S)
-
-    if not warp_specialized:
-        def one_chunk(c, S):
-            fetch(c)
-            plgpu.barrier_wait(loaded.at[c % STAGES])
-            decay = chunk_decay(c)
-            walked = []
-            for j in range(chains):
-                Sj, o_t = step(c, S[j], decay, j)
-                store_output(c, o_t, j)
-                walked.append(Sj)
-            return tuple(walked)
-
-        S = lax.fori_loop(0, num_chunks, one_chunk,
-                          tuple(slab.initial(has_initial_state, then_commit=True)
-                                for slab in slabs))
-        for j in range(chains):
-            finish(j, S[j])
-        return
-
-    wg = lax.axis_index("wg")
-
-    def chain(j):
-        # registers: as `_kernel`'s chain and output warpgroups
-        plgpu.set_max_registers(232, action="increase")
-        # (the staging of the initial state shares memory with the intra-chunk matrix's halves)
-        S = slabs[j].initial(has_initial_state, then_commit=True)
-
-        def one_chunk(c, carry):
-            # e^{G_C} a chunk ahead, as in `_kernel`
-            S, decay = carry
-            next_decay = chunk_decay(c + 1)
-            plgpu.barrier_wait(loaded.at[c % STAGES])
-            S, o_t = step(c, S, decay, j)
-            plgpu.barrier_arrive(consumed.at[c % STAGES])
-            store_output(c, o_t, j)
-            return S, next_decay
-
-        S, _ = lax.fori_loop(0, num_chunks, one_chunk, (S, chunk_decay(0)))
-        finish(j, S)
-
-    for j in range(chains):
-        pl.when(wg == j)(functools.partial(chain, j))
-
-    @pl.when(wg == chains)
-    def _copies():
-        plgpu.set_max_registers(40, action="decrease")
-
-        def one_chunk(c, carry):
-            @pl.when(c >= STAGES)
-            def _():
-                plgpu.barrier_wait(consumed.at[c % STAGES])
-            fetch(c)
-            return carry
-
-        lax.fori_loop(0, num_chunks, one_chunk, 0)
-
-
 @default_config
 def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_heads: int,
          num_k_heads: int, has_initial_state: bool, narrow: bool = False,
-         paired: bool = False, tamed=None, warp_specialized: bool = True,
-         interpret: bool = False):
+         tamed=None, warp_specialized: bool = True, interpret: bool = False):
     """The scan over packed sequences, each one's chunks from its start rounded down to ALIGN.
 
     cu [N + 1], order [N] (the sequences' launch order), first [N] (each sequence's first chunk
@@ -914,32 +724,18 @@ def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_
     matrix (the output warpgroup splits it), factors [3, HV, S * C] fp32 (FQ, FK, FW).
     narrow: programs of BLOCK_V_NARROW value columns holding S [K, BV] (twice the programs;
     the states h0 [N, HV, K, V] and the final states as they are), else of BLOCK_V holding
-    S^T [BV, K] (h0 [N, HV, V, K] and the final states *transposed*); paired: programs of
-    BLOCK_V_PAIRED value columns, two chains of BLOCK_V each forming their own output (half
-    the programs of the wide form; states as the wide form's); h0 may be a placeholder without
-    has_initial_state.
+    S^T [BV, K] (h0 [N, HV, V, K] and the final states *transposed*); h0 may be a placeholder
+    without has_initial_state.
     tamed: (q_tamed, k_tamed, use_tamed [1] int32): q and k with their huge rows tamed, read
     instead of q and k where use_tamed is not 0 (and unread, may be unwritten, where it is 0).
     Returns (o [T, HV, V] bf16, final states [N, HV, K, V] (narrow) or [N, HV, V, K], fp32)."""
     T, HV, V = v.shape
     N = cu.shape[0] - 1
     K = HEAD_K_DIM
-    assert not (narrow and paired)
     BV = BLOCK_V_NARROW if narrow else BLOCK_V
-    chains = PAIRED_CHAINS if paired else 1
-    nv = V // (BV * chains)
+    nv = V // BV
     stage = lambda *shape: _swizzled((STAGES,) + shape)
-    if paired:
-        # a chain's own memory: the intra-chunk matrix's halves, its output tile (swizzled for
-        # the transposed store, and unswizzled for the row pieces of a boundary chunk), which
-        # share memory with its state's staging (used before the first chunk and after the last)
-        # (each half a ref of its own: a ref indexed by a constant inside the update
-        # (`run_state`) becomes an operand of it, whose lowering fails to return it)
-        own = tuple(plgpu.RefUnion(((_swizzled((CHUNK, CHUNK)), _swizzled((CHUNK, CHUNK))),
-                                    _swizzled((CHUNK, BV)), plgpu.SMEM((CHUNK, BV), BF16)),
-                                   plgpu.SMEM((BV, K), F32)) for _ in range(chains))
-        v_stage = stage(chains, CHUNK, BV)
-    elif narrow:
+    if narrow:
         # S^T and D^T halves in two buffers; X^T and U^T halves (the chain's own), which share
         # memory with the state's staging. Each half of X^T and U^T is a ref of its own: a ref
         # indexed by a constant inside the update (`run_state`) becomes an operand of it, and
@@ -953,24 +749,20 @@ def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_
             (_swizzled((2, BV, K)), _swizzled((2, BV, CHUNK))),  # S^T and D^T halves
             plgpu.SMEM((BV, K), F32))                            # state staging
         v_stage = stage(CHUNK, BV)
-    if not paired:
-        own = (_swizzled((2, CHUNK, CHUNK)),                           # aqk's halves
-               pub,
-               plgpu.SMEM((2, CHUNK, BV), BF16))                       # output staging
-        handoff = (plgpu.Barrier(num_barriers=2 if narrow else 1),    # published
-                   plgpu.Barrier(num_barriers=2 if narrow else 1))    # out_done
     scratch = (stage(CHUNK, K), stage(CHUNK, K), v_stage, stage(2, CHUNK, CHUNK),
                plgpu.SMEM((STAGES, CHUNK, CHUNK), aqk.dtype),
                plgpu.SMEM((STAGES, NUM_FACTORS, CHUNK), F32),
-               own,
-               plgpu.Barrier(num_arrivals=_COPIES + chains - 1, num_barriers=STAGES),
+               _swizzled((2, CHUNK, CHUNK)),                           # aqk's halves
+               pub,
+               plgpu.SMEM((2, CHUNK, BV), BF16),                       # output staging
+               plgpu.Barrier(num_arrivals=_COPIES, num_barriers=STAGES),
                plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
-               () if paired else handoff,
-               plgpu.Barrier(num_barriers=chains) if paired else plgpu.Barrier())
+               plgpu.Barrier(num_barriers=2 if narrow else 1),        # published
+               plgpu.Barrier(num_barriers=2 if narrow else 1),        # out_done
+               plgpu.Barrier())
     kernel = functools.partial(_kernel, num_v_heads=HV, num_k_heads=num_k_heads, head_v_dim=V,
                                has_initial_state=has_initial_state, narrow=narrow,
-                               paired=paired, warp_specialized=warp_specialized,
-                               interpret=interpret)
+                               warp_specialized=warp_specialized, interpret=interpret)
     state_shape = (N, HV, K, V) if narrow else (N, HV, V, K)
     return _launch(
         kernel,

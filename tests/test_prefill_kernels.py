@@ -791,26 +791,20 @@ def _even_starts(lens) -> bool:
     return not (np.cumsum([0] + list(lens))[:-1] % 2).any()
 
 
-# the wide form on every case, the narrow one on the even-start cases, the paired one (128
-# value columns a program) on every case with V = 128 (on a CPU by default the wide form on the
-# second and third, the narrow one on the first and the paired one on the second: the rest are
-# `full`)
+# the wide form on every case, the narrow one on the even-start cases (on a CPU by default the
+# wide form on the second and third and the narrow one on the first: the rest are `full`)
 MOSAIC_FORMS = ([pytest.param(64, *case, id=f"wide-{i}", marks=[] if i in (1, 2) else [FULL])
                  for i, case in enumerate(MOSAIC_CASES)]
                 + [pytest.param(32, *case, id=f"narrow-{i}", marks=[FULL] if i else [])
                    for i, case in enumerate(MOSAIC_CASES)
-                   if _even_starts(case[0])]
-                + [pytest.param(128, *case[:3], 128, *case[4:], id=f"paired-{i}",
-                                marks=[] if i == 1 else [FULL])
-                   for i, case in enumerate(MOSAIC_CASES)])
+                   if _even_starts(case[0])])
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("block_v,lens,HK,HV,V,init,gate,l2", MOSAIC_FORMS)
 def test_mosaic_scan_against_float64(mode, block_v, lens, HK, HV, V, init, gate, l2):
-    """The Mosaic GPU scan (`PrefillBlockSizes.mosaic_scan`, its three forms: S^T [64, K], S
-    [K, 32], and two chains of S^T [64, K] a program; compiled: three warpgroups, interpreted:
-    one, with plain dots) through
+    """The Mosaic GPU scan (`PrefillBlockSizes.mosaic_scan`, both forms: S^T [64, K] and
+    S [K, 32]; compiled: three warpgroups, interpreted: one, with plain dots) through
     `chunk_prefill`, bf16 inputs against float64.
     Its output is a fresh buffer: a row it failed to write holds what the memory held before
     (on the GPU, earlier calls' data), which the finiteness and error checks catch."""
@@ -835,7 +829,7 @@ def test_mosaic_scan_against_float64(mode, block_v, lens, HK, HV, V, init, gate,
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("block_v", [64, 32, pytest.param(128, marks=FULL)])
+@pytest.mark.parametrize("block_v", [64, 32])
 def test_mosaic_scan_nan_in_one_sequence_leaves_the_others_bit_identical(mode, block_v):
     """Packed sequences share the Mosaic prep's and scan's chunk windows (a chunk starts at its
     sequence's start rounded down to 8 rows and runs on past its end): NaN in q or k rows of
@@ -843,9 +837,8 @@ def test_mosaic_scan_nan_in_one_sequence_leaves_the_others_bit_identical(mode, b
     sequence's first row) leaves the other sequences' outputs and final states bit-identical,
     in both scan forms. (Zero factors on those rows would keep a NaN in a product.)"""
     lens = [38, 62, 50]                      # the second sequence's windows hold rows of both
-    V = max(block_v, 64)
-    q, k, v, g, beta, h0, cu = _packed_inputs(13, lens, HK=1, HV=2, K=128, V=V, dtype=BF16)
-    spec = _spec(1, 2, 128, V, has_initial_state=True, precise=False,
+    q, k, v, g, beta, h0, cu = _packed_inputs(13, lens, HK=1, HV=2, K=128, V=64, dtype=BF16)
+    spec = _spec(1, 2, 128, 64, has_initial_state=True, precise=False,
                  even_starts=_even_starts(lens))
     block = kern.PrefillBlockSizes(mosaic_scan=True, block_v=block_v)
     assert kern.unsupported_reason(spec, block) is None
@@ -896,14 +889,13 @@ def test_front_door_batch_rows_stay_apart_with_nan(mode):
     pytest.param(64, F32, [70, 5, 33, 20], id="wide-f32"),
     pytest.param(64, BF16, [70, 5, 33, 20], id="wide-bf16", marks=FULL),
     # the narrow form takes even starts
-    pytest.param(32, F32, [70, 6, 32, 21], id="narrow-f32", marks=FULL),
-    pytest.param(128, F32, [70, 5, 33, 20], id="paired-f32", marks=FULL)])
+    pytest.param(32, F32, [70, 6, 32, 21], id="narrow-f32", marks=FULL)])
 def test_mosaic_scan_pool_slots_in_place(mode, block_v, pool_dtype, lens):
-    """The Mosaic GPU scan (its three forms) with a pool: initial states from the named slots,
-    final states into them (one rounding to the pool's dtype); padding slots (-1, or past the
-    pool) read and write nothing and their sequences' outputs are zeros; other slots keep their
+    """The Mosaic GPU scan (both forms) with a pool: initial states from the named slots, final
+    states into them (one rounding to the pool's dtype); padding slots (-1, or past the pool)
+    read and write nothing and their sequences' outputs are zeros; other slots keep their
     bits."""
-    HK, HV, V = 1, 2, max(block_v, 64)
+    HK, HV, V = 1, 2, 64
     q, k, v, g, beta, h0, cu = _packed_inputs(7, lens, HK=HK, HV=HV, K=128, V=V, dtype=BF16)
     P = 6
     pool = np.full((P, HV, 128, V), 1e30, np.float32)
@@ -935,8 +927,7 @@ def test_mosaic_scan_pool_slots_in_place(mode, block_v, pool_dtype, lens):
 
 
 def test_mosaic_scan_lowers_for_hopper():
-    """The three forms of the Mosaic GPU scan (wide, narrow, paired), with three warpgroups and
-    with one,
+    """Both forms of the Mosaic GPU scan (wide and narrow), with three warpgroups and with one,
     and the Mosaic GPU prep lower through Mosaic GPU (layout inference included) for CUDA
     without a GPU; only the compile to machine code needs the device."""
     from pallas_kernels import gdn_prefill_mgpu as mgpu
@@ -946,11 +937,9 @@ def test_mosaic_scan_lowers_for_hopper():
     halves = jnp.ones((2, S * 64, HV, 64), BF16)
     aqk = jnp.ones((S * 64, HV, 64), jnp.float16)
     cu = jnp.array([0, 64, T], jnp.int32)
-    for ws, (narrow, paired) in itertools.product((False, True), ((False, False), (True, False),
-                                                                (False, True))):
+    for ws, narrow in itertools.product((False, True), (False, True)):
         f = jax.jit(functools.partial(mgpu.scan, num_v_heads=HV, num_k_heads=HK,
-                                      has_initial_state=True, narrow=narrow, paired=paired,
-                                      warp_specialized=ws))
+                                      has_initial_state=True, narrow=narrow, warp_specialized=ws))
         exported = jax.export.export(f, platforms=["cuda"])(
             cu, jnp.array([1, 0], jnp.int32), jnp.array([0, 1], jnp.int32),
             jnp.array([1, 0], jnp.int32), jnp.ones((S, HV)),
