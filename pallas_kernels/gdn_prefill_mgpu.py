@@ -401,6 +401,14 @@ class _StateSlab:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _keeper(valid):
+    """x -> x where valid, 0 elsewhere (a select, so that NaN outside stays out); the
+    identity for valid None (every element kept: no select, no predicates held)."""
+    if valid is None:
+        return lambda x: x
+    return lambda x: jnp.where(valid, x, 0.0)
+
+
 def _store_zero_outputs(store_output, num_chunks, shape, dtype, interpret):
     """store_output(c, zeros) for chunks 0 .. num_chunks - 1 (a sequence nobody walks)."""
     zeros = jnp.zeros(shape, dtype)
@@ -492,24 +500,41 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         """The chain's k rows of chunk c that are not its sequence's (the rows before its
         start in the chunk's window, the next sequence's after its end) zeroed in shared memory
         before `k S` and the update read them: they may hold anything, NaN too, which the
-        masked X and u (zeros there) would keep in a product. Only the chunks that have such
-        rows."""
+        masked X and u (zeros there) would keep in a product. The masked steps' work."""
+        rows = _iota((C, K), 0, interpret)
+        x = _load(k_s.at[slot], wgmma_layout, interpret)
+        k_s.at[slot][...] = jnp.where(in_sequence(rows, c), x, jnp.zeros_like(x))
+        _commit_smem(interpret)
+
+    def holds_other_rows(c):
+        """Whether chunk c's window holds rows that are not this sequence's. Only the first
+        chunk (its window starts at the whole tile below bos) and the last (it may run past
+        eos) can."""
         t0 = chunk_start(c)
+        return (bos > t0) | (eos < t0 + C)
 
-        @pl.when((bos > t0) | (eos < t0 + C))
-        def _():
-            rows = _iota((C, K), 0, interpret)
-            x = _load(k_s.at[slot], wgmma_layout, interpret)
-            k_s.at[slot][...] = jnp.where(in_sequence(rows, c), x, jnp.zeros_like(x))
-            _commit_smem(interpret)
+    def over_chunks(step, carry):
+        """lax.fori_loop of step(c, carry, masked=...) over the chunks, masked statically: the
+        chunks whose windows hold other rows (at most the first and the last) take the masked
+        step, the ones between the step without masks: the selects and the predicate bits they
+        keep are a large part of the chain's instructions (BENCHMARKS.md, GDN prefill)."""
+        front = jnp.where((num_chunks > 0) & holds_other_rows(0), 1, 0)
+        last = num_chunks - 1
+        back = jnp.where((last >= front) & holds_other_rows(last), last, num_chunks)
+        masked, unmasked = (functools.partial(step, masked=m) for m in (True, False))
+        carry = lax.fori_loop(0, front, masked, carry)
+        carry = lax.fori_loop(front, back, unmasked, carry)
+        return lax.fori_loop(back, num_chunks, masked, carry)
 
-    def chain_step_transposed(c, S, decay):
+    def chain_step_transposed(c, S, decay, masked):
         """The state's walk over chunk c, S^T [BV, K] (one accumulator), decay its e^{G_C}:
-        publishes S and the deltas, returns the next S."""
+        publishes S and the deltas, returns the next S. masked: the window holds other rows
+        (`holds_other_rows`), which the step zeroes and selects away."""
         slot = c % STAGES
-        valid = in_sequence(tok_index, c)
+        keep = _keeper(in_sequence(tok_index, c) if masked else None)
         fac = fac_s.at[slot]
-        zero_other_rows(c, slot)
+        if masked:
+            zero_other_rows(c, slot)
         # each product's lo halves formed after its hi products are issued (`_split_lazily`)
         s_hi, s_lo = _split_lazily(S)
 
@@ -527,8 +552,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         (ks,), (v_t, fw) = _products([[(s_hi, ("T", k_s.at[slot])),
                                         (s_lo, ("T", k_s.at[slot]))]], (BV, C),
                                       interpret=interpret, during=publish_state_and_load)
-        x = jnp.where(valid, _minus_product(v_t.astype(F32), ks, _columns(fw, (BV, C), interpret)),
-                      0.0)
+        x = keep(_minus_product(v_t.astype(F32), ks, _columns(fw, (BV, C), interpret)))
         x_hi, x_lo = _split_lazily(x)
         tb_hi, tb_lo = ("T", tb_s.at[slot, 0]), ("T", tb_s.at[slot, 1])
         # D^T; while it runs, the k factors and the decayed state the update starts from
@@ -536,10 +560,10 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
                                           (BV, C), interpret=interpret,
                                           during=lambda: (_load(fac.at[FK], None, interpret),
                                                           S * decay))
-        d = jnp.where(valid, d, 0.0)
-        # where, not a product with the masked d: the factors past the sequence may be anything
-        u_hi, u_lo = _split_lazily(
-            jnp.where(valid, d * _columns(fk, (BV, C), interpret), 0.0))
+        d = keep(d)
+        # selected, not a product with the masked d: the factors past the sequence may be
+        # anything
+        u_hi, u_lo = _split_lazily(keep(d * _columns(fk, (BV, C), interpret)))
 
         def publish_deltas():
             # the deltas, while the update runs; then the output warpgroup may start
@@ -551,16 +575,17 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
                             [S_decayed], interpret=interpret, during=publish_deltas)
         return S
 
-    def chain_step_narrow(c, S, decay):
+    def chain_step_narrow(c, S, decay, masked):
         """The state's walk over chunk c, S [K, BV] as two accumulators of 64 key rows, decay
         its e^{G_C}: publishes S and the deltas, returns the next S. Every right operand goes
         through shared memory transposed ([BV, .] rows of 128 bytes: wgmma takes both
-        shared-memory operands with one swizzle, k's)."""
+        shared-memory operands with one swizzle, k's). masked: as `chain_step_transposed`."""
         slot, buf = c % STAGES, c % NB
         KB = K // 2
-        valid = in_sequence(tok_index, c)
+        keep = _keeper(in_sequence(tok_index, c) if masked else None)
         fac = fac_s.at[slot]
-        zero_other_rows(c, slot)
+        if masked:
+            zero_other_rows(c, slot)
         wait_output_done(c)
         for b, Sb in enumerate(S):
             _store_halves(s_pub(buf).at[:, :, pl.ds(b * KB, KB)], split_bf16(Sb),
@@ -574,8 +599,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         (ks,), (v, fw) = _products([[(k_s.at[slot], ("T", s_pub(buf).at[0])),
                                      (k_s.at[slot], ("T", s_pub(buf).at[1]))]], (C, BV),
                                    interpret=interpret, during=loads)
-        x = jnp.where(valid, _minus_product(v.astype(F32), ks, _rows(fw, (C, BV), interpret)),
-                      0.0)
+        x = keep(_minus_product(v.astype(F32), ks, _rows(fw, (C, BV), interpret)))
         _store_halves(x_pub, split_bf16(x), interpret=interpret, transposed=True)
 
         def work_for_update():
@@ -592,8 +616,8 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         (d,), (fk, kt, S_decayed) = _products([[(tb_hi, x_hi), (tb_hi, x_lo), (tb_lo, x_hi)]],
                                               (C, BV), interpret=interpret,
                                               during=work_for_update)
-        d = jnp.where(valid, d, 0.0)
-        u = jnp.where(valid, d * _rows(fk, (C, BV), interpret), 0.0)
+        d = keep(d)
+        u = keep(d * _rows(fk, (C, BV), interpret))
         _store_halves(u_pub, split_bf16(u), interpret=interpret, transposed=True)
 
         def publish_deltas():
@@ -608,8 +632,8 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
                          (KB, BV), S_decayed, interpret=interpret, during=publish_deltas)
         return tuple(S)
 
-    def chain_step(c, S, decay):
-        S = (chain_step_narrow if narrow else chain_step_transposed)(c, S, decay)
+    def chain_step(c, S, decay, masked):
+        S = (chain_step_narrow if narrow else chain_step_transposed)(c, S, decay, masked)
         if warp_specialized:
             plgpu.barrier_arrive(consumed.at[c % STAGES])
         return S
@@ -647,14 +671,14 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         _store_zero_outputs(store_output, zero_chunks, (C, BV), o_ref.dtype, interpret)
 
     if not warp_specialized:
-        def step(c, S):
+        def step(c, S, masked):
             fetch(c)
             plgpu.barrier_wait(loaded.at[c % STAGES])
-            S2 = chain_step(c, S, chunk_decay(c))
+            S2 = chain_step(c, S, chunk_decay(c), masked)
             output_step(c)
             return S2
 
-        S = lax.fori_loop(0, num_chunks, step, initial_state())
+        S = over_chunks(step, initial_state())
         store_zeros()
         store_final(S)  # its wait covers the output stores too
         return
@@ -668,16 +692,16 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         plgpu.set_max_registers(232, action="increase")
         S = initial_state()
 
-        def step(c, carry):
+        def step(c, carry, masked):
             # e^{G_C} is loaded a chunk ahead: loaded in the chunk that uses it, its latency
             # (an L2 round trip) sat on the chain's path, where the compiler had placed the
             # state's scaling right after the load (BENCHMARKS.md, GDN prefill)
             S, decay = carry
             next_decay = chunk_decay(c + 1)
             plgpu.barrier_wait(loaded.at[c % STAGES])
-            return chain_step(c, S, decay), next_decay
+            return chain_step(c, S, decay, masked), next_decay
 
-        S, _ = lax.fori_loop(0, num_chunks, step, (S, chunk_decay(0)))
+        S, _ = over_chunks(step, (S, chunk_decay(0)))
         if not narrow:
             @pl.when(num_chunks > 0)
             def _():
@@ -809,6 +833,14 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         # every sequence starts at a multiple of CHUNK (the launcher's condition)
         return pl.multiple_of(bos + c * C, C)
 
+    def over_chunks(step, carry):
+        """lax.fori_loop of step(c, carry, masked=...) over the chunks: only the last one can
+        run past the sequence's end, and only it takes the masked step."""
+        last = num_chunks - 1
+        unmasked = jnp.where((last >= 0) & (eos < chunk_start(last) + C), last, num_chunks)
+        carry = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), carry)
+        return lax.fori_loop(unmasked, num_chunks, functools.partial(step, masked=True), carry)
+
     def rows(c):
         return pl.ds(chunk_start(c), C)
 
@@ -876,15 +908,16 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         x = _load(ref if interpret else ref.transpose((1, 0)), wgmma_layout, interpret)
         return x.T if interpret else x
 
-    def chain_step_wide(c, S):
+    def chain_step_wide(c, S, masked):
         """Chunk c on S^T [BV, K] (one accumulator), every operand of the chain's products in
         registers but the rows: -X^T = S^T (e^G k)^T - v^T from -v^T (S^T's halves against
         e^G k's), D^T = X^T (T beta)^T (X^T's halves against T beta's), then
         S^T <- e^{G_C} S^T + D^T (k e^{G_C - G}) (D^T's halves against k's). S^T's halves and
-        D^T's are published while the products run."""
+        D^T's are published while the products run. masked: the chunk runs past the
+        sequence's end (`over_chunks`), whose columns are selected away."""
         ebuf = c % 2
         hi, lo = traced_halves(c)
-        valid = tok_index < eos - chunk_start(c)
+        keep = _keeper(tok_index < eos - chunk_start(c) if masked else None)
         plgpu.barrier_wait(ek_loaded.at[ebuf])
         plgpu.barrier_wait(v_loaded)
         s_hi, s_lo = split_bf16(S)
@@ -899,12 +932,12 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         ek_hi, ek_lo = ("T", ek_s.at[ebuf, hi]), ("T", ek_s.at[ebuf, lo])
         (acc,), _ = _products([[(s_hi, ek_hi), (s_lo, ek_hi), (s_hi, ek_lo)]], (BV, C),
                               [neg_v_t], interpret=interpret, during=publish_state)
-        x_hi, x_lo = split_bf16(jnp.where(valid, -acc, 0.0))
+        x_hi, x_lo = split_bf16(keep(-acc))
         plgpu.barrier_wait(tb_loaded)
         tb_hi, tb_lo = ("T", tb_s.at[0]), ("T", tb_s.at[1])
         (d_t,), _ = _products([[(x_hi, tb_hi), (x_hi, tb_lo), (x_lo, tb_hi)]], (BV, C),
                               interpret=interpret, during=lambda: refill(fetch_ek, c + 2))
-        d_hi, d_lo = split_bf16(jnp.where(valid, d_t, 0.0))
+        d_hi, d_lo = split_bf16(keep(d_t))
         plgpu.barrier_wait(kd_loaded)
         decay = _columns(_load(decay_s, None, interpret), (BV, K), interpret)
         wait_read(c, D_PUB)
@@ -919,15 +952,16 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         refill(fetch_kd, c + 1)
         return S
 
-    def chain_step_narrow(c, S):
+    def chain_step_narrow(c, S, masked):
         """Chunk c on S [K, BV] as two accumulators of KB key rows: S^T's halves published
         first ((e^G k) S takes S from shared memory), -X = (e^G k) S - v from -v, X^T's halves
         through shared memory for D = (T beta) X, D^T's halves published, then
         S <- e^{G_C} S + (k e^{G_C - G})^T D, with (k e^{G_C - G})^T by key blocks as register
-        operands (a transposed left operand from shared memory does not lower)."""
+        operands (a transposed left operand from shared memory does not lower). masked: as
+        `chain_step_wide`."""
         ebuf = c % 2
         hi, lo = traced_halves(c)
-        valid = tok_index < eos - chunk_start(c)
+        keep = _keeper(tok_index < eos - chunk_start(c) if masked else None)
         plgpu.barrier_wait(ek_loaded.at[ebuf])
         plgpu.barrier_wait(v_loaded)
         wait_read(c, S_PUB)
@@ -960,13 +994,13 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
                                 (ek_lo, ("T", s_pub.at[hi]))]], (C, BV), [neg_v],
                               interpret=interpret, during=lambda: refill(fetch_v, c + 1))
         x_hi, x_lo = half_by_half([(lambda part: x_pub.at[part],
-                                    _split_lazily(jnp.where(valid, -acc, 0.0)))])
+                                    _split_lazily(keep(-acc)))])
         plgpu.barrier_wait(tb_loaded)
         (d,), _ = _products([[(tb_s.at[0], ("T", x_pub.at[0]), x_hi),
                               (tb_s.at[0], ("T", x_pub.at[1]), x_lo),
                               (tb_s.at[1], ("T", x_pub.at[0]))]], (C, BV),
                             interpret=interpret, during=lambda: refill(fetch_ek, c + 2))
-        d = jnp.where(valid, d, 0.0)
+        d = keep(d)
         wait_read(c, D_PUB)
         d_hi, d_lo = half_by_half([(lambda part: d_pub.at[part], _split_lazily(d))],
                                   then=lambda: publish(D_PUB))
@@ -1034,14 +1068,14 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
             zero_chunks, (C, BV), o_ref.dtype, interpret)
 
     if not warp_specialized:
-        def step(c, S):
+        def step(c, S, masked):
             for fetch in (fetch_ek, fetch_v, fetch_tb, fetch_kd, fetch_q, fetch_aqk):
                 fetch(c)
-            S = chain_step(c, S)
+            S = chain_step(c, S, masked)
             output_step(c)
             return S
 
-        S = lax.fori_loop(0, num_chunks, step, initial_state())
+        S = over_chunks(step, initial_state())
         store_zeros()
         store_final(S)
         return
@@ -1057,7 +1091,7 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
             def _(c=c, fetch=fetch):
                 fetch(c)
 
-        S = lax.fori_loop(0, num_chunks, chain_step, S)
+        S = over_chunks(chain_step, S)
         store_final(S)
 
     @pl.when(wg == 1)
