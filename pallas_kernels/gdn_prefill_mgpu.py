@@ -412,6 +412,20 @@ def _keeper(valid):
     return lambda x: jnp.where(valid, x, 0.0)
 
 
+def _over_chunks(step, carry, num_chunks, unmasked_from, unmasked_to):
+    """lax.fori_loop of step(c, carry, masked=...) over chunks 0 .. num_chunks - 1, masked
+    statically: the chunks in [unmasked_from, unmasked_to) take the step without masks, the
+    others (a sequence's edge chunks, whose windows can hold other rows) the masked one. The
+    selects and the predicate bits they keep are a large part of a chain's instructions
+    (BENCHMARKS.md, GDN prefill). unmasked_from a Python 0: no loop before (no second copy of
+    the masked step)."""
+    masked, unmasked = (functools.partial(step, masked=m) for m in (True, False))
+    if not (isinstance(unmasked_from, int) and unmasked_from == 0):
+        carry = lax.fori_loop(0, unmasked_from, masked, carry)
+    carry = lax.fori_loop(unmasked_from, unmasked_to, unmasked, carry)
+    return lax.fori_loop(unmasked_to, num_chunks, masked, carry)
+
+
 def _store_zero_outputs(store_output, num_chunks, shape, dtype, interpret):
     """store_output(c, zeros) for chunks 0 .. num_chunks - 1 (a sequence nobody walks)."""
     zeros = jnp.zeros(shape, dtype)
@@ -517,17 +531,12 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         return (bos > t0) | (eos < t0 + C)
 
     def over_chunks(step, carry):
-        """lax.fori_loop of step(c, carry, masked=...) over the chunks, masked statically: the
-        chunks whose windows hold other rows (at most the first and the last) take the masked
-        step, the ones between the step without masks: the selects and the predicate bits they
-        keep are a large part of the chain's instructions (BENCHMARKS.md, GDN prefill)."""
+        """`_over_chunks`: the chunks whose windows hold other rows (at most the first and the
+        last) take the masked step."""
         front = jnp.where((num_chunks > 0) & holds_other_rows(0), 1, 0)
         last = num_chunks - 1
         back = jnp.where((last >= front) & holds_other_rows(last), last, num_chunks)
-        masked, unmasked = (functools.partial(step, masked=m) for m in (True, False))
-        carry = lax.fori_loop(0, front, masked, carry)
-        carry = lax.fori_loop(front, back, unmasked, carry)
-        return lax.fori_loop(back, num_chunks, masked, carry)
+        return _over_chunks(step, carry, num_chunks, front, back)
 
     def chain_step_transposed(c, S, decay, masked):
         """The state's walk over chunk c, S^T [BV, K] (one accumulator), decay its e^{G_C}:
@@ -837,12 +846,11 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         return pl.multiple_of(bos + c * C, C)
 
     def over_chunks(step, carry):
-        """lax.fori_loop of step(c, carry, masked=...) over the chunks: only the last one can
-        run past the sequence's end, and only it takes the masked step."""
+        """`_over_chunks`: only the last chunk can run past the sequence's end, and only it
+        takes the masked step."""
         last = num_chunks - 1
-        unmasked = jnp.where((last >= 0) & (eos < chunk_start(last) + C), last, num_chunks)
-        carry = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), carry)
-        return lax.fori_loop(unmasked, num_chunks, functools.partial(step, masked=True), carry)
+        back = jnp.where((last >= 0) & (eos < chunk_start(last) + C), last, num_chunks)
+        return _over_chunks(step, carry, num_chunks, 0, back)
 
     def rows(c):
         return pl.ds(chunk_start(c), C)
