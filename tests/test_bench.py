@@ -157,6 +157,42 @@ def test_kernels_option_records_each_timed_call(tmp_path, capsys):
             assert out.count("no GPU kernels traced") == len(want)
 
 
+@pytest.mark.parametrize("name", ["prefill", "kda"])
+def test_calls_flag_parses_and_rejects_nonpositive(name, capsys):
+    """--calls (the prefill timings' back-to-back calls per sync): default PREFILL_CALLS; 0, a
+    negative or a non-integer count exits with status 2 and a message naming it (as --repeats)."""
+    parser = importlib.import_module(f"gdn_jax.bench.{name}").build_parser()
+    assert parser.parse_args([]).calls == common.PREFILL_CALLS
+    assert parser.parse_args(["--calls", "7"]).calls == 7
+    for flag, bad in (("--calls", "0"), ("--calls", "-3"), ("--calls", "x"), ("--repeats", "0")):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args([flag, bad])
+        assert e.value.code == 2
+        assert f"argument {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,extra", [("prefill", ["--no-varlen"]), ("kda", [])])
+def test_calls_flag_reaches_the_timings(name, extra, monkeypatch, capsys):
+    """Outside --smoke, each prefill timing is --calls back-to-back calls and the table says so
+    (the GPU check, the copy bandwidth and the timing itself replaced: no GPU here)."""
+    seen = []
+
+    def fake_time(fn, *args, calls=40, repeats=5, chain=None):
+        seen.append(calls)
+        return 1e-3
+
+    monkeypatch.setattr(common, "missing_gpu", lambda smoke: None)
+    monkeypatch.setattr(common, "measure_copy_gbps", lambda *a, **k: 1000.0)
+    monkeypatch.setattr(common, "time_jax", fake_time)
+    mod = importlib.import_module(f"gdn_jax.bench.{name}")
+    assert mod.main(["--batches", "1", "--seq-lens", "40", "--impls", "chunked",
+                     "--peers", "none", "--repeats", "1", "--calls", "3", *extra]) == 0
+    # the one prefill timing took 3 calls (kda's decode row then times its chained steps, 10
+    # jitted calls a sync)
+    assert seen == ([3] if name == "prefill" else [3, 10])
+    assert "3 back-to-back calls per sync" in capsys.readouterr().out
+
+
 @pytest.mark.gpu
 def test_kernels_option_names_the_prefill_kernels_on_gpu(tmp_path):
     """bench prefill --kernels on a GPU (one small dense case, no peers): the entry of the

@@ -36,9 +36,10 @@ from gdn_jax.check import TOLERANCE, rel_err  # noqa: F401  (the benches' peer c
 # Relative L2 error above which a peer's output is marked as a mismatch: the outputs are bf16
 # and the two implementations accumulate in different orders, so a few 1e-3 are expected.
 PEER_TOL = 2e-2
-# Prefill benches: calls back to back per sync. A sync leaves the GPU idle while the host
-# launches the next batch (~250 us on the H200): with 5 calls ~8% of a B=1, T=8192 GDN call, with
-# 20 ~2% (BENCHMARKS.md, GDN prefill).
+# Prefill benches: calls back to back per sync (`--calls`). Each sync costs a fixed fill, the
+# first call's dispatch and the final wait, that its calls share: 20 keep it to a few percent of
+# a long prefill's time, more bring a call's time closer to its device time (BENCHMARKS.md, KDA
+# prefill: where the wall time above the kernels goes).
 PREFILL_CALLS = 20
 # Dense bf16 tensor-core peak of an H200 (SXM), TFLOP/s: the roofline of the prefill tables.
 H200_BF16_TFLOPS = 790.0
@@ -180,6 +181,27 @@ def int_list(text: str) -> list[int]:
     return vals
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
+    return n
+
+
+def add_calls_flag(p: argparse.ArgumentParser) -> None:
+    """--calls: the prefill benches' back-to-back calls per sync."""
+    p.add_argument("--calls", type=positive_int, default=PREFILL_CALLS,
+                   help="prefill calls timed back to back per sync (default %(default)s; 1 with "
+                        "--smoke): the sync's fixed cost, the first call's dispatch and the final "
+                        "wait, is shared by them, so more calls come closer to a call's device "
+                        "time; jla, timed as ours, takes the same count (--short chains its "
+                        "prefills instead)")
+
+
 def add_shared_flags(p: argparse.ArgumentParser, *, batches: str, seq_lens: str, dtype: str,
                      peers: str) -> argparse.ArgumentParser:
     """The flags every benchmark takes (each states its defaults)."""
@@ -192,7 +214,8 @@ def add_shared_flags(p: argparse.ArgumentParser, *, batches: str, seq_lens: str,
     p.add_argument("--peers", default=peers,
                    help=f"peers to time alongside, comma-separated from {sorted(PEERS)}, or "
                         f"'none' (default {peers})")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
+    p.add_argument("--repeats", type=positive_int, default=5,
+                   help="timed repeats; the median is reported")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes, kernels in interpret mode, no peers: checks the script on a CPU "
                         "(its times mean nothing)")

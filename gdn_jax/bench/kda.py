@@ -3,9 +3,9 @@ and jax-linear-attention.
 
 Prefill: B=1, T=8192 (--seq-lens), H = HK = HV = 32, K = V = 128, bf16 q/k/v, fp32 per-channel
 gate g [B, T, HV, K] and beta, q/k L2-normed in the call, no initial state:
-`gdn_jax.kda(..., impl=...)` for each impl in --impls that can take the call, timed as 20
-back-to-back calls and one block_until_ready, against FLA `chunk_kda(q, k, v, g=g, beta=beta,
-output_final_state=True, use_qk_l2norm_in_kernel=True)` and jla's Mosaic GPU KDA
+`gdn_jax.kda(..., impl=...)` for each impl in --impls that can take the call, timed as --calls
+(default 20) back-to-back calls and one block_until_ready, against FLA `chunk_kda(q, k, v, g=g,
+beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)` and jla's Mosaic GPU KDA
 (`jla.ops.mosaic_gpu.kda.kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True)`, in
 this process, timed as ours); TFLOP/s from the chunk form's FLOPs against a 790 TFLOP/s bf16
 roofline.
@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", action="store_true",
                    help="also print each of our prefill calls' device time per kernel (JAX "
                         "profiler)")
+    common.add_calls_flag(p)
     return p
 
 
@@ -134,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gdn_jax.bench import prefill as bench_prefill
         return bench_prefill._short(args, sys.argv[1:] if argv is None else argv, per_channel=True,
                                     heads=(H, H, K, V), name="kda")
-    prefill_calls = 1 if args.smoke else common.PREFILL_CALLS
+    prefill_calls = 1 if args.smoke else args.calls
 
     import jax
     import jax.numpy as jnp

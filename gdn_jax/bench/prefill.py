@@ -7,12 +7,13 @@ have the same length, else every combination); plus a packed batch of 16 random 
 to 32768 (cu_seqlens) against a dense batch of the same total length (B=16, T=2048).
 
 Ours: `gdn_jax.gated_delta_rule(..., impl=...)` for each impl in --impls that can take the call
-(an impl that cannot is reported in one line), jitted, timed as 20 back-to-back calls and one
-block_until_ready, median of --repeats. Peers: FLA `chunk_gated_delta_rule(q, k, v, g=g,
-beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=...)` with
-triton.testing.do_bench in a subprocess; jla `linear_attention("gated_deltanet", q, k, v, g=g,
-beta=beta, impl="mosaic_gpu", output_final_state=True)` on L2-normed q/k, timed like ours. Every
-peer's outputs (first and last 256 tokens, final states) are checked against ours in the run.
+(an impl that cannot is reported in one line), jitted, timed as --calls (default 20)
+back-to-back calls and one block_until_ready, median of --repeats. Peers: FLA
+`chunk_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True,
+use_qk_l2norm_in_kernel=True, cu_seqlens=...)` with triton.testing.do_bench in a subprocess;
+jla `linear_attention("gated_deltanet", q, k, v, g=g, beta=beta, impl="mosaic_gpu",
+output_final_state=True)` on L2-normed q/k, timed like ours. Every peer's outputs (first and
+last 256 tokens, final states) are checked against ours in the run.
 
 FLOPs: the chunk form's matmuls (gdn_jax.bench.common.chunk_flops, chunk 64); % roofline is
 against a dense bf16 peak of 790 TFLOP/s (H200).
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "crossover per batch (see the description)")
     p.add_argument("--kernels", action="store_true",
                    help="also print each of our calls' device time per kernel (JAX profiler)")
+    common.add_calls_flag(p)
     return p
 
 
@@ -279,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=rep.progress)
 
     unavailable: set[tuple[str, bool]] = set()
-    calls = 1 if args.smoke else common.PREFILL_CALLS
+    calls = 1 if args.smoke else args.calls
     for i, (label, b, t, cu) in enumerate(cases):
         x = common.np_inputs(i, b, t, hk, hv, kd, vd, state=False)
         q, k, v = (jnp.asarray(x[n]).astype(args.dtype) for n in ("q", "k", "v"))
