@@ -623,12 +623,13 @@ def _approx_op(op: str, x):
 
 
 def _operand_exp2(x, *, approx: bool):
-    """2^x for the decay factors of tensor-core operands that round to 11 bits (fp16, one-pass
-    TF32; approx): one `ex2.approx`, where a precise exponential takes several instructions (the
-    KDA intra kernel runs at its instruction rate). Its relative error, about 2^-22, is far below
-    the operands' rounding (2^-11); results below fp32's normal range flush to zero (terms below
-    1e-38 of the unit diagonal), an exponent of +inf gives +inf. Without approx (interpret mode,
-    and fp32 inputs, whose products keep fp32's accuracy): `jnp.exp2`."""
+    """2^x for the decay factors of tensor-core operands (fp16 or one-pass TF32, rounding to 11
+    bits; bf16 halves or parts, 16) and of the decayed rows they are stored as (approx): one
+    `ex2.approx`, where a precise exponential takes several instructions (the KDA intra kernel
+    runs at its instruction rate). Its relative error, about 2^-22, is far below the operands'
+    rounding; results below fp32's normal range flush to zero (terms below 1e-38 of the unit
+    diagonal, or of a row's own scale), an exponent of +inf gives +inf. Without approx
+    (interpret mode, and fp32 inputs, whose products keep fp32's accuracy): `jnp.exp2`."""
     return _approx_op("ex2", x) if approx else jnp.exp2(x)
 
 
@@ -1302,9 +1303,10 @@ def _kda_intra_item(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, 
         bounded = lambda x: x.astype(jnp.float16 if rows_bounded else F32)
         limit = _diag_exp_limit(spec) * LOG2E
         monotone = _monotone_gate_sums(spec)
-        # The gates and their sums run in log2 units: every decay is then one exp2 (the
-        # products' operand decays one ex2.approx with 16-bit inputs), with no product by
-        # log2 e before it; the raw gates take the unit into a constant they have anyway
+        # The gates and their sums run in log2 units: every decay is then one exp2 (those of
+        # the products' operands and of the decayed rows one ex2.approx with 16-bit inputs),
+        # with no product by log2 e before it; the raw gates take the unit into a constant
+        # they have anyway
         approx_math = not interpret and not spec.precise
         operand_exp = functools.partial(_operand_exp2, approx=approx_math)
         exchange = _BlockRowExchange(rows_ref, (s, h), block_k, interpret)
@@ -1386,13 +1388,15 @@ def _kda_intra_item(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, 
             if write_rows:
                 # The decayed rows first: their tiles are done with before the products'
                 # operands and results are formed, so fewer registers spill (ptxas;
-                # BENCHMARKS.md)
-                eG = jnp.exp2(sum(G[1:], G[0]))
+                # BENCHMARKS.md). Their decays too are one `ex2.approx` each: its error is
+                # below the rows' rounding (16 bits at most: bf16 halves and parts), and what
+                # it flushes to zero (decays below 2^-126) is below 1e-38 of its row's scale
+                eG = operand_exp(sum(G[1:], G[0]))
                 plgpu.store(fq_ref.at[tok, h, cols],
                             raw(qn * eG, unscale_q).astype(fq_ref.dtype), mask=out_live)
                 _store_parts(ek_ref, (tok, h, cols), raw(kn * eG, unscale_k), live)
                 _store_split(fk_ref, (tok, h, cols),
-                             raw(kn * jnp.exp2(_gate_diff(chunk_last, G)), unscale_k),
+                             raw(kn * operand_exp(_gate_diff(chunk_last, G)), unscale_k),
                              out_live)
                 # the last row is the whole chunk's G_C (its rows past n hold gates of 0)
                 decay_ref[s, h, cols] = jnp.exp2(sum(chunk_last[1:], chunk_last[0]))[0]
