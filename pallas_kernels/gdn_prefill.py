@@ -1388,9 +1388,8 @@ def _kda_intra_item(start_ref, len_ref, q_ref, k_ref, g_ref, A_log_ref, dt_ref, 
             if write_rows:
                 # The decayed rows first: their tiles are done with before the products'
                 # operands and results are formed, so fewer registers spill (ptxas;
-                # BENCHMARKS.md). Their decays too are one `ex2.approx` each: its error is
-                # below the rows' rounding (16 bits at most: bf16 halves and parts), and what
-                # it flushes to zero (decays below 2^-126) is below 1e-38 of its row's scale
+                # BENCHMARKS.md). Their decays too take `operand_exp` (its error and what it
+                # flushes: `_operand_exp2`); e^{G_C}, which scales the state, stays precise
                 eG = operand_exp(sum(G[1:], G[0]))
                 plgpu.store(fq_ref.at[tok, h, cols],
                             raw(qn * eG, unscale_q).astype(fq_ref.dtype), mask=out_live)
