@@ -87,7 +87,9 @@ sequence's chunks are laid from its start rounded down to a multiple of 8 (the p
 table does the same: `gdn_prefill.chunk_table(align=ALIGN)`). The rows of a chunk that are not
 its sequence's (up to 7 before its start, the next sequence's after its end, or rows past the
 array, which the copies fill with zeros) are masked out of X and D; the output of such a chunk
-is stored in pieces of 32, 16, ..., 1 rows so that no other sequence's rows are written.
+is stored in pieces of 32, 16, ..., 1 rows so that no other sequence's rows are written. A
+whole chunk's output is staged in swizzled shared memory for its bulk store, a cut chunk's in a
+plain view of the same bytes (`_output_staging`): swizzled tiles give no pieces of rows.
 
 Each kernel's last wait on its bulk stores is for their reads of shared memory only
 (`wait_read_only`): the stores to global memory are complete when the kernel ends. (A full wait
@@ -329,23 +331,38 @@ def _launch(kernel, *, out_type, scratch, num_programs: int, name: str, interpre
                         **extra)
 
 
+def _output_staging(block_v: int):
+    """Shared memory for a program's output [2, C, block_v] bf16, in two views of the same
+    bytes: swizzled (rows of 2 * block_v bytes, as a bulk copy with that swizzle reads them) and
+    plain. Stores from wgmma's layout into the plain view fall on a few banks (a warp's 4-byte
+    pairs share columns) and stall the shared memory the chain's products read; the swizzled
+    view spreads them. A chunk cut by a sequence's end goes out in row pieces, which tiled
+    shared memory cannot give: it takes the plain view."""
+    return plgpu.RefUnion(_swizzled((2, CHUNK, block_v), swizzle=2 * block_v),
+                          plgpu.SMEM((2, CHUNK, block_v), BF16))
+
+
 def _store_output(o_ref, o_s, o, c, t0, bos, eos, h, cols, interpret):
     """o [C, BV] into the output rows of chunk c (from token t0) that are its sequence's
-    [bos, eos), through o_s [2, C, BV], buffer c % 2."""
+    [bos, eos), through o_s = (swizzled, plain) [2, C, BV] views (`_output_staging`), buffer
+    c % 2."""
     C, buf = CHUNK, c % 2
+    swizzled, plain = o_s
     if not interpret:
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this buffer's last store read
-    o_s[buf] = o
-    _commit_smem(interpret)
     lo, hi = jnp.maximum(bos - t0, 0), jnp.minimum(eos - t0, C)
     num_rows = hi - lo
 
     @pl.when(num_rows == C)
     def _():
-        plgpu.copy_smem_to_gmem(o_s.at[buf], o_ref.at[pl.ds(t0, C), h, cols])
+        swizzled[buf] = o
+        _commit_smem(interpret)
+        plgpu.copy_smem_to_gmem(swizzled.at[buf], o_ref.at[pl.ds(t0, C), h, cols])
 
     @pl.when(num_rows < C)
     def _():
+        plain[buf] = o
+        _commit_smem(interpret)
         # the sequence's own rows only, in pieces of 32, 16, ..., 1 rows (a copy's size is
         # static): the rows before and after them are other sequences'. A bulk copy reads
         # shared memory at 128-byte aligned addresses: the narrow form's rows are 64 bytes,
@@ -355,7 +372,7 @@ def _store_output(o_ref, o_s, o, c, t0, bos, eos, h, cols, interpret):
         while size:
             @pl.when(num_rows & size != 0)
             def _(done=done, size=size):
-                plgpu.copy_smem_to_gmem(o_s.at[buf, pl.ds(done, size)],
+                plgpu.copy_smem_to_gmem(plain.at[buf, pl.ds(done, size)],
                                         o_ref.at[pl.ds(t0 + done, size), h, cols])
             done = done + (num_rows & size)
             size //= 2
@@ -790,7 +807,7 @@ def scan(cu, order, first, live, decay, q, k, v, tb, aqk, factors, h0, *, num_v_
                plgpu.SMEM((STAGES, NUM_FACTORS, CHUNK), F32),
                _swizzled((2, CHUNK, CHUNK)),                           # aqk's halves
                pub,
-               plgpu.SMEM((2, CHUNK, BV), BF16),                       # output staging
+               _output_staging(BV),
                plgpu.Barrier(num_arrivals=_COPIES, num_barriers=STAGES),
                plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
                plgpu.Barrier(num_barriers=2 if narrow else 1),        # published
@@ -1162,7 +1179,7 @@ def kda_scan(cu, order, first, live, decay, qd, kd, ek, v, tb, aqk, h0, *, num_v
                plgpu.SMEM((CHUNK, CHUNK), aqk.dtype),
                _swizzled((2, BV, K)),                                # S^T halves
                _swizzled((2, BV, CHUNK)),                            # D^T halves
-               plgpu.SMEM((2, CHUNK, BV), BF16),                     # output staging
+               _output_staging(BV),
                plgpu.Barrier(num_arrivals=2, num_barriers=2),        # e^G k (two buffers)
                plgpu.Barrier(),                                      # v
                plgpu.Barrier(num_arrivals=3),                        # k halves, e^{G_C}
@@ -1493,7 +1510,8 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
                _swizzled((2, C, K)),
                plgpu.SMEM((2, 2, NUM_ROW_VECTORS, C), F32),
                plgpu.SMEM((2, NUM_FACTORS, C), F32), plgpu.SMEM((2, C), F32),
-               plgpu.SMEM((C, C), aqk_dtype),
+               # fp16: swizzled, which spreads the stores from wgmma's layout over the banks
+               _swizzled((C, C), F16) if aqk_dtype == F16 else plgpu.SMEM((C, C), aqk_dtype),
                plgpu.SMEM((2, C), F32), plgpu.SMEM((NUM_FACTORS, C), F32),
                plgpu.Barrier(num_arrivals=5 if l2norm else 4, num_barriers=2))
     kernel = functools.partial(_prep_kernel, num_v_heads=HV, num_k_heads=q.shape[1],
