@@ -334,10 +334,11 @@ def _launch(kernel, *, out_type, scratch, num_programs: int, name: str, interpre
 def _output_staging(block_v: int):
     """Shared memory for a program's output [2, C, block_v] bf16, in two views of the same
     bytes: swizzled (rows of 2 * block_v bytes, as a bulk copy with that swizzle reads them) and
-    plain. Stores from wgmma's layout into the plain view fall on a few banks (a warp's 4-byte
-    pairs share columns) and stall the shared memory the chain's products read; the swizzled
-    view spreads them. A chunk cut by a sequence's end goes out in row pieces, which tiled
-    shared memory cannot give: it takes the plain view."""
+    plain. Stored from wgmma's layout, a warp's 4-byte pairs share columns, so in the plain view
+    they fall on a few banks of the shared memory the chain's products read; the swizzled view
+    spreads them (a few percent of the narrow scan's time, none of the wide one's: BENCHMARKS.md).
+    A chunk cut by a sequence's end goes out in row pieces, which tiled shared memory cannot
+    give: it takes the plain view."""
     return plgpu.RefUnion(_swizzled((2, CHUNK, block_v), swizzle=2 * block_v),
                           plgpu.SMEM((2, CHUNK, block_v), BF16))
 
@@ -1510,7 +1511,7 @@ def prep(start, q, k, rows, factors=None, *, num_v_heads: int, aqk_dtype, max_a:
                _swizzled((2, C, K)),
                plgpu.SMEM((2, 2, NUM_ROW_VECTORS, C), F32),
                plgpu.SMEM((2, NUM_FACTORS, C), F32), plgpu.SMEM((2, C), F32),
-               # fp16: swizzled, which spreads the stores from wgmma's layout over the banks
+               # fp16: swizzled, as the scans' output staging (`_output_staging`)
                _swizzled((C, C), F16) if aqk_dtype == F16 else plgpu.SMEM((C, C), aqk_dtype),
                plgpu.SMEM((2, C), F32), plgpu.SMEM((NUM_FACTORS, C), F32),
                plgpu.Barrier(num_arrivals=5 if l2norm else 4, num_barriers=2))
