@@ -78,9 +78,14 @@ by key blocks as register operands (a transposed left operand from shared memory
 lower). Its chain publishes the state before `k S` reads it, so the published halves are
 double-buffered. Its output rows are 64 bytes, and a bulk copy reads shared memory at 128-byte
 aligned addresses: it takes sequences that start at even rows only.
-With `warp_specialized=False` one warpgroup does all three in turn (the form the interpreter
-runs: it runs no wgmma with a register operand, so with `interpret=True` the products are plain
-dots, and three simulated warpgroups stalled on a 2-core machine).
+With `warp_specialized=False` one warpgroup does all three in turn (the form the package runs
+in interpret mode; with `interpret=True` the products are plain dots, as the interpreter runs no
+wgmma with a register operand). The interpreter runs the warp-specialized form too, its
+warpgroups concurrent, when XLA's CPU client has a thread for each: the tests run it so, in a
+process of its own, and it checks the barriers as it goes. Every warpgroup that waits on a
+barrier waits on each of its phases (Pallas's rule): where a warpgroup waits for the chunk
+before (a stage's release, the output's read of a published buffer), it waits for the last
+ones at its end (`_wait_last_phases`).
 
 Bulk copies into swizzled shared memory take row offsets in whole 8-row tiles (`ALIGN`), so a
 sequence's chunks are laid from its start rounded down to a multiple of 8 (the prep's chunk
@@ -229,11 +234,17 @@ def _issued_terms(groups):
         yield g, (a() if callable(a) else a), b
 
 
-def _commit_smem(interpret):
-    """Ordinary stores to shared memory made visible to the tensor cores and bulk copies (the
-    interpreter has no such ordering to make)."""
-    if not interpret:
-        plgpu.commit_smem()
+def _wait_last_phases(barrier_of, count, num_chunks):
+    """Waits on barrier_of(c) for the last min(num_chunks, count) chunks c: the phases that a
+    warpgroup which waits on a barrier for the chunks before them would leave unobserved when
+    it ends. A warpgroup that waits on any phase of a barrier waits on every one (Pallas's rule
+    for barriers, which Mosaic GPU's interpreter checks); at the end of a program these waits
+    hold nothing up."""
+    def wait(c, carry):
+        plgpu.barrier_wait(barrier_of(c))
+        return carry
+
+    lax.fori_loop(jnp.maximum(num_chunks - count, 0), num_chunks, wait, 0)
 
 
 def _store_halves(ref, halves, *, interpret, commit=True, transposed=False):
@@ -243,7 +254,7 @@ def _store_halves(ref, halves, *, interpret, commit=True, transposed=False):
         _store_tile(ref[i] if isinstance(ref, tuple) else ref.at[i], x, interpret=interpret,
                     transposed=transposed)
     if commit:
-        _commit_smem(interpret)
+        plgpu.commit_smem()
 
 
 def _store_tile(to, x, *, interpret, transposed=False):
@@ -343,27 +354,26 @@ def _output_staging(block_v: int):
                           plgpu.SMEM((2, CHUNK, block_v), BF16))
 
 
-def _store_output(o_ref, o_s, o, c, t0, bos, eos, h, cols, interpret):
+def _store_output(o_ref, o_s, o, c, t0, bos, eos, h, cols):
     """o [C, BV] into the output rows of chunk c (from token t0) that are its sequence's
     [bos, eos), through o_s = (swizzled, plain) [2, C, BV] views (`_output_staging`), buffer
     c % 2."""
     C, buf = CHUNK, c % 2
     swizzled, plain = o_s
-    if not interpret:
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this buffer's last store read
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this buffer's last store read
     lo, hi = jnp.maximum(bos - t0, 0), jnp.minimum(eos - t0, C)
     num_rows = hi - lo
 
     @pl.when(num_rows == C)
     def _():
         swizzled[buf] = o
-        _commit_smem(interpret)
+        plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(swizzled.at[buf], o_ref.at[pl.ds(t0, C), h, cols])
 
     @pl.when(num_rows < C)
     def _():
         plain[buf] = o
-        _commit_smem(interpret)
+        plgpu.commit_smem()
         # the sequence's own rows only, in pieces of 32, 16, ..., 1 rows (a copy's size is
         # static): the rows before and after them are other sequences'. A bulk copy reads
         # shared memory at 128-byte aligned addresses: the narrow form's rows are 64 bytes,
@@ -407,7 +417,7 @@ class _StateSlab:
         else:
             S = _load(self.state_s, layout, interpret)
         if then_commit:
-            _commit_smem(interpret)
+            plgpu.commit_smem()
         return S
 
     def store_final(self, S):
@@ -416,10 +426,9 @@ class _StateSlab:
                 self.state_s[r] = Sb
         else:
             self.state_s[...] = S
-        _commit_smem(self.interpret)
+        plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(self.state_s, self.final_gmem)
-        if not self.interpret:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _keeper(valid):
@@ -539,7 +548,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         rows = _iota((C, K), 0, interpret)
         x = _load(k_s.at[slot], wgmma_layout, interpret)
         k_s.at[slot][...] = jnp.where(in_sequence(rows, c), x, jnp.zeros_like(x))
-        _commit_smem(interpret)
+        plgpu.commit_smem()
 
     def holds_other_rows(c):
         """Whether chunk c's window holds rows that are not this sequence's. Only the first
@@ -620,7 +629,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         for b, Sb in enumerate(S):
             _store_halves(s_pub(buf).at[:, :, pl.ds(b * KB, KB)], split_bf16(Sb),
                           interpret=interpret, commit=False, transposed=True)
-        _commit_smem(interpret)
+        plgpu.commit_smem()
 
         def loads():
             v = _load(v_s.at[slot], wgmma_layout, interpret)
@@ -690,7 +699,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
         store_output(c, (qs * fq + ad).astype(o_ref.dtype))
 
     def store_output(c, o):
-        _store_output(o_ref, o_s, o, c, chunk_start(c), bos, eos, h, cols, interpret)
+        _store_output(o_ref, o_s, o, c, chunk_start(c), bos, eos, h, cols)
 
     slab = _StateSlab(h0_ref, hT_ref, state_s, h0_bar, n, h, cols, narrow=narrow,
                       interpret=interpret)
@@ -733,11 +742,11 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
 
         S, _ = over_chunks(step, (S, chunk_decay(0)))
         if not narrow:
-            @pl.when(num_chunks > 0)
-            def _():
-                # the published halves share memory with state_s
-                plgpu.barrier_wait(out_done.at[(num_chunks - 1) % NB])
+            # the published halves share memory with state_s
+            _wait_last_phases(lambda c: out_done.at[c % NB], NB, num_chunks)
         store_final(S)
+        if narrow:
+            _wait_last_phases(lambda c: out_done.at[c % NB], NB, num_chunks)
 
     @pl.when(wg == 1)
     def _output():
@@ -762,6 +771,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
             return carry
 
         lax.fori_loop(0, num_chunks, step, 0)
+        _wait_last_phases(lambda c: consumed.at[c % STAGES], STAGES, num_chunks)
 
 
 @default_config
@@ -907,7 +917,7 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
         barrier."""
         if not warp_specialized:
             return
-        _commit_smem(interpret)
+        plgpu.commit_smem()
 
         @pl.when(c < num_chunks)
         def _():
@@ -1006,7 +1016,7 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
                     for to, (x_hi, x_lo) in tiles:
                         _store_tile(to((hi, lo)[half]), x_hi if half == 0 else x_lo(),
                                     interpret=interpret, transposed=True)
-                    _commit_smem(interpret)
+                    plgpu.commit_smem()
                     if half == 1 and then is not None:
                         then()
                 return run
@@ -1080,8 +1090,7 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
                             interpret=interpret)
         if warp_specialized:
             plgpu.barrier_arrive(read.at[D_PUB])
-        _store_output(o_ref, o_s, o.astype(o_ref.dtype), c, chunk_start(c), bos, eos, h, cols,
-                      interpret)
+        _store_output(o_ref, o_s, o.astype(o_ref.dtype), c, chunk_start(c), bos, eos, h, cols)
 
     slab = _StateSlab(h0_ref, hT_ref, state_s, h0_bar, n, h, cols, narrow=narrow,
                       interpret=interpret)
@@ -1092,8 +1101,7 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
 
     def store_zeros():
         _store_zero_outputs(
-            lambda c, o: _store_output(o_ref, o_s, o, c, chunk_start(c), bos, eos, h, cols,
-                                       interpret),
+            lambda c, o: _store_output(o_ref, o_s, o, c, chunk_start(c), bos, eos, h, cols),
             zero_chunks, (C, BV), o_ref.dtype, interpret)
 
     if not warp_specialized:
@@ -1122,6 +1130,8 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
 
         S = over_chunks(chain_step, S)
         store_final(S)
+        for what in (S_PUB, D_PUB):
+            _wait_last_phases(lambda c, what=what: read.at[what], 1, num_chunks)
 
     @pl.when(wg == 1)
     def _output():
@@ -1264,8 +1274,7 @@ def _prep_kernel(start_ref, q_ref, k_ref, vec_ref, *refs, num_v_heads: int, num_
 
     def wait_stores_read():
         # an item stores T beta from its q tile's memory, which the next fetch overwrites
-        if not interpret:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def form(it, buf, during_products=None):
         # the inverse's operand tiles, and then T beta's halves, in the memory of this item's q
@@ -1355,7 +1364,7 @@ def _inverse_fp16(A, i, j, d_s, a_s, interpret):
 
         def store_d(d16=d16):
             d_s[...] = d16
-            _commit_smem(interpret)
+            plgpu.commit_smem()
 
         if b == 2:
             store_d()   # a_s committed with it, before the first product reads it
@@ -1393,7 +1402,7 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, a_s, tb_s, aqk_o, flag_
         marks = [huge_rows(x) for x in tiles]     # (huge [C], factor [C]) a tile
         huge_flags = jnp.where(marks[0][0] | marks[1][0], 1.0, 0.0)
         nrm_s[0] = huge_flags
-        _commit_smem(interpret)
+        plgpu.commit_smem()
         any_huge = nrm_s[0, 0]
         for r in range(1, C):
             any_huge = jnp.maximum(any_huge, nrm_s[0, r])
@@ -1403,7 +1412,7 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, a_s, tb_s, aqk_o, flag_
             for x_s, x, mark in zip((q_s, k_s), tiles, marks):
                 x_s[...] = scale_huge_rows(x, *mark)
 
-        _commit_smem(interpret)   # the tamed tiles for the products, and nrm_s read
+        plgpu.commit_smem()   # the tamed tiles for the products, and nrm_s read
 
     def vector(r, axis):
         """Row vector r of the chunk's, broadcast along axis of a [C, C] tile (from the copy of
@@ -1430,7 +1439,7 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, a_s, tb_s, aqk_o, flag_
             # (NaN fails the comparisons too)
             huge_flags = jnp.where((sq < SUSPECT_SQUARES) & (sk < SUSPECT_SQUARES), 0.0, 1.0)
         nrm_s[1] = sk    # k's, for the columns' layout
-        _commit_smem(interpret)
+        plgpu.commit_smem()
     else:
         (kk, qk), decay = _products(groups, (C, C), interpret=interpret, during=during)
 
@@ -1462,7 +1471,7 @@ def _prep_item(s, h, q_s, k_s, vec_s, fac_s, nrm_s, d_s, a_s, tb_s, aqk_o, flag_
     tb_hi, tb_lo = split_bf16(D * vector(BETA, 1))
     tb_s[0] = tb_hi
     tb_s[1] = tb_lo
-    _commit_smem(interpret)
+    plgpu.commit_smem()
     at = pl.ds(pl.multiple_of(s * C, C), C)
     plgpu.copy_smem_to_gmem(aqk_o, aqk_ref.at[at, h, :])
     plgpu.copy_smem_to_gmem(tb_s, tb_ref.at[:, at, h, :])
@@ -1604,10 +1613,9 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, beta_ref, *refs, num_v_heads: i
     def step(it, carry):
         s, h = slot_and_head(it)
         buf = it % num_bufs
-        if not interpret:
-            # the item before this one stored its outputs from the union (and W from e^G k's
-            # tiles) and its flags: their reads first, then this item's rows over them
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        # the item before this one stored its outputs from the union (and W from e^G k's
+        # tiles) and its flags: their reads first, then this item's rows over them
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         if not t_beta:
             # e^G k and v, waited for only before the products: the inverse runs while they
             # arrive (one copy a part: a bulk copy takes at most 5 strided dims)
@@ -1653,7 +1661,7 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, beta_ref, *refs, num_v_heads: i
                 x = _load(x_s, wgmma_layout, interpret)
                 x_s[...] = jnp.where(_iota(x.shape, 0, interpret) < n, x, jnp.zeros_like(x))
 
-        _commit_smem(interpret)   # T beta's halves and the zeroed rows, for the products
+        plgpu.commit_smem()   # T beta's halves and the zeroed rows, for the products
         # W = (T beta)(e^G k) from both sides' halves (all pairs but lo x lo, as
         # `gdn_prefill._dot_parts`), U = (T beta) v
         (w, u), _ = _products([[(tb_s.at[0], ek_s.at[0]), (tb_s.at[0], ek_s.at[1]),
@@ -1664,7 +1672,7 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, beta_ref, *refs, num_v_heads: i
         u_s = union_s[2]
         _store_halves(ek_s, split_bf16(w), interpret=interpret, commit=False)
         u_s[...] = u
-        _commit_smem(interpret)
+        plgpu.commit_smem()
         for part in range(2):
             plgpu.copy_smem_to_gmem(ek_s.at[part], w_ref.at[part, rows_out, h])
         plgpu.copy_smem_to_gmem(u_s, u_ref.at[rows_out, h])
@@ -1672,8 +1680,7 @@ def _kda_prep_kernel(start_ref, len_ref, kk_ref, beta_ref, *refs, num_v_heads: i
         return carry
 
     lax.fori_loop(0, mine, step, 0)
-    if not interpret:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 @default_config

@@ -926,6 +926,87 @@ def test_mosaic_scan_pool_slots_in_place(mode, block_v, pool_dtype, lens):
     assert np.array_equal(new_pool[untouched], before[untouched])
 
 
+# Mosaic GPU's interpreter runs a kernel's warpgroups as threads, each blocking one of XLA's CPU
+# client threads while it waits at a barrier: the client needs a thread for every simulated
+# warpgroup (and the bulk copies') or the run stalls. NPROC sets that count; it is read once, when
+# the client starts, hence a process of its own.
+_WARPGROUP_THREADS = "16"
+
+
+def _scans_with_their_warpgroups():
+    """Run by `test_mosaic_scans_with_their_warpgroups_in_the_interpreter`, in a process of its
+    own: each form of the Mosaic scans through `chunk_prefill` in the interpreter, once with the
+    warpgroups the GPU runs and once with one; prints a line a form."""
+    from pallas_kernels import gdn_prefill_mgpu as mgpu
+    launchers = {name: getattr(mgpu, name) for name in ("scan", "kda_scan")}
+    warp_specialized = [False]
+
+    def launcher(name):
+        def launch(*args, **kw):
+            return launchers[name](*args, **{**kw, "warp_specialized": warp_specialized[0]})
+        return launch
+
+    for name in launchers:
+        setattr(mgpu, name, launcher(name))
+    # three chunks in the first sequence (the copy warpgroup waits on a stage's release from
+    # the third), an empty one (a program with no chunk), cut chunks; GDN's narrow form takes
+    # even starts, KDA's scan starts at whole chunks
+    for kind, block_v, lens in (("gdn", 64, [150, 0, 70, 2]), ("gdn", 32, [150, 0, 70, 2]),
+                                ("kda", 64, [128, 0, 70]), ("kda", 32, [128, 0, 70])):
+        if kind == "gdn":
+            q, k, v, g, beta, h0, cu = _packed_inputs(3, lens, HK=1, HV=2, K=128, V=128,
+                                                      dtype=BF16)
+            spec = _spec(1, 2, 128, 128, has_initial_state=True, precise=False,
+                         even_starts=_even_starts(lens))
+            block = kern.PrefillBlockSizes(mosaic_scan=True, block_v=block_v)
+        else:
+            q, k, v, g, beta, h0, cu = _kda_inputs(5, lens, HK=1, HV=2, K=128, dtype=BF16)
+            spec = _spec(1, 2, 128, 128, has_initial_state=True, per_channel_gate=True,
+                         precise=False, aligned_chunks=True)
+            block = kern.PrefillBlockSizes(block_v=block_v, block_k=32, mosaic_kda_prep=True,
+                                           mosaic_kda_scan=True)
+        assert kern.unsupported_reason(spec, block) is None
+        runs = []
+        for warp_specialized[0] in (False, True):
+            o, hT, _, _ = kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
+                                             initial_state=h0, interpret=True)
+            runs.append((np.asarray(o, F32), np.asarray(hT)))
+        (o1, s1), (o, s) = runs
+        ro, rs = _oracle(q, k, v, g, beta, h0, cu)
+        np.testing.assert_array_equal(o, o1)
+        np.testing.assert_array_equal(s, s1)
+        assert rel_err(o, ro) <= 5e-3 and rel_err(s, rs) <= 5e-5
+        print(f"form {kind} block_v={block_v}: bit-identical, o {rel_err(o, ro):.1e}, "
+              f"state {rel_err(s, rs):.1e} from float64", flush=True)
+
+
+def test_mosaic_scans_with_their_warpgroups_in_the_interpreter():
+    """The Mosaic scans as the GPU runs them, their warpgroups concurrent in Mosaic GPU's
+    interpreter (GDN's chain, output and copy warpgroups, KDA's chain and output; both forms of
+    each), on packed sequences with an empty one, cut chunks and initial states: outputs and
+    final states bit-identical to the one-warpgroup form's (which the other interpret-mode
+    tests check), within bf16 bounds of float64. The interpreter checks the barrier protocol
+    as it runs: every phase of a barrier waited on by each warpgroup that waits on it, no
+    arrival pending at the end; a deadlock fails by the timeout. (Its race detector is off:
+    it reports a write through one view of the output staging against a bulk store's read
+    through the other view of the other buffer, as it compares a union's views whole, and it
+    asks for a proxy fence between the output warpgroup's reads of a stage and the bulk copy
+    that refills it once the stage's barrier releases it.)"""
+    import os
+    import subprocess
+    import sys
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "NPROC": _WARPGROUP_THREADS, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests),
+                                          os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, "-c",
+         "import test_prefill_kernels as t; t._scans_with_their_warpgroups()"],
+        cwd=tests, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
+    assert run.stdout.count("bit-identical") == 4, run.stdout
+
+
 def test_mosaic_scan_lowers_for_hopper():
     """Both forms of the Mosaic GPU scan (wide and narrow), with three warpgroups and with one,
     and the Mosaic GPU prep lower through Mosaic GPU (layout inference included) for CUDA
