@@ -746,6 +746,7 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
             _wait_last_phases(lambda c: out_done.at[c % NB], NB, num_chunks)
         store_final(S)
         if narrow:
+            # (after the final state's store, which does not need them)
             _wait_last_phases(lambda c: out_done.at[c % NB], NB, num_chunks)
 
     @pl.when(wg == 1)
@@ -1130,6 +1131,8 @@ def _kda_scan_kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, qd_ref, 
 
         S = over_chunks(chain_step, S)
         store_final(S)
+        # the output warpgroup's last reads of the published halves (after the final state's
+        # store, which does not need them)
         for what in (S_PUB, D_PUB):
             _wait_last_phases(lambda c, what=what: read.at[what], 1, num_chunks)
 
