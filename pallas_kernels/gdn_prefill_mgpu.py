@@ -741,13 +741,13 @@ def _kernel(cu_ref, order_ref, first_ref, live_ref, decay_ref, q_ref, k_ref, qt_
             return chain_step(c, S, decay, masked), next_decay
 
         S, _ = over_chunks(step, (S, chunk_decay(0)))
+        last_outputs_done = functools.partial(
+            _wait_last_phases, lambda c: out_done.at[c % NB], NB, num_chunks)
         if not narrow:
-            # the published halves share memory with state_s
-            _wait_last_phases(lambda c: out_done.at[c % NB], NB, num_chunks)
+            last_outputs_done()   # the published halves share memory with state_s
         store_final(S)
         if narrow:
-            # (after the final state's store, which does not need them)
-            _wait_last_phases(lambda c: out_done.at[c % NB], NB, num_chunks)
+            last_outputs_done()   # (after the final state's store, which does not need them)
 
     @pl.when(wg == 1)
     def _output():

@@ -967,7 +967,8 @@ def _scans_with_their_warpgroups():
                                            mosaic_kda_scan=True)
         assert kern.unsupported_reason(spec, block) is None
         runs = []
-        for warp_specialized[0] in (False, True):
+        for ws in (False, True):
+            warp_specialized[0] = ws
             o, hT, _, _ = kern.chunk_prefill(q, k, v, g, beta, cu, spec=spec, block=block,
                                              initial_state=h0, interpret=True)
             runs.append((np.asarray(o, F32), np.asarray(hT)))
