@@ -137,6 +137,7 @@ def check_delta_pool(pool, kind=None, num_k_heads=None, name="pool"):
         raise ValueError(f"{name} must be a gdn_jax.DeltaPool (states + stash), got {type(pool).__name__}")
     states, stash = pool.states, pool.stash
     chk.array(f"{name}.states", states, rank=4)
+    chk.pool_slots(f"{name}.states", states)
     chk.state_dtype(f"{name}.states", states.dtype)
     s, hv, kd, vd = states.shape
     if not isinstance(stash, DeltaStash):
@@ -188,11 +189,18 @@ def _flush_spec_of(pool, slots=None, block_sizes=None):
                       int(pool.states.size), block_sizes)
 
 
+@dataclasses.dataclass(frozen=True)
+class AcceptCall:
+    """A validated accept: what the choice reads."""
+    batch: int      # rows of the slot table
+
+
 dispatch.define("carried_verify", spec_of=_carried_spec_of)
 dispatch.register("carried_verify", dispatch.KernelFamily("triton verify", kernel_reason))
 dispatch.define("flush", spec_of=_flush_spec_of)
 dispatch.register("flush", dispatch.KernelFamily("triton verify", kernel_reason))
-dispatch.define("accept", spec_of=lambda pool, slots, accepted, **kw: None)
+dispatch.define("accept",
+                spec_of=lambda pool, slots, accepted, **kw: AcceptCall(np.shape(slots)[0]))
 dispatch.register("accept", dispatch.KernelFamily("triton accept", lambda call: None))
 
 # --------------------------------------------------------------------------- carried state
@@ -321,7 +329,7 @@ def accept(pool, slots, accepted, *, num_tokens=None, impl="auto", interpret=Non
         if upper > stash.capacity:
             raise ValueError(f"num_tokens must lie in 1..{stash.capacity} (the stash capacity), got {num_tokens}")
     check_accepted(accepted, b, slots, upper)
-    choice = dispatch.select("accept", None, impl, interpret=interpret)
+    choice = dispatch.select("accept", AcceptCall(b), impl, interpret=interpret)
     slots, accepted = normalise_slots(slots, stash.pending.shape[0]), accepted.astype(jnp.int32)
     if choice.impl == "pallas":
         stash, invalid = _accept_pallas(stash, slots, accepted,
@@ -413,6 +421,8 @@ def flush_validated(pool: DeltaPool, slots, *, impl="auto", interpret=None, bloc
 
 def fold_pending(pool: DeltaPool, slots, *, impl="auto", interpret=None, block_sizes=None):
     """Fold the pending rows of the named slots (normalised table) into H, unconditionally."""
+    if slots.shape[0] == 0:
+        return pool
     call = _flush_spec_of(pool, slots, block_sizes)
     choice = dispatch.select("flush", call, impl, interpret=interpret)
     if choice.impl == "pallas":

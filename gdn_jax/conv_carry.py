@@ -40,6 +40,7 @@ def check_conv_pool(conv_pool, channels=None, width=None, name="conv_pool"):
         raise ValueError(f"{name} must be a gdn_jax.ConvPool (windows + stash), got {type(conv_pool).__name__}")
     windows, stash = conv_pool.windows, conv_pool.stash
     chk.array(f"{name}.windows", windows, rank=3, floating=True)
+    chk.pool_slots(f"{name}.windows", windows)
     s, wm1, c = windows.shape
     if channels is not None and (c != channels or wm1 != width - 1):
         raise ValueError(f"{name}.windows must be [slots, W-1={width - 1}, C={channels}], got {tuple(windows.shape)}")

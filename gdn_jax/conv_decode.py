@@ -89,6 +89,7 @@ def conv_decode_call(mixed, a, b, z, state, windows, slots=None, *, conv_weight,
     chk.array("windows", windows, rank=3, floating=True)
     chk.shape("windows", windows, (rows, width - 1, conv_dim))
     if slots is not None:
+        chk.pool_slots("state", state)
         chk.slot_table("slots", slots, bsz, rows)
     out = chk.float_dtype("out_dtype", out_dtype, mixed.dtype)
     spec = decode_kernel.DecodeSpec(
@@ -137,7 +138,8 @@ def conv_decode(mixed, a, b, z, state, windows, slots=None, *, conv_weight, conv
 def conv_decode_run(call: ConvDecodeCall, which, mixed, a, b, z, state, windows, slots,
                     conv_weight, conv_bias, A_log, dt_bias, norm_weight, *, interpret=False):
     """`conv_decode` for a validated call and a normalised slot table (the blocks' path)."""
-    return _conv_decode_jit(mixed, a, b, z.reshape(mixed.shape[0], -1), state, windows, slots,
+    rows = (mixed.shape[0], call.spec.num_v_heads * call.spec.head_v_dim)
+    return _conv_decode_jit(mixed, a, b, z.reshape(rows), state, windows, slots,
                             conv_weight, conv_bias, A_log.reshape(-1), dt_bias.reshape(-1),
                             norm_weight, spec=call.spec, block=call.block,
                             out_dtype=jnp.dtype(call.out_dtype), which=which, interpret=interpret)

@@ -175,6 +175,7 @@ def decode_pool_call(qkv, g, beta, pool, slots, *, num_k_heads, num_v_heads, hea
         if col + width > x.shape[1]:
             raise ValueError(f"{name}: columns {col}..{col + width} fall outside its width {x.shape[1]}")
     chk.array("pool", pool, rank=4, floating=True)
+    chk.pool_slots("pool", pool)
     if tuple(pool.shape[1:]) != (hv, kd, vd):
         raise ValueError(f"pool must be [slots, HV={hv}, K={kd}, V={vd}], got {_shape(pool)}")
     chk.state_dtype("pool", pool.dtype)

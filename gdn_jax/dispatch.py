@@ -16,6 +16,8 @@ every operation:
   * a kernel runs only on a GPU, or anywhere in Pallas interpret mode (`interpret()` below);
   * with `jax_enable_x64` on, a kernel takes no call with a 64-bit float array (the spec's
     `float64_arrays`), and interpret mode runs none (see "64-bit mode" below);
+  * no kernel takes an empty batch (a spec whose `batch` is 0): "auto" returns the empty
+    results from the pure-JAX path, which computes nothing;
   * the first registered family whose `supports(spec)` is None takes the call;
   * otherwise "pallas" raises ValueError naming the reason, and "auto" falls back to the
     operation's pure-JAX path, logging the reason once (logger "gdn_jax").
@@ -210,6 +212,7 @@ def select(op: str, spec, impl: str, *, interpret: bool | None = None, backend: 
         return Choice(op, impl, reason=f"impl={impl!r} was asked for")
     backend = jax.default_backend() if backend is None else backend
     wide = getattr(spec, "float64_arrays", ())
+    empty = getattr(spec, "batch", None) == 0
     if backend != "gpu" and not interpret_enabled(interpret):
         reason = (f"the Pallas kernels need a GPU (backend is {backend!r}; "
                   f"`with gdn_jax.interpret():` or {INTERPRET_ENV}=1 runs them on the CPU)")
@@ -220,6 +223,9 @@ def select(op: str, spec, impl: str, *, interpret: bool | None = None, backend: 
     elif wide:
         reason = (f"{', '.join(wide)} float64: the Pallas kernels take 16- and 32-bit floats "
                   f"(the pure-JAX path computes in float32, as they do)")
+    elif empty:
+        reason = ("the batch is empty (B = 0): no kernel runs for it (impl='auto' returns the "
+                  "empty results)")
     else:
         reasons = []
         for fam in operation.families:
@@ -234,7 +240,8 @@ def select(op: str, spec, impl: str, *, interpret: bool | None = None, backend: 
     fallback = operation.fallback(spec)
     if log and (op, reason) not in _logged:
         _logged.add((op, reason))
-        level = logging.INFO if backend != "gpu" else logging.WARNING
+        # Off a GPU, or for an empty batch, the pure-JAX path is what a user expects: no warning.
+        level = logging.INFO if backend != "gpu" or empty else logging.WARNING
         logger.log(level, "%s(impl='auto') runs the %s path: %s", op, fallback, reason)
     return Choice(op, fallback, reason=reason)
 

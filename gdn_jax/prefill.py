@@ -123,6 +123,11 @@ class PrefillCall:
     pooled: bool = False
     float64_arrays: tuple[str, ...] = ()   # arrays JAX holds as float64 (x64 on): no kernel
 
+    @property
+    def batch(self) -> int:
+        """The sequences the call computes (the dispatch gives an empty batch no kernel)."""
+        return self.num_seqs
+
 
 def _serial_supports(call: PrefillCall) -> str | None:
     if call.kernel == "chunked":
@@ -561,6 +566,7 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
                          f"{getattr(pool, 'shape', None)}")
     if not jnp.issubdtype(pool.dtype, jnp.floating):
         raise ValueError(f"pool must be a floating-point array, got dtype {pool.dtype}")
+    chk.pool_slots("pool", pool)
     slots = jnp.asarray(slots)
     if slots.shape != (N,) or not jnp.issubdtype(slots.dtype, jnp.integer):
         raise ValueError(f"slots must be an integer array of shape ({N},), got shape "

@@ -54,6 +54,12 @@ def float64_arrays(**values) -> tuple[str, ...]:
     return tuple(name for name, x in values.items() if x is not None and wide(x))
 
 
+def pool_slots(name, x):
+    """x [P, ...], a pool that a slot table indexes, holds at least one slot."""
+    if x.shape[0] == 0:
+        raise ValueError(f"{name} must hold at least one slot, got shape {shape_of(x)}")
+
+
 def shape(name, x, want):
     if shape_of(x) != tuple(want):
         raise ValueError(f"{name} must have shape {tuple(want)}, got {shape_of(x)}")

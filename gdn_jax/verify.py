@@ -74,6 +74,7 @@ def check_tokens(q, k, v, g, beta):
 
 def check_pool(pool, hv, kd, vd, name="pool"):
     chk.array(name, pool, rank=4)
+    chk.pool_slots(name, pool)
     if tuple(pool.shape[1:]) != (hv, kd, vd):
         raise ValueError(f"{name} must have shape [slots, HV={hv}, K={kd}, V={vd}], got {chk.shape_of(pool)}")
     chk.state_dtype(name, pool.dtype)

@@ -242,6 +242,114 @@ def test_zero_sizes_and_non_integer_sizes_raise_value_error():
         gdn_jax.gated_delta_rule(*empty)
 
 
+def _empty_batch_calls(B):
+    """Every kernel-backed public operation on a batch of B rows (B = 0: an empty batch), as
+    (name, op, call(impl) -> outputs, the pools (a pytree) the call must leave as they were)."""
+    from gdn_jax import conv_decode as cd, prefill as pf
+    HK, HV, K, V, W = 1, 2, 16, 16, 4
+    conv_dim = 2 * HK * K + HV * V
+    rng = np.random.default_rng(11)
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), F32)
+
+    def tokens(T, kind="gdn"):
+        return delta_inputs(jax.random.key(T), B=B, T=T, HK=HK, HV=HV, K=K, V=V, kind=kind)
+
+    slots = jnp.arange(B, dtype=jnp.int32)
+    pool, windows = f32(3, HV, K, V), f32(3, W - 1, conv_dim)
+    dpool = DeltaPool(pool, DeltaStash.init(3, num_k_heads=HK, num_v_heads=HV, head_k_dim=K,
+                                            head_v_dim=V))
+    conv_args = lambda: dict(conv_weight=f32(conv_dim, W), A_log=f32(HV), dt_bias=f32(HV),
+                             norm_weight=f32(V), num_k_heads=HK, num_v_heads=HV, head_k_dim=K,
+                             head_v_dim=V)
+    calls = []
+    for T in (1, 5, 100):
+        calls += [
+            (f"gated_delta_rule T={T}", "gated_delta_rule", lambda impl, T=T: gdn_jax.gated_delta_rule(
+                *tokens(T)[:5], initial_state=tokens(T)[5], output_final_state=True, impl=impl), ()),
+            (f"kda T={T}", "kda", lambda impl, T=T: gdn_jax.kda(
+                *tokens(T, "kda")[:5], output_final_state=True, impl=impl), ()),
+            (f"gdn_prefill T={T}", "gdn_prefill",
+             lambda impl, T=T: pf.gdn_prefill(*tokens(T)[:5], impl=impl), ()),
+            (f"gdn_prefill_pool T={T}", "gdn_prefill_pool", lambda impl, T=T: pf.gdn_prefill_pool(
+                *tokens(T)[:5], jnp.copy(pool), slots, impl=impl), (pool,)),
+        ]
+    step = tokens(1)
+    calls += [
+        ("gdn_decode", "gdn_decode", lambda impl: dec.gdn_decode(
+            *(x[:, 0] for x in step[:5]), jnp.copy(step[5]), impl=impl), ()),
+        ("gdn_decode_pool", "gdn_decode_pool", lambda impl: dec.gdn_decode_pool(
+            f32(B, conv_dim), f32(B, HV), f32(B, HV), jax.tree.map(jnp.copy, dpool), slots,
+            num_k_heads=HK, num_v_heads=HV, head_k_dim=K, head_v_dim=V, impl=impl), dpool),
+        ("verify_states", "verify_states",
+         lambda impl: vf.verify_states(*tokens(3)[:5], pool, slots, impl=impl), (pool,)),
+        ("carried_verify", "carried_verify", lambda impl: carry.carried_verify(
+            *tokens(3)[:5], jax.tree.map(jnp.copy, dpool), slots, impl=impl), dpool),
+        ("accept", "accept", lambda impl: carry.accept(
+            jax.tree.map(jnp.copy, dpool), slots, jnp.ones((B,), jnp.int32), impl=impl), dpool),
+        ("conv_decode", "conv_decode", lambda impl: cd.conv_decode(
+            f32(B, conv_dim), f32(B, HV), f32(B, HV), f32(B, HV, V), f32(B, HV, K, V),
+            f32(B, W - 1, conv_dim), impl=impl, **conv_args()), ()),
+        ("conv_decode with slots", "conv_decode", lambda impl: cd.conv_decode(
+            f32(B, conv_dim), f32(B, HV), f32(B, HV), f32(B, HV, V), jnp.copy(pool),
+            jnp.copy(windows), slots, impl=impl, **conv_args()), (pool, windows)),
+    ]
+    return calls
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpret mode is the CPU path; the GPU's choice is pinned below")
+def test_an_empty_batch_returns_empty_results_through_every_front_door():
+    """B = 0 (no sequences, an empty slot table): no kernel launches for it. "auto" returns the
+    pure-JAX path's empty results, as "reference" does, and leaves pools as they were; "pallas"
+    raises the reason; on a GPU the choice is the same (pinned without one)."""
+    for name, op, call, pools in _empty_batch_calls(0):
+        kept = [np.asarray(p) for p in jax.tree.leaves(pools)]
+        with gdn_jax.interpret():
+            got = call("auto")
+            with pytest.raises(ValueError, match=rf"^{op}\(impl='pallas'\): the batch is empty"):
+                call("pallas")
+        want = call("reference")
+        assert jax.tree.map(jnp.shape, got) == jax.tree.map(jnp.shape, want), name
+        for leaf in jax.tree.leaves(got):
+            if leaf.shape[0] == 3:                     # a pool's array, returned as it came
+                assert any(np.array_equal(np.asarray(leaf), p) for p in kept), name
+            else:
+                assert leaf.size == 0, name
+    q, k, v, g, beta, h0 = _step(12, B=0)
+    spec = dec.decode_call(q, k, v, g, beta, h0)
+    choice = dispatch.select("gdn_decode", spec, "auto", backend="gpu", log=False)
+    assert choice.impl == "reference" and "batch is empty" in choice.reason
+    assert dispatch.select("gdn_decode", dec.decode_call(*_step(12, B=2)), "auto", backend="gpu",
+                           log=False).impl == "pallas"
+
+
+def test_a_pool_without_slots_is_refused_naming_it():
+    q, k, v, g, beta, _ = delta_inputs(jax.random.key(13), B=2, T=3, HK=1, HV=2, K=16, V=16)
+    none = jnp.zeros((0, 2, 16, 16), F32)
+    pad = jnp.asarray([-1, -1], jnp.int32)
+    from gdn_jax import conv_decode as cd, prefill as pf
+    dp = DeltaPool.init(2, num_k_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16)
+    cases = [
+        ("pool", lambda: pf.gdn_prefill_pool(q, k, v, g, beta, none, pad)),
+        ("pool", lambda: vf.verify_states(q, k, v, g, beta, none, pad)),
+        ("pool", lambda: dec.gdn_decode_pool(jnp.zeros((2, 64)), g[:, 0], beta[:, 0], none, pad,
+                                             num_k_heads=1, num_v_heads=2, head_k_dim=16,
+                                             head_v_dim=16)),
+        ("pool.states", lambda: carry.carried_verify(q, k, v, g, beta,
+                                                     jax.tree.map(lambda x: x[:0], dp), pad)),
+        ("conv_pool.windows", lambda: gdn_jax.conv_step(
+            jnp.ones((2, 8)), jax.tree.map(lambda x: x[:0], gdn_jax.ConvPool.init(
+                2, conv_dim=8, conv_width=4)), pad, jnp.ones((8, 4)))),
+        ("state", lambda: cd.conv_decode(
+            jnp.ones((2, 64)), g[:, 0], beta[:, 0], jnp.ones((2, 2, 16)), none,
+            jnp.zeros((0, 3, 64)), pad, conv_weight=jnp.ones((64, 4)), A_log=jnp.ones(2),
+            dt_bias=jnp.ones(2), norm_weight=jnp.ones(16), num_k_heads=1, num_v_heads=2,
+            head_k_dim=16, head_v_dim=16)),
+    ]
+    for name, fn in cases:
+        with pytest.raises(ValueError, match=rf"^{name} must hold at least one slot"):
+            fn()
+
+
 def test_exported_references_raise_value_error_naming_the_argument():
     q, k, v, g, beta, h0 = _step(9)
     cases = [
