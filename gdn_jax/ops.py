@@ -93,10 +93,18 @@ def delta_spec(kind, q, k, v, g, beta, *, scale=None, initial_state=None, use_qk
     return DeltaSpec(kind=kind, batch=b, seq_len=t, num_k_heads=hk, num_v_heads=hv, head_k_dim=kd,
                      head_v_dim=vd, num_seqs=n, varlen=cu_seqlens is not None,
                      scale=chk.scale(scale, kd), use_qk_l2norm=bool(use_qk_l2norm),
-                     input_dtype=str(jnp.dtype(q.dtype)), state_dtype=str(state_dtype),
+                     input_dtype=_input_dtype(q, k, v), state_dtype=str(state_dtype),
                      max_seq_len=longest,
                      float64_arrays=chk.float64_arrays(q=q, k=k, v=v, g=g, beta=beta,
                                                        initial_state=initial_state))
+
+
+def _input_dtype(q, k, v) -> str:
+    """The one dtype the kernels take q, k and v in: theirs when they agree, else float32 (the
+    chunked kernels pick their precision by it, so mixed inputs run at the widest; a float64
+    among them keeps the call off the kernels anyway)."""
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    return str(dtypes.pop() if len(dtypes) == 1 else jnp.dtype(jnp.float32))
 
 
 def _fallback(spec: DeltaSpec) -> str:
@@ -215,13 +223,16 @@ def _delta_rule(kind, q, k, v, g, beta, *, scale, initial_state, output_final_st
         cu = jnp.asarray(cu_seqlens)
         chk.device_check((cu[0] == 0) & (cu[-1] == spec.seq_len) & jnp.all(cu[1:] >= cu[:-1]),
                          f"cu_seqlens must start at 0, end at T={spec.seq_len} and never decrease")
+    out_dtype = q.dtype
     if choice.impl == "pallas":
+        q, k, v = (x if x.dtype == spec.input_dtype else x.astype(spec.input_dtype)
+                   for x in (q, k, v))
         o, s = _kernel(spec, dispatch.family(op, choice.family).run,
                        dispatch.interpret_enabled(interpret), q, k, v, g, beta, initial_state,
                        cu_seqlens)
     else:
         o, s = _pure(choice.impl, spec, q, k, v, g, beta, initial_state, cu_seqlens)
-    return o.astype(q.dtype), (s.astype(spec.state_dtype) if output_final_state else None)
+    return o.astype(out_dtype), (s.astype(spec.state_dtype) if output_final_state else None)
 
 
 def _pure(impl, spec, q, k, v, g, beta, initial_state, cu_seqlens):

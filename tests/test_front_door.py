@@ -105,6 +105,25 @@ def test_sequences_go_to_the_prefill_kernels(kind):
     assert choice.impl == "reference" and "head_k_dim=24" in choice.reason
 
 
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_mixed_input_dtypes_run_the_kernels_at_the_widest(kind):
+    """q and k in fp32 with v in bf16: o comes back in q's dtype at fp32's accuracy (the chunked
+    kernel once picked its precision by v's dtype and rounded o to it), and the other mixes
+    keep to their tolerance."""
+    fn = gdn_jax.gated_delta_rule if kind == "gdn" else gdn_jax.kda
+    q, k, v, g, beta, h0 = delta_inputs(jax.random.key(14), B=1, T=70, HK=1, HV=2, K=32, V=32,
+                                        kind=kind)
+    for dtypes, tol in (((F32, F32, BF16), 1e-5), ((BF16, F32, F32), 1e-5),
+                        ((F16, BF16, F32), 2e-3)):
+        qd, kd, vd = (x.astype(d) for x, d in zip((q, k, v), dtypes))
+        o, s = fn(qd, kd, vd, g, beta, initial_state=h0, output_final_state=True,
+                  use_qk_l2norm=True, impl="pallas", interpret=True)
+        want, ws = fn(qd, kd, vd, g, beta, initial_state=h0, output_final_state=True,
+                      use_qk_l2norm=True, impl="reference")
+        assert o.dtype == dtypes[0], dtypes
+        assert rel_err(o, want) <= tol and rel_err(s, ws) <= 1e-5, dtypes
+
+
 # --------------------------------------------------------------------------- interpret switch
 
 def test_interpret_switch_context_and_environment(monkeypatch):
