@@ -93,23 +93,6 @@ def _check_norm(z, norm_weight, norm_eps, norm_activation, vd):
     return eps
 
 
-def _check_gate_params(A_log, dt_bias, hv, kd, per_channel, lower_bound):
-    if (A_log is None) != (dt_bias is None):
-        raise ValueError("A_log and dt_bias go together (raw gates), or neither (precomputed g, beta)")
-    lower_bound = chk.lower_bound(lower_bound)
-    if lower_bound is not None and (A_log is None or not per_channel):
-        raise ValueError("lower_bound applies to the raw per-channel (KDA) gate only")
-    if A_log is not None:
-        chk.array("A_log", A_log, floating=True)
-        chk.array("dt_bias", dt_bias, floating=True)
-        if A_log.size != hv:
-            raise ValueError(f"A_log must hold HV={hv} values, got shape {_shape(A_log)}")
-        want = hv * kd if per_channel else hv
-        if dt_bias.size != want:
-            raise ValueError(f"dt_bias must hold {want} values, got shape {_shape(dt_bias)}")
-    return lower_bound
-
-
 def decode_call(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False, A_log=None,
                 dt_bias=None, lower_bound=None, z=None, norm_weight=None, norm_eps=1e-6,
                 norm_activation="silu", out_dtype=None, rounding_key=None,
@@ -131,7 +114,7 @@ def decode_call(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False, A_l
     _need("beta", beta, (b, hv))
     _need("state", state, (b, hv, kd, vd))
     chk.state_dtype("state", state.dtype)
-    lower_bound = _check_gate_params(A_log, dt_bias, hv, kd, per_channel, lower_bound)
+    lower_bound = chk.gate_params(A_log, dt_bias, hv, kd, per_channel, lower_bound)
     eps = _check_norm(z, norm_weight, norm_eps, norm_activation, vd)
     if z is not None:
         chk.array("z", z, floating=True)
@@ -180,7 +163,7 @@ def decode_pool_call(qkv, g, beta, pool, slots, *, num_k_heads, num_v_heads, hea
         raise ValueError(f"pool must be [slots, HV={hv}, K={kd}, V={vd}], got {_shape(pool)}")
     chk.state_dtype("pool", pool.dtype)
     chk.slot_table("slots", slots, b, pool.shape[0])
-    lower_bound = _check_gate_params(A_log, dt_bias, hv, kd, per_channel_gate, lower_bound)
+    lower_bound = chk.gate_params(A_log, dt_bias, hv, kd, per_channel_gate, lower_bound)
     eps = _check_norm(z, norm_weight, norm_eps, norm_activation, vd)
     if z is not None:
         chk.array("z", z, rank=2, floating=True)

@@ -162,11 +162,10 @@ def _prefill_supports(spec: DeltaSpec):
 def _prefill_runner(kernel):
     def run(spec, q, k, v, g, beta, initial_state, cu_seqlens):
         from gdn_jax import prefill
-        o, final, _ = prefill.gdn_prefill(q, k, v, g, beta, scale=spec.scale,
-                                          initial_state=initial_state, output_final_state=True,
-                                          use_qk_l2norm=spec.use_qk_l2norm, cu_seqlens=cu_seqlens,
-                                          kernel=kernel, impl="pallas",
-                                          interpret=dispatch.interpret_enabled())
+        o, final, _ = prefill.gdn_prefill_validated(
+            q, k, v, g, beta, scale=spec.scale, initial_state=initial_state,
+            output_final_state=True, use_qk_l2norm=spec.use_qk_l2norm, cu_seqlens=cu_seqlens,
+            kernel=kernel, impl="pallas", interpret=dispatch.interpret_enabled())
         return o, final
     return run
 

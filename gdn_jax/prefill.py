@@ -36,7 +36,8 @@ import numpy as np
 from gdn_jax import dispatch
 from gdn_jax import reference as ref
 from gdn_jax import validate as chk
-from gdn_jax.verify import _mask_rows
+from gdn_jax.ops import delta_spec
+from gdn_jax.verify import _mask_rows, check_tokens
 from pallas_kernels import gdn_decode as serial_kern
 from pallas_kernels import gdn_prefill as kern
 
@@ -421,11 +422,21 @@ def _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, positions, *, scal
     return o.reshape(B, T, HV, V), final, chunks, at
 
 
+def check_args(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, A_log=None,
+               dt_bias=None, lower_bound=None):
+    """A prefill's arguments, as `gdn_prefill` takes them (ValueError naming the argument): the
+    sequence functions' checks (`gdn_jax.ops.delta_spec`) for g of either form (GDN [B, T, HV],
+    KDA [B, T, HV, K]; raw or not), and the raw gates' parameters."""
+    kind = check_tokens(q, k, v, g, beta)[0]
+    spec = delta_spec(kind, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                      cu_seqlens=cu_seqlens)
+    chk.gate_params(A_log, dt_bias, spec.num_v_heads, spec.head_k_dim, kind == "kda", lower_bound)
+
+
 def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=True,
                 use_qk_l2norm=False, cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None,
                 chunk_states=False, states_after=None, kernel=None, impl="auto", interpret=None):
-    """GDN over whole prompts with the Pallas prefill kernels (validated by the caller's front
-    door, or call it directly with FLA-layout arrays).
+    """GDN over whole prompts with the Pallas prefill kernels (FLA-layout arrays).
 
     q, k [B, T, HK, K]; v [B, T, HV, V]; g, beta [B, T, HV] — or, with `A_log` and `dt_bias`
     [HV], the raw projections a and b (g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)
@@ -443,6 +454,20 @@ def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
     the states at those positions.
     impl: "auto" (a kernel where one runs: a GPU or `gdn_jax.interpret()`), "pallas",
     "reference" (the public sequence function with impl="chunked"; no chunk states)."""
+    check_args(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+               A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    return gdn_prefill_validated(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, chunk_states=chunk_states,
+        states_after=states_after, kernel=kernel, impl=impl, interpret=interpret)
+
+
+def gdn_prefill_validated(q, k, v, g, beta, *, scale=None, initial_state=None,
+                          output_final_state=True, use_qk_l2norm=False, cu_seqlens=None,
+                          A_log=None, dt_bias=None, lower_bound=None, chunk_states=False,
+                          states_after=None, kernel=None, impl="auto", interpret=None):
+    """`gdn_prefill` for callers that have validated the arrays (the sequence functions)."""
     B, T = q.shape[:2]
     call = _prefill_spec_of(q, k, v, g, beta, initial_state=initial_state,
                             cu_seqlens=cu_seqlens, kernel=kernel, chunk_states=chunk_states,
@@ -558,6 +583,8 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
     rows for padding); the named slots' initial states are read once for it (N states).
     kernel and impl as `gdn_prefill` ("reference": `reference_prefill_pool`). Returns (o, pool),
     and with `states_after` a third element, the states at those positions."""
+    check_args(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens, A_log=A_log,
+               dt_bias=dt_bias, lower_bound=lower_bound)
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else int(np.shape(cu_seqlens)[0]) - 1
@@ -571,8 +598,12 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
     if slots.shape != (N,) or not jnp.issubdtype(slots.dtype, jnp.integer):
         raise ValueError(f"slots must be an integer array of shape ({N},), got shape "
                          f"{slots.shape} dtype {slots.dtype}")
-    if (A_log is None) != (dt_bias is None):
-        raise ValueError("A_log and dt_bias must be given together (raw gates) or not at all")
+    if chk.is_concrete(slots):
+        s = np.asarray(slots)
+        live = s[(s >= 0) & (s < pool.shape[0])]
+        if np.unique(live).size != live.size:
+            raise ValueError(f"slots names a slot twice (each pool slot takes at most one "
+                             f"sequence): {s.tolist()}")
     call = _pool_spec_of(q, k, v, g, beta, pool, slots, cu_seqlens=cu_seqlens, kernel=kernel,
                          A_log=A_log, dt_bias=dt_bias)
     positions = lens = None

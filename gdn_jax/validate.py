@@ -106,6 +106,26 @@ def lower_bound(value):
     return None if value is None else number("lower_bound", value, negative=True)
 
 
+def gate_params(A_log, dt_bias, hv, kd, per_channel, lower_bound_value):
+    """The raw-gate parameters: A_log [HV] and dt_bias [HV] (per channel: HV * K values) given
+    together or not at all, and `lower_bound` only with raw per-channel (KDA) gates. Returns
+    the lower bound."""
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("A_log and dt_bias go together (raw gates), or neither (precomputed g, beta)")
+    bound = lower_bound(lower_bound_value)
+    if bound is not None and (A_log is None or not per_channel):
+        raise ValueError("lower_bound applies to the raw per-channel (KDA) gate only")
+    if A_log is not None:
+        array("A_log", A_log, floating=True)
+        array("dt_bias", dt_bias, floating=True)
+        if A_log.size != hv:
+            raise ValueError(f"A_log must hold HV={hv} values, got shape {shape_of(A_log)}")
+        want = hv * kd if per_channel else hv
+        if dt_bias.size != want:
+            raise ValueError(f"dt_bias must hold {want} values, got shape {shape_of(dt_bias)}")
+    return bound
+
+
 def float_dtype(name, dtype, default=None):
     """A floating dtype (None: `default`)."""
     if dtype is None:

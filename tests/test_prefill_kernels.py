@@ -1868,6 +1868,44 @@ def test_gdn_prefill_pool_bad_arguments():
                          A_log=jnp.zeros(2))
 
 
+@pytest.mark.parametrize("impl", ["reference", "auto"])
+def test_gdn_prefill_validates_at_its_front_door(impl):
+    """gdn_prefill and gdn_prefill_pool check their arguments as the sequence functions do,
+    before any device work and the same way on every path (the kernels once took an integer q,
+    decreasing offsets, a negative scale, a GDN lower bound or a slot named twice silently, and
+    failed inside on T = 0 or a rank-3 q)."""
+    from gdn_jax import interpret
+    from gdn_jax.prefill import gdn_prefill, gdn_prefill_pool
+    q, k, v, g, beta, h0, _ = _packed_inputs(14, [5, 5], HK=1, HV=2, K=16, V=16)
+    q, k, v, g, beta = (x.reshape((2, 5) + x.shape[1:]) for x in (q, k, v, g, beta))
+    pf = functools.partial(gdn_prefill, impl=impl)
+    pool = lambda: jnp.asarray(np.asarray(h0))
+    cases = [
+        ("q must have rank 4", lambda: pf(q[0], k[0], v[0], g[0], beta[0])),
+        ("q must be a floating-point array", lambda: pf(q.astype(jnp.int32), k, v, g, beta)),
+        ("q must hold at least one token", lambda: pf(*(x[:, :0] for x in (q, k, v, g, beta)))),
+        ("g must have shape", lambda: pf(q, k, v, g[:, :3], beta)),
+        ("initial_state must have shape", lambda: pf(q, k, v, g, beta, initial_state=h0[:1])),
+        ("cu_seqlens must be non-decreasing", lambda: pf(
+            *(x.reshape((1, 10) + x.shape[2:]) for x in (q, k, v, g, beta)),
+            cu_seqlens=jnp.asarray([0, 7, 3, 10], jnp.int32))),
+        ("scale must be > 0", lambda: pf(q, k, v, g, beta, scale=-1.0)),
+        ("A_log and dt_bias go together", lambda: pf(q, k, v, g, beta, A_log=jnp.ones(2))),
+        ("A_log must hold HV=2 values", lambda: pf(q, k, v, g, beta, A_log=jnp.ones(3),
+                                                   dt_bias=jnp.ones(2))),
+        ("lower_bound applies to the raw per-channel", lambda: pf(
+            q, k, v, g, beta, A_log=jnp.ones(2), dt_bias=jnp.ones(2), lower_bound=-5.0)),
+        ("g must have shape", lambda: gdn_prefill_pool(q, k, v, g[:, :3], beta, pool(),
+                                                       jnp.asarray([1, 0]), impl=impl)),
+        ("slots names a slot twice", lambda: gdn_prefill_pool(q, k, v, g, beta, pool(),
+                                                              jnp.asarray([1, 1]), impl=impl)),
+    ]
+    with interpret():
+        for message, fn in cases:
+            with pytest.raises(ValueError, match=f"^{message}"):
+                fn()
+
+
 # --------------------------------------------------------------------------- KDA (per-channel gate)
 
 def _kda_inputs(seed, lens, *, HK, HV, K, dtype=F32, spread=False):
