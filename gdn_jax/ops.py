@@ -85,6 +85,10 @@ def delta_spec(kind, q, k, v, g, beta, *, scale=None, initial_state=None, use_qk
             if np.any(np.diff(c) < 0):
                 raise ValueError(f"cu_seqlens must be non-decreasing, got {c.tolist()}")
             longest = int(np.max(np.diff(c)))
+        elif chk.checking():      # traced offsets: checked on the device inside `checked`
+            cu = jnp.asarray(cu)
+            chk.device_check((cu[0] == 0) & (cu[-1] == t) & jnp.all(cu[1:] >= cu[:-1]),
+                             f"cu_seqlens must start at 0, end at T={t} and never decrease")
     state_dtype = jnp.dtype(jnp.float32)
     if initial_state is not None:
         chk.array("initial_state", initial_state, floating=True)
@@ -218,10 +222,6 @@ def _delta_rule(kind, q, k, v, g, beta, *, scale, initial_state, output_final_st
     spec = delta_spec(kind, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                       use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens)
     choice = dispatch.select(op, spec, impl, interpret=interpret)
-    if cu_seqlens is not None and not chk.is_concrete(cu_seqlens):
-        cu = jnp.asarray(cu_seqlens)
-        chk.device_check((cu[0] == 0) & (cu[-1] == spec.seq_len) & jnp.all(cu[1:] >= cu[:-1]),
-                         f"cu_seqlens must start at 0, end at T={spec.seq_len} and never decrease")
     out_dtype = q.dtype
     if choice.impl == "pallas":
         q, k, v = (x if x.dtype == spec.input_dtype else x.astype(spec.input_dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import re
 import threading
 
 import jax
@@ -264,7 +265,9 @@ def checked(fn):
         err, out = run(*args, **kwargs)
         msg = err.get()
         if msg is not None:
-            raise ValueError(msg.split(" (check failed at")[0])
+            # checkify appends where the check failed: " (`check` failed)" or, in older
+            # releases, " (check failed at ...)"; the message alone is the library's.
+            raise ValueError(re.sub(r" \(`?check`? failed.*\)$", "", msg, flags=re.S))
         return out
 
     return call

@@ -406,9 +406,15 @@ def test_traced_cu_seqlens_are_checked_in_checked_mode():
     good = run(jnp.asarray([0, 2, 6], jnp.int32))
     want = gdn_jax.gated_delta_rule(q, k, v, g, beta, cu_seqlens=np.asarray([0, 2, 6], np.int32))[0]
     assert rel_err(good, want) <= 1e-6
+    from gdn_jax.prefill import gdn_prefill
+    kernel = gdn_jax.checked(lambda cu: gdn_prefill(q, k, v, g, beta, cu_seqlens=cu, impl="pallas",
+                                                    interpret=not ON_GPU)[0])
+    assert rel_err(kernel(jnp.asarray([0, 2, 6], jnp.int32)), want) <= 1e-5
     for bad in ([0, 4, 2, 6], [0, 3, 5], [1, 2, 6]):
-        with pytest.raises(ValueError, match="^cu_seqlens must start at 0, end at T=6 and never decrease"):
-            run(jnp.asarray(bad, jnp.int32))
+        for fn in (run, kernel):
+            with pytest.raises(ValueError, match="^cu_seqlens must start at 0, end at T=6 and "
+                                                 "never decrease$"):
+                fn(jnp.asarray(bad, jnp.int32))
     # without checked mode the host cannot see them under jit (documented): no error, no check
     jax.jit(lambda cu: gdn_jax.gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)[0])(
         jnp.asarray([0, 4, 2, 6], jnp.int32))
