@@ -385,6 +385,30 @@ def reference_states_after(q, k, v, g, beta, states_after, *, scale=None, initia
 
 # --------------------------------------------------------------------------- entry points
 
+def _forward_only(name: str):
+    """A kernel launch with a derivative rule that says it has none. The Pallas calls alias
+    their outputs and have no JVP; without this, differentiating fails on an assertion deep in
+    Pallas. The sequence functions give the kernels derivatives from the pure-JAX path."""
+    def no_derivatives(primals, tangents):
+        raise NotImplementedError(
+            f"{name}'s Pallas kernels run forward only, with no derivatives: differentiate "
+            f"gdn_jax.gated_delta_rule / gdn_jax.kda (any impl: a kernel's derivatives come "
+            f"from the pure-JAX path), or call {name} with impl='reference'")
+
+    def wrap(run):
+        @functools.wraps(run)
+        def launch(*arrays, **static):
+            if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(arrays)):
+                return run(*arrays, **static)     # concrete arrays: nothing to differentiate
+            call = jax.custom_jvp(lambda *a: run(*a, **static))
+            call.defjvp(no_derivatives)
+            return call(*arrays)
+        return launch
+    return wrap
+
+
+@_forward_only("gdn_prefill")
+
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",
                                              "output_final_state", "chunk_states", "kernel",
                                              "even_starts", "aligned_chunks", "dense_len",
@@ -533,6 +557,7 @@ def _start_facts(B: int, T: int, cu_seqlens) -> dict:
                 dense_len=T if cu_seqlens is None else None)
 
 
+@_forward_only("gdn_prefill_pool")
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",
                                              "kernel", "even_starts", "aligned_chunks",
                                              "dense_len", "interpret"),

@@ -1906,6 +1906,23 @@ def test_gdn_prefill_validates_at_its_front_door(impl):
                 fn()
 
 
+def test_gdn_prefill_says_its_kernels_have_no_derivatives():
+    """jax.grad through the prefill kernels names what to differentiate instead (without the
+    rule it failed on a bare assertion inside Pallas); the pure-JAX path differentiates."""
+    from gdn_jax.prefill import gdn_prefill, gdn_prefill_pool
+    q, k, v, g, beta, h0, _ = _packed_inputs(15, [70], HK=1, HV=2, K=16, V=16)
+    q, k, v, g, beta = (x[None] for x in (q, k, v, g, beta))
+    loss = lambda impl: lambda q: jnp.sum(gdn_prefill(q, k, v, g, beta, impl=impl,
+                                                      interpret=True)[0] ** 2)
+    with pytest.raises(NotImplementedError, match="^gdn_prefill's Pallas kernels run forward only"):
+        jax.grad(loss("pallas"))(q)
+    with pytest.raises(NotImplementedError, match="^gdn_prefill_pool's Pallas kernels"):
+        jax.grad(lambda q: jnp.sum(gdn_prefill_pool(q, k, v, g, beta, jnp.asarray(h0),
+                                                    jnp.zeros(1, jnp.int32), impl="pallas",
+                                                    interpret=True)[0]))(q)
+    assert np.all(np.isfinite(np.asarray(jax.grad(loss("reference"))(q))))
+
+
 # --------------------------------------------------------------------------- KDA (per-channel gate)
 
 def _kda_inputs(seed, lens, *, HK, HV, K, dtype=F32, spread=False):
