@@ -221,7 +221,25 @@ def _pool_spec_of(q, k, v, g, beta, pool, slots, *, cu_seqlens=None, kernel=None
                             pool=pool))
 
 
-for _op, _spec_of in (("gdn_prefill", _prefill_spec_of), ("gdn_prefill_pool", _pool_spec_of)):
+def _explain_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
+                     A_log=None, dt_bias=None, lower_bound=None, **kw):
+    check_args(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+               A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    return _prefill_spec_of(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                            A_log=A_log, dt_bias=dt_bias, **kw)
+
+
+def _explain_pool(q, k, v, g, beta, pool, slots, *, scale=None, cu_seqlens=None, A_log=None,
+                  dt_bias=None, lower_bound=None, **kw):
+    check_args(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens, A_log=A_log,
+               dt_bias=dt_bias, lower_bound=lower_bound, pool=pool, slots=slots)
+    return _pool_spec_of(q, k, v, g, beta, pool, slots, cu_seqlens=cu_seqlens, A_log=A_log,
+                         dt_bias=dt_bias, **kw)
+
+
+# `explain` runs the public functions' checks; the calls themselves check once and build the
+# spec from the checked arguments.
+for _op, _spec_of in (("gdn_prefill", _explain_prefill), ("gdn_prefill_pool", _explain_pool)):
     dispatch.define(_op, fallback=lambda call: "reference", spec_of=_spec_of)
     dispatch.register(_op, SERIAL_FAMILY)
     dispatch.register(_op, CHUNKED_FAMILY)
@@ -447,14 +465,33 @@ def _run(q, k, v, g, beta, cu, initial_state, A_log, dt_bias, positions, *, scal
 
 
 def check_args(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, A_log=None,
-               dt_bias=None, lower_bound=None):
-    """A prefill's arguments, as `gdn_prefill` takes them (ValueError naming the argument): the
-    sequence functions' checks (`gdn_jax.ops.delta_spec`) for g of either form (GDN [B, T, HV],
-    KDA [B, T, HV, K]; raw or not), and the raw gates' parameters."""
+               dt_bias=None, lower_bound=None, pool=None, slots=None):
+    """A prefill's arguments, as `gdn_prefill` (and with a pool, `gdn_prefill_pool`) takes them
+    (ValueError naming the argument): the sequence functions' checks (`gdn_jax.ops.delta_spec`)
+    for g of either form (GDN [B, T, HV], KDA [B, T, HV, K]; raw or not), the raw gates'
+    parameters, and the pool and its slot table (a concrete table naming no slot twice)."""
     kind = check_tokens(q, k, v, g, beta)[0]
     spec = delta_spec(kind, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                       cu_seqlens=cu_seqlens)
     chk.gate_params(A_log, dt_bias, spec.num_v_heads, spec.head_k_dim, kind == "kda", lower_bound)
+    if pool is None:
+        return
+    want = (spec.num_v_heads, spec.head_k_dim, spec.head_v_dim)
+    if len(chk.shape_of(pool)) != 4 or chk.shape_of(pool)[1:] != want:
+        raise ValueError(f"pool must have shape [P, HV={want[0]}, K={want[1]}, V={want[2]}], got "
+                         f"{chk.shape_of(pool)}")
+    chk.array("pool", pool, floating=True)
+    chk.pool_slots("pool", pool)
+    slots = slots if hasattr(slots, "dtype") else np.asarray(slots)
+    if chk.shape_of(slots) != (spec.num_seqs,) or not jnp.issubdtype(slots.dtype, jnp.integer):
+        raise ValueError(f"slots must be an integer array of shape ({spec.num_seqs},), got shape "
+                         f"{chk.shape_of(slots)} dtype {slots.dtype}")
+    if chk.is_concrete(slots):
+        s = np.asarray(slots)
+        live = s[(s >= 0) & (s < pool.shape[0])]
+        if np.unique(live).size != live.size:
+            raise ValueError(f"slots names a slot twice (each pool slot takes at most one "
+                             f"sequence): {s.tolist()}")
 
 
 def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=True,
@@ -609,33 +646,16 @@ def gdn_prefill_pool(q, k, v, g, beta, pool, slots, *, scale=None, use_qk_l2norm
     kernel and impl as `gdn_prefill` ("reference": `reference_prefill_pool`). Returns (o, pool),
     and with `states_after` a third element, the states at those positions."""
     check_args(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens, A_log=A_log,
-               dt_bias=dt_bias, lower_bound=lower_bound)
-    B, T, _, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    N = B if cu_seqlens is None else int(np.shape(cu_seqlens)[0]) - 1
-    if getattr(pool, "ndim", None) != 4 or pool.shape[1:] != (HV, K, V):
-        raise ValueError(f"pool must have shape [P, HV={HV}, K={K}, V={V}], got "
-                         f"{getattr(pool, 'shape', None)}")
-    if not jnp.issubdtype(pool.dtype, jnp.floating):
-        raise ValueError(f"pool must be a floating-point array, got dtype {pool.dtype}")
-    chk.pool_slots("pool", pool)
+               dt_bias=dt_bias, lower_bound=lower_bound, pool=pool, slots=slots)
+    B, T = q.shape[:2]
     slots = jnp.asarray(slots)
-    if slots.shape != (N,) or not jnp.issubdtype(slots.dtype, jnp.integer):
-        raise ValueError(f"slots must be an integer array of shape ({N},), got shape "
-                         f"{slots.shape} dtype {slots.dtype}")
-    if chk.is_concrete(slots):
-        s = np.asarray(slots)
-        live = s[(s >= 0) & (s < pool.shape[0])]
-        if np.unique(live).size != live.size:
-            raise ValueError(f"slots names a slot twice (each pool slot takes at most one "
-                             f"sequence): {s.tolist()}")
     call = _pool_spec_of(q, k, v, g, beta, pool, slots, cu_seqlens=cu_seqlens, kernel=kernel,
                          A_log=A_log, dt_bias=dt_bias)
     positions = lens = None
     if states_after is not None:
         lens = (np.full((B,), T) if cu_seqlens is None else
                 np.diff(np.asarray(cu_seqlens)) if chk.is_concrete(cu_seqlens) else None)
-        positions = _check_positions(states_after, N, lens)
+        positions = _check_positions(states_after, call.num_seqs, lens)
     which = _choose("gdn_prefill_pool", call, impl, interpret)
     if which is None:
         # "auto" without a kernel takes the sequence functions' pure-JAX rule (the scan for

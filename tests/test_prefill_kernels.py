@@ -1904,6 +1904,14 @@ def test_gdn_prefill_validates_at_its_front_door(impl):
         for message, fn in cases:
             with pytest.raises(ValueError, match=f"^{message}"):
                 fn()
+    # explain reads the arguments as the functions do
+    from gdn_jax import explain
+    with pytest.raises(ValueError, match="^scale must be > 0"):
+        explain("gdn_prefill", q, k, v, g, beta, scale=-1.0)
+    with pytest.raises(ValueError, match="^pool must have shape"):
+        explain("gdn_prefill_pool", q, k, v, g, beta, pool()[:, :1], jnp.asarray([1, 0]))
+    assert explain("gdn_prefill_pool", q, k, v, g, beta, pool(), jnp.asarray([1, 0])).op == \
+        "gdn_prefill_pool"
 
 
 def test_gdn_prefill_says_its_kernels_have_no_derivatives():
