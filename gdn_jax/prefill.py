@@ -426,7 +426,6 @@ def _forward_only(name: str):
 
 
 @_forward_only("gdn_prefill")
-
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "raw_gates", "lower_bound",
                                              "output_final_state", "chunk_states", "kernel",
                                              "even_starts", "aligned_chunks", "dense_len",
