@@ -481,16 +481,8 @@ def check_args(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=N
                          f"{chk.shape_of(pool)}")
     chk.array("pool", pool, floating=True)
     chk.pool_slots("pool", pool)
-    slots = slots if hasattr(slots, "dtype") else np.asarray(slots)
-    if chk.shape_of(slots) != (spec.num_seqs,) or not jnp.issubdtype(slots.dtype, jnp.integer):
-        raise ValueError(f"slots must be an integer array of shape ({spec.num_seqs},), got shape "
-                         f"{chk.shape_of(slots)} dtype {slots.dtype}")
-    if chk.is_concrete(slots):
-        s = np.asarray(slots)
-        live = s[(s >= 0) & (s < pool.shape[0])]
-        if np.unique(live).size != live.size:
-            raise ValueError(f"slots names a slot twice (each pool slot takes at most one "
-                             f"sequence): {s.tolist()}")
+    chk.slot_table("slots", slots if hasattr(slots, "dtype") else np.asarray(slots),
+                   spec.num_seqs, pool.shape[0], outside_is_padding=True)
 
 
 def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=True,

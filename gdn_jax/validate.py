@@ -211,17 +211,19 @@ def tokens(q, k, v, beta):
     return b, t, hk, hv, kd, vd
 
 
-def slot_table(name, slots, batch, num_slots):
-    """slots [B] integer; concrete entries in [-1, num_slots) and no live slot twice. Returns the
+def slot_table(name, slots, batch, num_slots, *, outside_is_padding=False):
+    """slots [B] integer; concrete entries in [-1, num_slots) (any entry, with
+    `outside_is_padding`: those outside the pool are padding) and no live slot twice. Returns the
     host copy when the table is concrete (one device-to-host read per public call), else None."""
     array(name, slots, rank=1, integer=True)
     if slots.shape[0] != batch:
         raise ValueError(f"{name} must have shape [B={batch}], got {shape_of(slots)}")
     if is_concrete(slots):
         s = np.asarray(slots)
-        if np.any((s < -1) | (s >= num_slots)):
+        outside = (s < -1) | (s >= num_slots)
+        if np.any(outside) and not outside_is_padding:
             raise ValueError(f"{name} must name slots in [0, {num_slots}) or -1 (padding), got {s.tolist()}")
-        live = s[s >= 0]
+        live = s[(s >= 0) & (s < num_slots)]
         if np.unique(live).size != live.size:
             raise ValueError(f"{name} names a slot twice (each live slot at most once per batch): {s.tolist()}")
         return s
